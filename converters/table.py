@@ -1,0 +1,135 @@
+"""A declarative, reversible key/tensor conversion table.
+
+A :class:`Rule` pairs HF key patterns with native key patterns and a tensor op;
+``{i}`` in a pattern stands for a layer index. :class:`Converter` applies the
+rules forwards (HF -> native) on load and backwards (native -> HF) on save, so
+saving is loading run in reverse. Any key that no rule matches is an error that
+names it; only keys matching ``ignore`` (e.g. ``rotary_emb.inv_freq``) are
+skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from converters.errors import CheckpointError
+from converters.ops import Identity
+
+
+def _compile(pattern: str) -> re.Pattern:
+    regex = re.escape(pattern).replace(re.escape("{i}"), r"(?P<i>\d+)")
+    return re.compile(f"^{regex}$")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``hf`` keys <-> ``native`` keys through ``op`` (forward: HF -> native)."""
+
+    hf: tuple[str, ...]
+    native: tuple[str, ...]
+    op: object = Identity()
+
+    def __init__(self, hf: str | tuple[str, ...], native: str | tuple[str, ...], op: object = Identity()):
+        object.__setattr__(self, "hf", (hf,) if isinstance(hf, str) else tuple(hf))
+        object.__setattr__(self, "native", (native,) if isinstance(native, str) else tuple(native))
+        object.__setattr__(self, "op", op)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One application of a rule: concrete source keys -> concrete target keys."""
+
+    rule: Rule
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+
+
+@dataclass
+class Converter:
+    rules: list[Rule]
+    ignore: tuple[str, ...] = ()  # regexes of HF keys that carry no weights (searched, not anchored)
+    tied_embeddings: bool = False  # HF omits lm_head when tied; native output.weight aliases the embedding
+    hf_embedding_key: str = "model.embed_tokens.weight"
+    hf_head_key: str = "lm_head.weight"
+    native_embedding_key: str = "tok_embeddings.weight"
+    native_head_key: str = "output.weight"
+    _compiled: dict = field(default_factory=dict, init=False, repr=False)
+
+    # -- planning (keys only) -------------------------------------------------
+    def _patterns(self, side: str) -> list[tuple[Rule, int, re.Pattern]]:
+        if side not in self._compiled:
+            self._compiled[side] = [
+                (rule, pos, _compile(p)) for rule in self.rules for pos, p in enumerate(getattr(rule, side))
+            ]
+        return self._compiled[side]
+
+    def is_ignored(self, hf_key: str) -> bool:
+        return any(re.search(p, hf_key) for p in self.ignore)
+
+    def plan(self, keys: Iterable[str], side: str, where: Mapping[str, str] | None = None) -> list[Group]:
+        """Group ``keys`` of ``side`` ('hf' or 'native') into rule applications.
+
+        ``where`` maps keys to the file they came from, for error messages.
+        """
+        other = "native" if side == "hf" else "hf"
+        found: dict[tuple[int, tuple], dict[int, str]] = {}
+        rules_by_id: dict[int, tuple[Rule, dict]] = {}
+        for key in keys:
+            if side == "hf" and self.is_ignored(key):
+                continue
+            for rule, pos, regex in self._patterns(side):
+                m = regex.match(key)
+                if m:
+                    binding = m.groupdict()
+                    gid = (id(rule), tuple(sorted(binding.items())))
+                    found.setdefault(gid, {})[pos] = key
+                    rules_by_id[id(rule)] = (rule, binding)
+                    break
+            else:
+                origin = f" in {where[key]}" if where and key in where else ""
+                raise CheckpointError(f"unknown {side} key {key!r}{origin}: no rule of the converter matches it")
+        groups = []
+        for (rid, binding), members in found.items():
+            rule = rules_by_id[rid][0]
+            patterns = getattr(rule, side)
+            if len(members) != len(patterns):
+                absent = [p.format(**dict(binding)) for j, p in enumerate(patterns) if j not in members]
+                raise CheckpointError(f"incomplete {side} key group: {', '.join(absent)} missing beside {members[min(members)]!r}")
+            sources = tuple(members[j] for j in range(len(patterns)))
+            targets = tuple(p.format(**dict(binding)) for p in getattr(rule, other))
+            groups.append(Group(rule, sources, targets))
+        return groups
+
+    # -- conversion -------------------------------------------------------------
+    def _apply(self, groups: list[Group], tensors: Mapping[str, torch.Tensor], forward: bool,
+               where: Mapping[str, str] | None) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for g in groups:
+            fn = g.rule.op.forward if forward else g.rule.op.inverse
+            try:
+                results = fn([tensors[k] for k in g.sources])
+            except (RuntimeError, ValueError) as e:
+                origin = f" in {where[g.sources[0]]}" if where and g.sources[0] in where else ""
+                shapes = ", ".join(f"{k} {tuple(tensors[k].shape)}" for k in g.sources)
+                raise CheckpointError(f"cannot convert {shapes}{origin}: {str(e).splitlines()[0]}") from e
+            out.update(zip(g.targets, results))
+        return out
+
+    def to_native(self, hf_state: Mapping[str, torch.Tensor], where: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+        """HF state dict -> native state dict (``where``: key -> file name, for errors)."""
+        native = self._apply(self.plan(hf_state, "hf", where), hf_state, True, where)
+        if self.tied_embeddings and self.native_embedding_key in native:
+            native.setdefault(self.native_head_key, native[self.native_embedding_key])
+        return native
+
+    def from_native(self, native_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Native state dict (or a subset made of whole groups) -> HF state dict."""
+        return self._apply(self.plan(self.native_keys_to_save(native_state), "native"), native_state, False, None)
+
+    def native_keys_to_save(self, native_keys: Iterable[str]) -> list[str]:
+        """The native keys that have an HF counterpart (the tied head is the embedding in HF)."""
+        return [k for k in native_keys if not (self.tied_embeddings and k == self.native_head_key)]
