@@ -105,7 +105,7 @@ class Converter:
         return groups
 
     # -- conversion -------------------------------------------------------------
-    def _apply(self, groups: list[Group], tensors: Mapping[str, torch.Tensor], forward: bool,
+    def apply_groups(self, groups: list[Group], tensors: Mapping[str, torch.Tensor], forward: bool,
                where: Mapping[str, str] | None) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for g in groups:
@@ -121,14 +121,14 @@ class Converter:
 
     def to_native(self, hf_state: Mapping[str, torch.Tensor], where: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
         """HF state dict -> native state dict (``where``: key -> file name, for errors)."""
-        native = self._apply(self.plan(hf_state, "hf", where), hf_state, True, where)
+        native = self.apply_groups(self.plan(hf_state, "hf", where), hf_state, True, where)
         if self.tied_embeddings and self.native_embedding_key in native:
             native.setdefault(self.native_head_key, native[self.native_embedding_key])
         return native
 
     def from_native(self, native_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Native state dict (or a subset made of whole groups) -> HF state dict."""
-        return self._apply(self.plan(self.native_keys_to_save(native_state), "native"), native_state, False, None)
+        return self.apply_groups(self.plan(self.native_keys_to_save(native_state), "native"), native_state, False, None)
 
     def native_keys_to_save(self, native_keys: Iterable[str]) -> list[str]:
         """The native keys that have an HF counterpart (the tied head is the embedding in HF)."""

@@ -1,0 +1,186 @@
+"""HFCheckpointer: reads a Hugging Face checkpoint directory and writes one just like it.
+
+A thin composition of three parts: the file format (``file_formats``), the
+input's shard layout (``shard_layout``) and the family's converter
+(``converters``). What comes in as ``model-0000X-of-0000N.safetensors`` with an
+index goes out under the same names, with the same keys in each file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from checkpointers.file_formats import SAFETENSORS, TORCH, fsync_dir, read_metadata, read_tensors, write_bytes, write_tensors
+from checkpointers.shard_layout import INDEX_NAMES, WEIGHT_SUFFIXES, ShardLayout, discover
+from converters import CheckpointError, Converter, detect_model_type, get_converter
+
+log = logging.getLogger(__name__)
+
+SMALL_FILE_LIMIT = 100 * 2**20  # non-weight files up to this size are copied to the output (tokenizer, README, ...)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (an HF checkpoint directory needs config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid json ({e})") from e
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class HFCheckpointer:
+    """Load and save checkpoints in the Hugging Face format.
+
+    Args:
+        checkpoint_dir: the input directory (config.json, weight files, tokenizer files).
+        checkpoint_files: a list of weight file names, or ``"auto"`` (the index json, else a glob).
+        output_dir: where ``save_checkpoint`` writes ``step_{N}`` directories.
+        model_type: ``LLAMA2``, ``LLAMA3``, ``MISTRAL``, ...; ``None`` detects it from config.json.
+        safe_serialization: ``None`` keeps the input's format; ``True`` writes safetensors,
+            ``False`` PyTorch ``.bin`` files (file names follow the format).
+    """
+
+    def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                 checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
+                 safe_serialization: bool | None = None) -> None:
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.output_dir = Path(output_dir)
+        self.config = _read_json(self.checkpoint_dir / "config.json")
+        self.model_type = model_type or detect_model_type(self.config, str(self.checkpoint_dir / "config.json"))
+        self.converter: Converter = get_converter(self.model_type, self.config)
+        self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
+        self.safe_serialization = safe_serialization
+        self._file_metadata: dict[str, dict | None] = {}
+
+    # -- load ---------------------------------------------------------------------
+    def load_checkpoint(self) -> dict[str, Any]:
+        """``{"model": native state dict}``; tensors are memory-mapped and keep the file's dtype."""
+        hf_state: dict[str, torch.Tensor] = {}
+        where: dict[str, str] = {}
+        keys_by_file: dict[str, list[str]] = {}
+        total = sum((self.checkpoint_dir / f).stat().st_size for f in self.layout.files)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="load", leave=False) as bar:
+            for name in self.layout.files:
+                path = self.checkpoint_dir / name
+                tensors = read_tensors(path)
+                self._file_metadata[name] = read_metadata(path)
+                self._check_against_index(name, tensors)
+                for key, t in tensors.items():
+                    if key in hf_state:
+                        raise CheckpointError(f"{path}: key {key!r} also appears in {where[key]}")
+                    hf_state[key], where[key] = t, name
+                keys_by_file[name] = [k for k in tensors if not self.converter.is_ignored(k)]
+                bar.update(path.stat().st_size)
+        self.layout = self.layout.with_keys(keys_by_file)
+        return {"model": self.converter.to_native(hf_state, where)}
+
+    def _check_against_index(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        if self.layout.weight_map is None:
+            return
+        expected = {k for k, f in self.layout.weight_map.items() if f == name}
+        absent = sorted(expected - tensors.keys())
+        if absent:
+            raise CheckpointError(
+                f"{self.checkpoint_dir / name}: lacks {absent[0]!r}"
+                f"{f' and {len(absent) - 1} more keys' if len(absent) > 1 else ''} that {self.layout.index_name} puts there")
+
+    # -- save ---------------------------------------------------------------------
+    def output_layout(self) -> ShardLayout:
+        if self.layout.weight_map is None:
+            raise CheckpointError("save_checkpoint needs load_checkpoint first: the input's key -> file map is unknown")
+        fmt = {None: self.layout.file_format, True: SAFETENSORS, False: TORCH}[self.safe_serialization]
+        return self.layout.in_format(fmt)
+
+    def save_checkpoint(self, state_dict: Mapping[str, Any], step: int) -> Path:
+        """Write ``state_dict["model"]`` to ``output_dir/step_{step}`` in the input's format and layout.
+
+        The directory is assembled under a hidden temporary name and renamed into
+        place once every file is durable; an existing ``step_{step}`` is never touched.
+        """
+        native = state_dict["model"]
+        layout = self.output_layout()
+        target = self.output_dir / f"step_{step}"
+        if target.exists():
+            raise CheckpointError(f"{target}: already exists; refusing to overwrite it")
+        plan = self._plan_files(native, layout)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.output_dir / f".step_{step}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            self._write_weights(native, layout, plan, tmp)
+            self._copy_side_files(native, tmp)
+            fsync_dir(tmp)
+            os.rename(tmp, target)
+            fsync_dir(self.output_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info("saved %s", target)
+        return target
+
+    def _plan_files(self, native: Mapping[str, torch.Tensor], layout: ShardLayout) -> dict[str, list]:
+        """Output file -> converter groups that produce its keys; every key placed exactly as in the input."""
+        groups = self.converter.plan(self.converter.native_keys_to_save(native), "native")
+        plan: dict[str, list] = {name: [] for name in layout.files}
+        produced = set()
+        for g in groups:
+            for hf_key in g.targets:
+                if hf_key not in layout.weight_map:
+                    raise CheckpointError(f"native key(s) {', '.join(g.sources)} become {hf_key!r}, which the input checkpoint does not have")
+                if not plan[layout.weight_map[hf_key]] or plan[layout.weight_map[hf_key]][-1] is not g:
+                    plan[layout.weight_map[hf_key]].append(g)
+            produced.update(g.targets)
+        missing = sorted(set(layout.weight_map) - produced)
+        if missing:
+            raise CheckpointError(f"state dict lacks {missing[0]!r}" + (f" and {len(missing) - 1} more keys" if len(missing) > 1 else "")
+                                  + " that the input checkpoint has")
+        return plan
+
+    def _write_weights(self, native, layout: ShardLayout, plan, out: Path) -> None:
+        total_size = total_params = 0
+        with tqdm(total=sum(_tensor_bytes(t) for t in native.values()), unit="B", unit_scale=True, desc="save", leave=False) as bar:
+            for src_name, name in zip(self.layout.files, layout.files):
+                converted = self.converter.apply_groups(plan[name], native, forward=False, where=None)
+                tensors = {k: converted[k] for k in self.layout.weight_map if layout.weight_map[k] == name}
+                metadata = self._file_metadata.get(src_name) if layout.file_format == SAFETENSORS else None
+                write_tensors(out / name, tensors, metadata or ({"format": "pt"} if layout.file_format == SAFETENSORS else None))
+                size = sum(_tensor_bytes(t) for t in tensors.values())
+                total_size += size
+                total_params += sum(t.numel() for t in tensors.values())
+                bar.update(size)
+        if layout.index_name:
+            metadata = dict(layout.index_metadata, total_size=total_size)
+            if "total_parameters" in metadata:
+                metadata["total_parameters"] = total_params
+            index = {"metadata": metadata, "weight_map": dict(sorted(layout.weight_map.items()))}
+            write_bytes(out / layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
+
+    def _copy_side_files(self, native, out: Path) -> None:
+        """config.json (dtype made true to what was written) and the small non-weight files."""
+        config = dict(self.config)
+        dtypes = {t.dtype for t in native.values() if t.is_floating_point()}
+        if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPE_NAMES:
+            name = _DTYPE_NAMES[next(iter(dtypes))]
+            for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+                config[key] = name
+        write_bytes(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+        skip = set(self.layout.files) | set(INDEX_NAMES.values()) | {"config.json"}
+        for src in sorted(self.checkpoint_dir.iterdir()):
+            if (src.is_file() and src.name not in skip and not src.name.startswith(".")
+                    and not src.name.endswith(WEIGHT_SUFFIXES) and src.stat().st_size <= SMALL_FILE_LIMIT):
+                shutil.copy2(src, out / src.name)

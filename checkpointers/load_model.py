@@ -1,0 +1,57 @@
+"""Filling a meta-device model from a native state dict, and the one-call ``load_model``.
+
+The model is built on the meta device (no memory) and its parameters are
+*assigned* the loaded tensors (``load_state_dict(assign=True)``), which are
+memory-mapped views of the files: loading peaks at about one copy of the model.
+Build the optimizer after this, so it holds the parameters the model really uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from converters import CheckpointError
+from models import Transformer, from_hf_config, parse_dtype
+
+
+def _fold(keys: list[str]) -> str:
+    return f"{keys[0]!r}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+
+
+def load_into(model: Transformer, state: Mapping[str, torch.Tensor], dtype: torch.dtype | str | None = None) -> Transformer:
+    """Assign ``state`` to ``model``'s parameters (strict; shapes checked first; one-line errors naming the key)."""
+    dtype = parse_dtype(dtype)
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing:
+        raise CheckpointError(f"checkpoint lacks model key {_fold(missing)}")
+    if unexpected:
+        raise CheckpointError(f"checkpoint has key {_fold(unexpected)} that the model does not")
+    for key, want in expected.items():
+        if state[key].shape != want.shape:
+            raise CheckpointError(f"{key}: checkpoint shape {tuple(state[key].shape)} does not fit the model's {tuple(want.shape)}")
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    model.reset_rope()
+    return model
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> Transformer:
+    """The ready native model for a checkpoint directory (format and family detected from its files)."""
+    from checkpointers.hf_checkpointer import HFCheckpointer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: not a recognised checkpoint directory (no config.json)")
+    checkpointer = HFCheckpointer(path, output_dir=path)
+    state = checkpointer.load_checkpoint()["model"]
+    with torch.device("meta"):
+        model = from_hf_config(checkpointer.config)
+    return load_into(model, state, dtype)
