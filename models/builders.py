@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -80,5 +83,10 @@ def hf_config_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
     return parse_dtype(config.get("dtype") or config.get("torch_dtype"))
 
 
-def from_hf_config(config: Mapping[str, Any]) -> Transformer:
+def from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> Transformer:
+    """The model for an HF config: a ``config.json`` path, its directory, or its parsed dict."""
+    if not isinstance(config, Mapping):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        config = json.loads(path.read_text())
     return Transformer(model_args_from_hf_config(config))

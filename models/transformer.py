@@ -130,7 +130,11 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # An explicit (empty) weight skips nn.Embedding's init, which on the meta device costs a
+        # one-off ~0.8 s import of torch._dynamo; off the meta device it is initialised as usual.
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
+        if not self.tok_embeddings.weight.is_meta:
+            nn.init.normal_(self.tok_embeddings.weight)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -147,6 +151,9 @@ class Transformer(nn.Module):
     def reset_rope(self) -> None:
         """(Re)compute the rotary table on the embedding's device; call after loading onto a meta-built model."""
         device = self.tok_embeddings.weight.device
+        if device.type == "meta":  # nothing to compute yet (and meta kernels for it cost a slow import)
+            self.rope = torch.empty(0, device=device)
+            return
         a = self.args
         self.rope = rope_cache(a.resolved_head_dim, a.max_seq_len, a.rope_theta, device=device)
 
