@@ -1,0 +1,224 @@
+"""Checkpoint save/load speed and memory, side by side with a raw write and with transformers.
+
+    python scripts/bench_checkpoint.py [--size-gb 1.0] [--shards 4] [--repeats 3]
+
+Builds a Llama-shaped HF checkpoint (bf16, ``--shards`` safetensors shards with an
+index), then times each step in a fresh process, ``--repeats`` times, and reports
+the best and the spread (this machine's disk swings several-fold between runs):
+
+  raw      write the same bytes to the same number of files, fsync each
+  save     HFCheckpointer.save_checkpoint of an in-memory model, durable (fsync)
+  load     HFCheckpointer.load_checkpoint + meta-device build + assign, every parameter touched
+  hf-save  transformers save_pretrained + sync          (when transformers is installed)
+  hf-load  transformers from_pretrained, every parameter touched
+
+Loads are measured with the files in the page cache, for both libraries alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HIDDEN, INTERMEDIATE, HEADS, VOCAB = 2048, 5632, 16, 32000
+
+
+def llama_config(n_layers: int) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+            "intermediate_size": INTERMEDIATE, "num_attention_heads": HEADS, "num_key_value_heads": HEADS,
+            "num_hidden_layers": n_layers, "vocab_size": VOCAB, "max_position_embeddings": 2048,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def build_checkpoint(path: Path, size_gb: float, shards: int) -> int:
+    """Random bf16 weights in HF Llama keys, split into ``shards`` files of about equal size."""
+    import torch
+    from safetensors.torch import save_file
+
+    per_layer = 2 * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * INTERMEDIATE + 2 * HIDDEN)
+    n_layers = max(1, round((size_gb * 1e9 - 2 * 2 * VOCAB * HIDDEN) / per_layer))
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,)})
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[p + f"self_attn.{name}.weight"] = (HIDDEN, HIDDEN)
+        shapes.update({p + "mlp.gate_proj.weight": (INTERMEDIATE, HIDDEN), p + "mlp.up_proj.weight": (INTERMEDIATE, HIDDEN),
+                       p + "mlp.down_proj.weight": (HIDDEN, INTERMEDIATE)})
+    shapes.update({"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)})
+    total = sum(2 * torch.Size(s).numel() for s in shapes.values())
+    path.mkdir(parents=True)
+    weight_map, current, size, index = {}, {}, 0, 1
+    names = [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+    gen = torch.Generator().manual_seed(0)
+    for key, shape in shapes.items():
+        current[key] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        size += current[key].numel() * 2
+        if size >= total * index / shards and index < shards or key == "lm_head.weight":
+            save_file(current, path / names[index - 1], metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(current, names[index - 1]))
+            current, index = {}, index + 1
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(llama_config(n_layers)))
+    return total
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set (VmHWM; ru_maxrss would carry the parent's peak across fork+exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+# -- the measured steps, each run in a child process --------------------------------------------
+def step_raw(ckpt: Path, out: Path) -> float:
+    files = sorted(ckpt.glob("*.safetensors"))
+    buffers = [bytearray(f.stat().st_size) for f in files]  # in memory, like a trained model
+    for b in buffers:
+        b[:: 4096] = b"\x01" * len(b[:: 4096])
+    start = time.perf_counter()
+    out.mkdir()
+    for f, buf in zip(files, buffers):
+        with open(out / f.name, "wb") as fh:
+            fh.write(buf)
+            fh.flush()
+            os.fsync(fh.fileno())
+    return time.perf_counter() - start
+
+
+def step_save(ckpt: Path, out: Path) -> float:
+    from checkpointers import HFCheckpointer
+
+    checkpointer = HFCheckpointer(ckpt, output_dir=out)
+    state = {"model": {k: v.clone() for k, v in checkpointer.load_checkpoint()["model"].items()}}
+    start = time.perf_counter()
+    checkpointer.save_checkpoint(state, step=1)
+    return time.perf_counter() - start
+
+
+def step_load(ckpt: Path, out: Path) -> float:
+    import torch
+
+    from checkpointers import HFCheckpointer, load_into
+    from models import from_hf_config
+
+    start = time.perf_counter()
+    checkpointer = HFCheckpointer(ckpt, output_dir=out)
+    state = checkpointer.load_checkpoint()["model"]
+    with torch.device("meta"):
+        model = from_hf_config(checkpointer.config)
+    load_into(model, state)
+    del state
+    touched = sum(float(p.detach().sum()) for p in model.parameters())
+    assert touched == touched
+    return time.perf_counter() - start
+
+
+def step_hf_save(ckpt: Path, out: Path) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    start = time.perf_counter()
+    model.save_pretrained(out, max_shard_size=f"{int(sum(f.stat().st_size for f in ckpt.glob('*.safetensors')) / len(list(ckpt.glob('*.safetensors'))) / 1e6) + 1}MB")
+    fsync_tree(out)
+    return time.perf_counter() - start
+
+
+def step_hf_load(ckpt: Path, out: Path) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    touched = sum(float(p.detach().sum()) for p in model.parameters())
+    assert touched == touched
+    return time.perf_counter() - start
+
+
+STEPS = {"raw": step_raw, "save": step_save, "load": step_load, "hf-save": step_hf_save, "hf-load": step_hf_load}
+
+
+def run_child(step: str, ckpt: Path, work: Path) -> tuple[float, float]:
+    out = work / f"out-{step}"
+    shutil.rmtree(out, ignore_errors=True)
+    result = subprocess.run([sys.executable, __file__, "--child", step, str(ckpt), str(out)],
+                            capture_output=True, text=True, check=False)
+    shutil.rmtree(out, ignore_errors=True)
+    if result.returncode:
+        raise RuntimeError(f"step {step} failed:\n{result.stderr[-3000:]}")
+    seconds, rss = json.loads(result.stdout.strip().splitlines()[-1])
+    return seconds, rss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        step, ckpt, out = args.child
+        seconds = STEPS[step](Path(ckpt), Path(out))
+        print(json.dumps([seconds, peak_rss_gb()]))
+        return
+
+    try:
+        import transformers  # noqa: F401
+        steps = list(STEPS)
+    except ImportError:
+        steps = ["raw", "save", "load"]
+    work = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench_checkpoint_"))
+    try:
+        ckpt = work / "ckpt"
+        total = build_checkpoint(ckpt, args.size_gb, args.shards)
+        print(f"checkpoint: {total / 1e9:.3f} GB bf16 in {args.shards} shards at {ckpt}")
+        times: dict[str, list[float]] = {s: [] for s in steps}
+        rss: dict[str, float] = {}
+        for _ in range(args.repeats):  # interleaved, so a slow spell of the disk hits every step alike
+            for step in steps:
+                seconds, peak = run_child(step, ckpt, work)
+                times[step].append(seconds)
+                rss[step] = max(rss.get(step, 0.0), peak)
+        print(f"{'step':8} {'best s':>8} {'median s':>9} {'spread':>7} {'GB/s':>6} {'peak RSS GB':>11}")
+        for step in steps:
+            best = min(times[step])
+            print(f"{step:8} {best:8.3f} {statistics.median(times[step]):9.3f} {max(times[step]) / best:6.2f}x "
+                  f"{total / 1e9 / best:6.2f} {rss[step]:11.2f}")
+        best = {s: min(t) for s, t in times.items()}
+        print(f"save speed / raw write speed: {best['raw'] / best['save']:.2f}x   (target >= 0.9x)")
+        print(f"load peak RSS / model bytes: {rss['load'] / (total / 1e9):.2f}x; "
+              f"limit 1.1 x {total / 1e9:.2f} + 0.5 = {1.1 * total / 1e9 + 0.5:.2f} GB -> "
+              f"{'ok' if rss['load'] <= 1.1 * total / 1e9 + 0.5 else 'OVER'}")
+        if "hf-load" in best:
+            print(f"load time ours / transformers: {best['load'] / best['hf-load']:.2f}x   (target <= 0.5x); "
+                  f"save time ours / transformers: {best['save'] / best['hf-save']:.2f}x; "
+                  f"transformers load peak RSS {rss['hf-load']:.2f} GB")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

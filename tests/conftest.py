@@ -1,0 +1,54 @@
+"""Shared test helpers: tiny real HF checkpoints written by transformers itself."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def tiny_llama_config(n_heads=4, n_kv_heads=2, head_dim=None, hidden=64, layers=2, vocab=128, tie=False):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=layers,
+                       num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, head_dim=head_dim,
+                       max_position_embeddings=128, tie_word_embeddings=tie, rms_norm_eps=1e-5)
+
+
+def write_hf_checkpoint(path: Path, config, fmt: str = "safetensors", max_shard_size: str = "60KB", seed: int = 0):
+    """A random LlamaForCausalLM saved by ``save_pretrained`` into shards; ``fmt='bin'`` re-writes
+    each shard as ``pytorch_model-*.bin`` with ``pytorch_model.bin.index.json`` (transformers v5 writes
+    only safetensors). Returns the transformers model (eval mode)."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    if fmt == "bin":
+        index_path = path / "model.safetensors.index.json"
+        if index_path.exists():
+            index = json.loads(index_path.read_text())
+            names = {f: f.replace("model", "pytorch_model", 1).replace(".safetensors", ".bin") for f in set(index["weight_map"].values())}
+            for old, new in names.items():
+                torch.save(load_file(path / old), path / new)
+                (path / old).unlink()
+            index["weight_map"] = {k: names[f] for k, f in index["weight_map"].items()}
+            (path / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2))
+            index_path.unlink()
+        else:
+            torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
+            (path / "model.safetensors").unlink()
+    return model
+
+
+@pytest.fixture
+def tokens():
+    return torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(7))
