@@ -12,6 +12,9 @@ the best and the spread (this machine's disk swings several-fold between runs):
   hf-save  transformers save_pretrained + sync          (when transformers is installed)
   hf-load  transformers from_pretrained, every parameter touched
 
+Peak RSS is the process's resident peak over the measured part (set-up such as the
+in-memory copy a save starts from is excluded by resetting VmHWM before timing).
+
 Loads are measured with the files in the page cache, for both libraries alike.
 """
 
@@ -83,6 +86,14 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
+def reset_peak_rss() -> None:
+    """Start VmHWM afresh, so the peak covers the measured part only (the harness's set-up is not charged)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def fsync_tree(path: Path) -> None:
     for p in path.rglob("*"):
         if p.is_file():
@@ -96,6 +107,7 @@ def step_raw(ckpt: Path, out: Path) -> float:
     buffers = [bytearray(f.stat().st_size) for f in files]  # in memory, like a trained model
     for b in buffers:
         b[:: 4096] = b"\x01" * len(b[:: 4096])
+    reset_peak_rss()
     start = time.perf_counter()
     out.mkdir()
     for f, buf in zip(files, buffers):
@@ -111,6 +123,7 @@ def step_save(ckpt: Path, out: Path) -> float:
 
     checkpointer = HFCheckpointer(ckpt, output_dir=out)
     state = {"model": {k: v.clone() for k, v in checkpointer.load_checkpoint()["model"].items()}}
+    reset_peak_rss()
     start = time.perf_counter()
     checkpointer.save_checkpoint(state, step=1)
     return time.perf_counter() - start
@@ -122,6 +135,7 @@ def step_load(ckpt: Path, out: Path) -> float:
     from checkpointers import HFCheckpointer, load_into
     from models import from_hf_config
 
+    reset_peak_rss()
     start = time.perf_counter()
     checkpointer = HFCheckpointer(ckpt, output_dir=out)
     state = checkpointer.load_checkpoint()["model"]
@@ -139,6 +153,7 @@ def step_hf_save(ckpt: Path, out: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    reset_peak_rss()
     start = time.perf_counter()
     model.save_pretrained(out, max_shard_size=f"{int(sum(f.stat().st_size for f in ckpt.glob('*.safetensors')) / len(list(ckpt.glob('*.safetensors'))) / 1e6) + 1}MB")
     fsync_tree(out)
@@ -149,6 +164,7 @@ def step_hf_load(ckpt: Path, out: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
+    reset_peak_rss()
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
     touched = sum(float(p.detach().sum()) for p in model.parameters())
@@ -197,8 +213,8 @@ def main() -> None:
         print(f"checkpoint: {total / 1e9:.3f} GB bf16 in {args.shards} shards at {ckpt}")
         times: dict[str, list[float]] = {s: [] for s in steps}
         rss: dict[str, float] = {}
-        for _ in range(args.repeats):  # interleaved, so a slow spell of the disk hits every step alike
-            for step in steps:
+        for r in range(args.repeats):  # interleaved and rotated, so a slow spell of the disk hits every step alike
+            for step in steps[r % len(steps):] + steps[: r % len(steps)]:
                 seconds, peak = run_child(step, ckpt, work)
                 times[step].append(seconds)
                 rss[step] = max(rss.get(step, 0.0), peak)
