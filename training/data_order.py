@@ -1,0 +1,48 @@
+"""Deterministic, resumable batch order.
+
+The order of an epoch is a function of ``(seed, epoch)`` alone, so a run resumed at
+batch ``k`` of an epoch sees exactly the batches an uninterrupted run would have
+seen from ``k`` on, and the skipped batches' items are never loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_EPOCH_STRIDE = 1_000_003  # prime: (seed, epoch) pairs map to distinct generator seeds for epochs < stride
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> list[int]:
+    """The shuffled sample order of ``epoch``: a permutation of ``range(num_samples)``."""
+    generator = torch.Generator().manual_seed((seed * _EPOCH_STRIDE + epoch) % 2**63)
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+def batches_per_epoch(num_samples: int, batch_size: int) -> int:
+    """Full batches in an epoch (the last, partial batch is dropped)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    return num_samples // batch_size
+
+
+def iterate_batches(dataset, batch_size: int, seed: int, epoch: int, collate_fn: Callable[[list], Any],
+                    start_batch: int = 0, shuffle: bool = True) -> Iterator[tuple[int, Any]]:
+    """Yield ``(batch_index, collate_fn(items))`` for the full batches of ``epoch``, from ``start_batch`` on.
+
+    Batches before ``start_batch`` are skipped without reading their items. Arguments are
+    checked at the call, not at the first ``next()``.
+    """
+    num_batches = batches_per_epoch(len(dataset), batch_size)
+    if not 0 <= start_batch <= num_batches:
+        raise ValueError(f"start_batch must be in [0, {num_batches}] (batches per epoch), got {start_batch}")
+    order = epoch_permutation(len(dataset), seed, epoch) if shuffle else list(range(len(dataset)))
+    return _batches(dataset, order, batch_size, range(start_batch, num_batches), collate_fn)
+
+
+def _batches(dataset, order: list[int], batch_size: int, indices: range,
+             collate_fn: Callable[[list], Any]) -> Iterator[tuple[int, Any]]:
+    for index in indices:
+        yield index, collate_fn([dataset[i] for i in order[index * batch_size:(index + 1) * batch_size]])

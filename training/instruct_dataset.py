@@ -1,0 +1,131 @@
+"""Alpaca-style instruction data: prompt from a template, loss on the response only.
+
+A record is ``{"instruction": str, "input": str (optional, may be empty), "output": str}``,
+read from a ``.json`` file holding a list of records or a ``.jsonl`` file with one
+record a line. An item is ``{"tokens", "labels"}`` where
+
+    tokens = BOS + prompt + response + EOS
+    labels = tokens, with BOS and the prompt set to -100 (unless train_on_input)
+
+both truncated to ``max_seq_len``. Records are checked when the file is read (so bad
+input stops a run before it starts) but tokenized only in ``__getitem__``, so skipping
+items costs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+from torch.utils.data import Dataset
+
+from training.loss import IGNORE_INDEX
+
+
+class PromptTemplate(NamedTuple):
+    """A prompt with ``{instruction}`` and ``{input}`` fields, and one for records without input."""
+
+    with_input: str
+    without_input: str
+
+    def format(self, instruction: str, input: str = "") -> str:
+        if input:
+            return self.with_input.format(instruction=instruction, input=input)
+        return self.without_input.format(instruction=instruction)
+
+
+TEMPLATES: dict[str, PromptTemplate] = {
+    "alpaca": PromptTemplate(
+        with_input=(
+            "Below is an instruction that describes a task, paired with an input that provides further context. "
+            "Write a response that appropriately completes the request.\n\n"
+            "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+        ),
+        without_input=(
+            "Below is an instruction that describes a task. "
+            "Write a response that appropriately completes the request.\n\n"
+            "### Instruction:\n{instruction}\n\n### Response:\n"
+        ),
+    ),
+}
+
+REQUIRED_KEYS = ("instruction", "output")
+
+
+class InstructDataset(Dataset):
+    """Instruction/response pairs from a local ``.json`` or ``.jsonl`` file, tokenized on access.
+
+    Args:
+        source: the data file.
+        tokenizer: a ``training.tokenizer.Tokenizer`` (``encode``, ``bos_id``, ``eos_id``).
+        max_seq_len: items are cut to this many tokens.
+        template: a key of ``TEMPLATES``.
+        train_on_input: supervise the prompt tokens too.
+    """
+
+    def __init__(self, source: str | Path, tokenizer, max_seq_len: int, template: str = "alpaca",
+                 train_on_input: bool = False) -> None:
+        if template not in TEMPLATES:
+            raise ValueError(f"unknown template {template!r}; known: {', '.join(sorted(TEMPLATES))}")
+        if not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        self.source = Path(source)
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.template = TEMPLATES[template]
+        self.train_on_input = train_on_input
+        self.records = read_records(self.source)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        record = self.records[index]
+        prompt = self.tokenizer.encode(self.template.format(record["instruction"], record["input"]),
+                                       add_bos=True, add_eos=False)
+        response = self.tokenizer.encode(record["output"], add_bos=False, add_eos=True)
+        tokens = prompt + response
+        labels = tokens[:] if self.train_on_input else [IGNORE_INDEX] * len(prompt) + response
+        return {"tokens": tokens[: self.max_seq_len], "labels": labels[: self.max_seq_len]}
+
+
+def read_records(path: Path) -> list[dict[str, str]]:
+    """The checked records of a ``.json`` (list) or ``.jsonl`` file; ``input`` defaults to ""."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: dataset file not found")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        numbered = []
+        for line_no, line in enumerate(text.split("\n"), start=1):
+            if line.strip():
+                record = _parse(path, line, f"line {line_no}: ")
+                numbered.append((f"record {len(numbered) + 1} (line {line_no})", record))
+    elif path.suffix == ".json":
+        data = _parse(path, text, "")
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+        numbered = [(f"record {n}", record) for n, record in enumerate(data, start=1)]
+    else:
+        raise ValueError(f"{path}: unsupported dataset file type {path.suffix!r} (expected .json or .jsonl)")
+    return [_check(path, where, record) for where, record in numbered]
+
+
+def _parse(path: Path, text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: {where}invalid JSON ({e})") from e
+
+
+def _check(path: Path, where: str, record) -> dict[str, str]:
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: {where}: expected an object, got {type(record).__name__}")
+    for key in REQUIRED_KEYS:
+        if key not in record:
+            raise ValueError(f"{path}: {where}: missing key {key!r}")
+    checked = {"instruction": record["instruction"], "input": record.get("input") or "", "output": record["output"]}
+    for key, value in checked.items():
+        if not isinstance(value, str):
+            raise ValueError(f"{path}: {where}: {key!r} must be a string, got {type(value).__name__}")
+    return checked
