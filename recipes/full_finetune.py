@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
@@ -113,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv, description=__doc__.splitlines()[0])
     try:
         train(cfg)
-    except (CheckpointError, FileNotFoundError) as e:
+    except (CheckpointError, FileNotFoundError, InstantiationException) as e:
         if os.environ.get("WAYPOINT_DEBUG"):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
+        print(f"error: {str(cause).splitlines()[0]}", file=sys.stderr)
         return 1
     return 0
 

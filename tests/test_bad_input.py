@@ -97,5 +97,8 @@ def test_load_model_errors_name_the_problem(tmp_path):
     with pytest.raises(Exception, match="config.json"):
         load_model(tmp_path / "nowhere")
     ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
-    with pytest.raises(Exception, match="load_checkpoint first"):
-        ckpt.save_checkpoint({"model": {}}, step=1)
+    state = ckpt.load_checkpoint()
+    del state["model"]["norm.weight"]
+    with pytest.raises(Exception, match="state dict lacks 'model.norm.weight' that the input checkpoint has"):
+        ckpt.save_checkpoint(state, step=1)
+    assert not (tmp_path / "out").exists(), "a refused save writes nothing"
