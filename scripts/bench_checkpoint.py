@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 HIDDEN, INTERMEDIATE, HEADS, VOCAB = 2048, 5632, 16, 32000
+CHUNK = 16 * 2**20
 
 
 def llama_config(n_layers: int) -> dict:
@@ -111,8 +112,10 @@ def step_raw(ckpt: Path, out: Path) -> float:
     start = time.perf_counter()
     out.mkdir()
     for f, buf in zip(files, buffers):
+        view = memoryview(buf)
         with open(out / f.name, "wb") as fh:
-            fh.write(buf)
+            for offset in range(0, len(view), CHUNK):  # one giant write() is 2-4x slower here than 16 MiB ones
+                fh.write(view[offset: offset + CHUNK])
             fh.flush()
             os.fsync(fh.fileno())
     return time.perf_counter() - start
