@@ -105,9 +105,7 @@ def fsync_tree(path: Path) -> None:
 # -- the measured steps, each run in a child process --------------------------------------------
 def step_raw(ckpt: Path, out: Path) -> float:
     files = sorted(ckpt.glob("*.safetensors"))
-    buffers = [bytearray(f.stat().st_size) for f in files]  # in memory, like a trained model
-    for b in buffers:
-        b[:: 4096] = b"\x01" * len(b[:: 4096])
+    buffers = [f.read_bytes() for f in files]  # the checkpoint's own bytes, in memory (this disk is faster on zeros)
     reset_peak_rss()
     start = time.perf_counter()
     out.mkdir()
