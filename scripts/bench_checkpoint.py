@@ -15,7 +15,9 @@ the best and the spread (this machine's disk swings several-fold between runs):
 Peak RSS is the process's resident peak over the measured part (set-up such as the
 in-memory copy a save starts from is excluded by resetting VmHWM before timing).
 
-Loads are measured with the files in the page cache, for both libraries alike.
+Loads are measured with the files in the page cache, for both libraries alike. This
+machine's disk writes fast right after a write of the same size and slowly after
+reads or deletions, so every timed write follows an untimed raw write.
 """
 
 from __future__ import annotations
@@ -173,6 +175,7 @@ def step_hf_load(ckpt: Path, out: Path) -> float:
     return time.perf_counter() - start
 
 
+WRITERS = ("raw", "save", "hf-save")
 STEPS = {"raw": step_raw, "save": step_save, "load": step_load, "hf-save": step_hf_save, "hf-load": step_hf_load}
 
 
@@ -182,6 +185,7 @@ def run_child(step: str, ckpt: Path, work: Path) -> tuple[float, float]:
     result = subprocess.run([sys.executable, __file__, "--child", step, str(ckpt), str(out)],
                             capture_output=True, text=True, check=False)
     shutil.rmtree(out, ignore_errors=True)
+    os.sync()  # leave no dirty pages behind: on ext4 one file's fsync can wait for everyone's writeback
     if result.returncode:
         raise RuntimeError(f"step {step} failed:\n{result.stderr[-3000:]}")
     seconds, rss = json.loads(result.stdout.strip().splitlines()[-1])
@@ -211,11 +215,14 @@ def main() -> None:
     try:
         ckpt = work / "ckpt"
         total = build_checkpoint(ckpt, args.size_gb, args.shards)
+        os.sync()
         print(f"checkpoint: {total / 1e9:.3f} GB bf16 in {args.shards} shards at {ckpt}")
         times: dict[str, list[float]] = {s: [] for s in steps}
         rss: dict[str, float] = {}
         for r in range(args.repeats):  # interleaved and rotated, so a slow spell of the disk hits every step alike
             for step in steps[r % len(steps):] + steps[: r % len(steps)]:
+                if step in WRITERS:
+                    run_child("raw", ckpt, work)  # untimed: every timed write follows the same disk state
                 seconds, peak = run_child(step, ckpt, work)
                 times[step].append(seconds)
                 rss[step] = max(rss.get(step, 0.0), peak)
