@@ -3,20 +3,20 @@
 Reads are memory-mapped and lazy (pages are read when a tensor is touched, and
 the mapping is private, so writing to a loaded tensor never writes the file).
 Pickles are opened with ``weights_only=True``: a checkpoint is data, never code.
-Writes go to a temporary name in the target's directory, are fsynced, and are
-renamed into place, so a reader (or a memory map of the old file) never sees a
-half-written file.
+Writes go to a file object (``commit.StagedDir`` provides one that hashes and
+fsyncs inside a temporary directory renamed into place once complete).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from checkpointers.safetensors_writer import write_safetensors
 
 from converters.errors import CheckpointError
 
@@ -60,38 +60,9 @@ def read_metadata(path: str | Path) -> dict[str, str] | None:
         raise CheckpointError(f"{path}: unreadable safetensors header ({str(e).splitlines()[0]})") from e
 
 
-def fsync_dir(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: str | Path, write) -> None:
-    """Call ``write(tmp_path)``, fsync the result, and rename it to ``path``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``tensors`` in the format named by ``path``'s suffix, atomically."""
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    if format_of(path) == SAFETENSORS:
-        write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=dict(metadata) if metadata else None))
+def write_tensors(f, tensors: Mapping[str, torch.Tensor], file_format: str, metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` to the binary file object ``f`` as safetensors or a PyTorch pickle."""
+    if file_format == SAFETENSORS:
+        write_safetensors(f, tensors, metadata)
     else:
-        write_atomic(path, lambda tmp: torch.save(tensors, tmp))
-
-
-def write_bytes(path: str | Path, data: bytes) -> None:
-    def _write(tmp: Path) -> None:
-        tmp.write_bytes(data)
-    write_atomic(path, _write)
+        torch.save({k: v.contiguous() for k, v in tensors.items()}, f)

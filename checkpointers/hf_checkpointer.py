@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,13 +18,17 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from checkpointers.file_formats import SAFETENSORS, TORCH, fsync_dir, read_metadata, read_tensors, write_bytes, write_tensors
+from checkpointers.commit import MANIFEST, StagedDir
+from checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state, split_extra_state
+from checkpointers.file_formats import SAFETENSORS, TORCH, read_metadata, read_tensors, write_tensors
 from checkpointers.shard_layout import INDEX_NAMES, WEIGHT_SUFFIXES, ShardLayout, discover
 from converters import CheckpointError, Converter, detect_model_type, get_converter
 
 log = logging.getLogger(__name__)
 
 SMALL_FILE_LIMIT = 100 * 2**20  # non-weight files up to this size are copied to the output (tokenizer, README, ...)
+RECIPE_STATE_FILE = "recipe_state.pt"
+NOT_COPIED = {MANIFEST, RECIPE_STATE_FILE, EXTRA_STATE_FILE, "config.json", *INDEX_NAMES.values()}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -86,7 +89,10 @@ class HFCheckpointer:
                 keys_by_file[name] = [k for k in tensors if not self.converter.is_ignored(k)]
                 bar.update(path.stat().st_size)
         self.layout = self.layout.with_keys(keys_by_file)
-        return {"model": self.converter.to_native(hf_state, where)}
+        native = self.converter.to_native(hf_state, where)
+        if (self.checkpoint_dir / EXTRA_STATE_FILE).is_file():
+            native.update(load_extra_state(self.checkpoint_dir / EXTRA_STATE_FILE))
+        return {"model": native}
 
     def _check_against_index(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         if self.layout.weight_map is None:
@@ -106,30 +112,27 @@ class HFCheckpointer:
         return self.layout.in_format(fmt)
 
     def save_checkpoint(self, state_dict: Mapping[str, Any], step: int) -> Path:
-        """Write ``state_dict["model"]`` to ``output_dir/step_{step}`` in the input's format and layout.
+        """Write ``output_dir/step_{step}``: ``state_dict["model"]`` in the input's format and layout, and
+        ``state_dict["recipe_state"]`` (when given) as ``recipe_state.pt``.
 
-        The directory is assembled under a hidden temporary name and renamed into
-        place once every file is durable; an existing ``step_{step}`` is never touched.
+        The directory is committed atomically with a manifest (``commit.StagedDir``);
+        an existing ``step_{step}`` is never touched.
         """
-        native = state_dict["model"]
+        native, extra = split_extra_state(state_dict["model"])
         layout = self.output_layout()
-        target = self.output_dir / f"step_{step}"
-        if target.exists():
-            raise CheckpointError(f"{target}: already exists; refusing to overwrite it")
         plan = self._plan_files(native, layout)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.output_dir / f".step_{step}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        target = self.output_dir / f"step_{step}"
         try:
-            self._write_weights(native, layout, plan, tmp)
-            self._copy_side_files(native, tmp)
-            fsync_dir(tmp)
-            os.rename(tmp, target)
-            fsync_dir(self.output_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            with StagedDir(target) as stage:
+                self._write_weights(native, layout, plan, stage)
+                self._write_side_files(native, stage)
+                if extra:
+                    stage.write(EXTRA_STATE_FILE, lambda f: torch.save(extra, f))
+                if state_dict.get("recipe_state") is not None:
+                    stage.write(RECIPE_STATE_FILE, lambda f: torch.save(state_dict["recipe_state"], f))
+        except OSError as e:
+            raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
+                                  "nothing was committed and earlier checkpoints are intact") from e
         log.info("saved %s", target)
         return target
 
@@ -151,14 +154,15 @@ class HFCheckpointer:
                                   + " that the input checkpoint has")
         return plan
 
-    def _write_weights(self, native, layout: ShardLayout, plan, out: Path) -> None:
+    def _write_weights(self, native, layout: ShardLayout, plan, stage: StagedDir) -> None:
         total_size = total_params = 0
         with tqdm(total=sum(_tensor_bytes(t) for t in native.values()), unit="B", unit_scale=True, desc="save", leave=False) as bar:
             for src_name, name in zip(self.layout.files, layout.files):
                 converted = self.converter.apply_groups(plan[name], native, forward=False, where=None)
                 tensors = {k: converted[k] for k in self.layout.weight_map if layout.weight_map[k] == name}
                 metadata = self._file_metadata.get(src_name) if layout.file_format == SAFETENSORS else None
-                write_tensors(out / name, tensors, metadata or ({"format": "pt"} if layout.file_format == SAFETENSORS else None))
+                metadata = metadata or ({"format": "pt"} if layout.file_format == SAFETENSORS else None)
+                stage.write(name, lambda f: write_tensors(f, tensors, layout.file_format, metadata))
                 size = sum(_tensor_bytes(t) for t in tensors.values())
                 total_size += size
                 total_params += sum(t.numel() for t in tensors.values())
@@ -168,9 +172,9 @@ class HFCheckpointer:
             if "total_parameters" in metadata:
                 metadata["total_parameters"] = total_params
             index = {"metadata": metadata, "weight_map": dict(sorted(layout.weight_map.items()))}
-            write_bytes(out / layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
+            stage.write_bytes(layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
 
-    def _copy_side_files(self, native, out: Path) -> None:
+    def _write_side_files(self, native, stage: StagedDir) -> None:
         """config.json (dtype made true to what was written) and the small non-weight files."""
         config = dict(self.config)
         dtypes = {t.dtype for t in native.values() if t.is_floating_point()}
@@ -178,9 +182,8 @@ class HFCheckpointer:
             name = _DTYPE_NAMES[next(iter(dtypes))]
             for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
                 config[key] = name
-        write_bytes(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-        skip = set(self.layout.files) | set(INDEX_NAMES.values()) | {"config.json"}
+        stage.write_bytes("config.json", (json.dumps(config, indent=2) + "\n").encode())
         for src in sorted(self.checkpoint_dir.iterdir()):
-            if (src.is_file() and src.name not in skip and not src.name.startswith(".")
+            if (src.is_file() and src.name not in NOT_COPIED and not src.name.startswith(".")
                     and not src.name.endswith(WEIGHT_SUFFIXES) and src.stat().st_size <= SMALL_FILE_LIMIT):
-                shutil.copy2(src, out / src.name)
+                stage.copy_file(src)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from checkpointers.extra_state import is_extra_state_key
 from converters import CheckpointError
 from models import Transformer, from_hf_config, parse_dtype
 
@@ -22,12 +23,17 @@ def _fold(keys: list[str]) -> str:
     return f"{keys[0]!r}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
 
 
-def load_into(model: Transformer, state: Mapping[str, torch.Tensor], dtype: torch.dtype | str | None = None) -> Transformer:
-    """Assign ``state`` to ``model``'s parameters (strict; shapes checked first; one-line errors naming the key)."""
+def load_into(model: Transformer, state: Mapping[str, torch.Tensor], dtype: torch.dtype | str | None = None,
+              device: torch.device | str | None = None) -> Transformer:
+    """Assign ``state`` to ``model``'s parameters (strict; shapes checked first; one-line errors naming the key).
+
+    Tensors keep their dtype unless ``dtype`` is given; ``*._extra_state`` entries go to the modules'
+    ``set_extra_state`` (a checkpoint older than a module's extra state loads with its defaults).
+    """
     dtype = parse_dtype(dtype)
-    expected = model.state_dict()
+    expected = {k: v for k, v in model.state_dict().items() if not is_extra_state_key(k)}
     missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
+    unexpected = sorted(k for k in state.keys() - expected.keys() if not is_extra_state_key(k) or k not in model.state_dict())
     if missing:
         raise CheckpointError(f"checkpoint lacks model key {_fold(missing)}")
     if unexpected:
@@ -35,9 +41,12 @@ def load_into(model: Transformer, state: Mapping[str, torch.Tensor], dtype: torc
     for key, want in expected.items():
         if state[key].shape != want.shape:
             raise CheckpointError(f"{key}: checkpoint shape {tuple(state[key].shape)} does not fit the model's {tuple(want.shape)}")
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    def place(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        return value.to(device=device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
+
+    model.load_state_dict({k: place(v) for k, v in state.items()}, strict=True, assign=True)
     model.tie_weights()
     model.reset_rope()
     return model

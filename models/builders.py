@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -75,6 +76,7 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
         rope_theta=_rope_theta(config),
         max_seq_len=config.get("max_position_embeddings", 4096),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attn_dropout=float(config.get("attention_dropout", 0.0) or 0.0),
     )
 
 
@@ -83,10 +85,18 @@ def hf_config_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
     return parse_dtype(config.get("dtype") or config.get("torch_dtype"))
 
 
-def from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> Transformer:
-    """The model for an HF config: a ``config.json`` path, its directory, or its parsed dict."""
-    if not isinstance(config, Mapping):
-        path = Path(config)
-        path = path / "config.json" if path.is_dir() else path
-        config = json.loads(path.read_text())
-    return Transformer(model_args_from_hf_config(config))
+def read_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, Any]:
+    """A parsed HF config from a ``config.json`` path, its directory, or the dict itself."""
+    if isinstance(config, Mapping):
+        return config
+    path = Path(config)
+    path = path / "config.json" if path.is_dir() else path
+    return json.loads(path.read_text())
+
+
+def from_hf_config(config: Mapping[str, Any] | str | os.PathLike, attn_dropout: float | None = None) -> Transformer:
+    """The model for an HF config; ``attn_dropout`` overrides the config's ``attention_dropout``."""
+    args = model_args_from_hf_config(read_hf_config(config))
+    if attn_dropout is not None:
+        args = replace(args, attn_dropout=attn_dropout)
+    return Transformer(args)

@@ -38,6 +38,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 4096
     tie_embeddings: bool = False
+    attn_dropout: float = 0.0  # attention-probability dropout while training
 
     @property
     def resolved_head_dim(self) -> int:
@@ -83,6 +84,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.resolved_head_dim
+        self.dropout = args.attn_dropout
         self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
@@ -94,7 +96,8 @@ class Attention(nn.Module):
         k = apply_rope(self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim), rope)
         v = self.v_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
+                                             dropout_p=self.dropout if self.training else 0.0)
         return self.output_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

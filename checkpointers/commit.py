@@ -1,0 +1,236 @@
+"""Atomic checkpoint directories with an integrity manifest.
+
+A checkpoint directory is assembled under a hidden temporary name next to its
+target. Every file is written through :class:`StagedDir`, which hashes the bytes
+as they are written (on a helper thread, overlapping the disk writes: no second
+read pass) and fsyncs the file. ``MANIFEST.json`` (format version, each file's
+size and SHA-256) is written last, then the directory is fsynced, renamed into
+place, and its parent fsynced. A directory without a manifest that verifies is
+never used: a kill at any moment leaves either the old state or the new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from converters.errors import CheckpointError
+
+MANIFEST = "MANIFEST.json"
+MANIFEST_VERSION = 1
+HASH = "sha256"
+CHUNK = 16 * 2**20  # write in 16 MiB pieces: one giant write() is several times slower on common disks
+MAX_PENDING = 16  # chunks queued for the hashing thread at most
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class HashingFile:
+    """A binary file opened for writing whose bytes are hashed on the way to disk."""
+
+    def __init__(self, path: Path, hasher_pool: ThreadPoolExecutor) -> None:
+        self._file = open(path, "wb")
+        self._hash = hashlib.new(HASH)
+        self._pool = hasher_pool
+        self._pending = []
+        self.size = 0
+
+    def write(self, data) -> int:
+        """Write ``data``; a buffer that may change after this call (torch.save reuses its own) is
+        copied for the hashing thread, immutable ``bytes`` are not."""
+        return self._write(data, stable=isinstance(data, bytes))
+
+    def write_stable(self, data) -> int:
+        """Write a buffer that stays unchanged until the file is closed (a tensor being saved): no copy."""
+        return self._write(data, stable=True)
+
+    def _write(self, data, stable: bool) -> int:
+        view = memoryview(data).cast("B")
+        for offset in range(0, len(view), CHUNK):
+            piece = view[offset: offset + CHUNK]
+            self._file.write(piece)
+            self._pending.append(self._pool.submit(self._hash.update, piece if stable else bytes(piece)))
+            while len(self._pending) > MAX_PENDING:  # bound the memory held for hashing
+                self._pending.pop(0).result()
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close_durably(self) -> tuple[int, str]:
+        """Flush, fsync and close; the (size, hex digest) of what was written."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        for future in self._pending:
+            future.result()
+        return self.size, self._hash.hexdigest()
+
+    def abandon(self) -> None:
+        self._file.close()
+        for future in self._pending:
+            future.cancel()
+
+
+class StagedDir:
+    """``with StagedDir(target) as stage: stage.open(name) ...``: commits on success, removes itself on failure."""
+
+    def __init__(self, target: str | os.PathLike) -> None:
+        self.target = Path(target)
+        self.path = self.target.with_name(f".{self.target.name}.tmp-{os.getpid()}")
+        self.files: dict[str, dict] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+
+    def __enter__(self) -> StagedDir:
+        if self.target.exists():
+            raise CheckpointError(f"{self.target}: already exists; refusing to overwrite it")
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._commit()
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        finally:
+            self._pool.shutdown(wait=True)
+            if exc_type is not None:
+                shutil.rmtree(self.path, ignore_errors=True)
+
+    def write(self, name: str, produce) -> None:
+        """Call ``produce(file)`` with a hashing file object for ``name``; record its size and hash."""
+        if name in self.files or name == MANIFEST or "/" in name:
+            raise CheckpointError(f"{self.target}: cannot stage file {name!r}")
+        handle = HashingFile(self.path / name, self._pool)
+        try:
+            produce(handle)
+            size, digest = handle.close_durably()
+        except BaseException:
+            handle.abandon()
+            raise
+        self.files[name] = {"size": size, HASH: digest}
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        self.write(name, lambda f: f.write(data))
+
+    def copy_file(self, source: Path, name: str | None = None) -> None:
+        def produce(f):
+            with open(source, "rb") as src:
+                while chunk := src.read(CHUNK):
+                    f.write(chunk)
+        self.write(name or source.name, produce)
+
+    def _commit(self) -> None:
+        manifest = {"format_version": MANIFEST_VERSION, "hash": HASH, "files": dict(sorted(self.files.items()))}
+        with open(self.path / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(self.path)
+        os.rename(self.path, self.target)
+        fsync_dir(self.target.parent)
+
+
+@dataclass(frozen=True)
+class Verification:
+    path: Path
+    ok: bool
+    files: int = 0
+    bytes: int = 0
+    problem: str | None = None
+
+
+def verify(path: str | os.PathLike, hash_contents: bool = True) -> Verification:
+    """Check a committed directory against its manifest: every file present, of its size and hash."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        if manifest.get("format_version") != MANIFEST_VERSION:
+            return Verification(path, False, problem=f"{MANIFEST} has format_version {manifest.get('format_version')!r}")
+    except FileNotFoundError:
+        return Verification(path, False, problem=f"no {MANIFEST}")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        return Verification(path, False, problem=f"unreadable {MANIFEST} ({e.__class__.__name__})")
+    total = 0
+    for name, entry in files.items():
+        file = path / name
+        if "/" in name or not file.is_file():
+            return Verification(path, False, problem=f"{name} is missing")
+        if file.stat().st_size != entry["size"]:
+            return Verification(path, False, problem=f"{name} has {file.stat().st_size} bytes, manifest says {entry['size']}")
+        if hash_contents:
+            digest = hashlib.new(manifest.get("hash", HASH))
+            with open(file, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    digest.update(chunk)
+            if digest.hexdigest() != entry[manifest.get("hash", HASH)]:
+                return Verification(path, False, problem=f"{name} does not match its hash")
+        total += entry["size"]
+    return Verification(path, True, files=len(files), bytes=total)
+
+
+def step_dirs(output_dir: str | os.PathLike) -> list[Path]:
+    """``output_dir/step_N`` directories, newest (highest N) first; temporary ones are not listed."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def prune_checkpoints(output_dir: str | os.PathLike, keep_last_n: int | None) -> list[Path]:
+    """Delete all but the newest ``keep_last_n`` verified checkpoints (None keeps all).
+
+    Called after a commit, so the newest verified checkpoint is never among the deleted;
+    directories that do not verify are left alone.
+    """
+    if not keep_last_n:
+        return []
+    if keep_last_n < 1:
+        raise CheckpointError(f"keep_last_n_checkpoints must be at least 1, got {keep_last_n}")
+    verified = [p for p in step_dirs(output_dir) if verify(p, hash_contents=False).ok]
+    doomed = verified[keep_last_n:]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def remove_stale_staging(output_dir: str | os.PathLike) -> list[Path]:
+    """Remove temporary checkpoint directories left by a killed run (``.step_N.tmp-PID`` whose process is gone)."""
+    output_dir = Path(output_dir)
+    removed = []
+    for path in output_dir.glob(".step_*.tmp-*") if output_dir.is_dir() else []:
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

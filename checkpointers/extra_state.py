@@ -1,0 +1,58 @@
+"""Module extra state in checkpoints: kept out of the weight files, in a sidecar the manifest covers.
+
+Weight formats hold tensors only (safetensors) or are read by tools that expect
+tensors only (HF, Meta ``.pth``), so ``*._extra_state`` entries of a native state
+dict travel in ``extra_state.pt``, which loads with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from converters.errors import CheckpointError
+from models.extra_state import EXTRA_STATE_SUFFIX
+
+EXTRA_STATE_FILE = "extra_state.pt"
+_PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)
+
+
+def is_extra_state_key(key: str) -> bool:
+    return key == EXTRA_STATE_SUFFIX or key.endswith("." + EXTRA_STATE_SUFFIX)
+
+
+def split_extra_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, extra state) of a native state dict; the extra state is checked to be plain data."""
+    tensors, extra = {}, {}
+    for key, value in state.items():
+        if is_extra_state_key(key):
+            _check_plain(value, key)
+            extra[key] = value
+        else:
+            tensors[key] = value
+    return tensors, extra
+
+
+def _check_plain(value: Any, key: str) -> None:
+    if isinstance(value, _PLAIN):
+        return
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_plain(item, key)
+        return
+    if isinstance(value, dict):
+        for k, item in value.items():
+            _check_plain(k, key)
+            _check_plain(item, key)
+        return
+    raise CheckpointError(f"{key}: extra state holds a {type(value).__name__}; only tensors and plain Python data "
+                          "(None, numbers, strings, lists, dicts) load with weights_only=True")
+
+
+def load_extra_state(path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # unpickling errors come in many types; the message names the file
+        raise CheckpointError(f"{path}: unreadable extra state ({str(e).splitlines()[0]})") from e

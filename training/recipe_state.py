@@ -1,0 +1,59 @@
+"""recipe_state.pt: everything beside the model that an exact resume needs.
+
+Tensors and plain Python values only, so it loads with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from converters.errors import CheckpointError
+
+RECIPE_STATE_FILE = "recipe_state.pt"
+FORMAT_VERSION = 1
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_recipe_state(*, optimizer, lr_scheduler, global_step: int, epoch: int, step_in_epoch: int,
+                       steps_per_epoch: int, total_steps: int, seed: int, epochs: int, data_position: dict,
+                       rng: dict, config: dict) -> dict[str, Any]:
+    """The state to resume from: ``epoch``/``step_in_epoch`` name the next optimizer step to take."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "optimizer": optimizer.state_dict(),
+        "lr_scheduler": lr_scheduler.state_dict(),
+        "global_step": global_step,
+        "epoch": epoch,
+        "step_in_epoch": step_in_epoch,
+        "steps_per_epoch": steps_per_epoch,
+        "total_steps": total_steps,
+        "epochs": epochs,
+        "seed": seed,
+        "data_position": data_position,
+        "rng": rng,
+        "config": config,
+        "versions": {"waypoint": _version("waypoint"), "torch": str(torch.__version__)},
+    }
+
+
+def load_recipe_state(checkpoint_dir: str | Path) -> dict[str, Any]:
+    path = Path(checkpoint_dir) / RECIPE_STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; {checkpoint_dir} is a model checkpoint, not a resumable one")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # unpickling raises many types; the message names the file
+        raise CheckpointError(f"{path}: unreadable ({str(e).splitlines()[0]})") from e
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {state.get('format_version')!r}, expected {FORMAT_VERSION}")
+    return state

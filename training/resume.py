@@ -1,0 +1,85 @@
+"""Which checkpoint a run continues from, and whether the config still fits it.
+
+``resume: auto`` (the default) continues from the newest ``output_dir/step_N`` whose
+manifest verifies, reporting and skipping corrupt ones; ``resume: false`` starts
+fresh; ``resume: <path>`` pins one checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from checkpointers.commit import step_dirs, verify, Verification
+from converters.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+# Changing these makes the saved optimizer state, data position or model meaningless.
+BREAKING_KEYS = ("model", "checkpointer.checkpoint_dir", "checkpointer.checkpoint_files", "checkpointer.model_type",
+                 "tokenizer", "dataset", "seed", "batch_size", "gradient_accumulation_steps", "max_steps_per_epoch",
+                 "dtype", "optimizer._target_")
+
+
+def find_checkpoint(output_dir: str | Path, resume: Any) -> Verification | None:
+    """The verified checkpoint to resume from, or None to start fresh."""
+    if resume in (False, None, "false", "False", "no"):
+        return None
+    if resume not in (True, "auto", "true", "True"):
+        checked = verify(resume)
+        if not checked.ok:
+            raise CheckpointError(f"resume={resume}: not a usable checkpoint ({checked.problem})")
+        return checked
+    for path in step_dirs(output_dir):
+        checked = verify(path)
+        if checked.ok:
+            return checked
+        log.warning("skipping %s: %s", path, checked.problem)
+        print(f"warning: skipping {path.name}: {checked.problem}")
+    return None
+
+
+def _flatten(config: Mapping, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(saved: Mapping, current: Mapping) -> tuple[list[str], list[str]]:
+    """(breaking, harmless) dotted keys whose values differ between the saved and the current config."""
+    before, after = _flatten(saved), _flatten(current)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k, "<unset>") != after.get(k, "<unset>"))
+    breaking = [k for k in changed if any(k == b or k.startswith(b + ".") for b in BREAKING_KEYS)]
+    return breaking, [k for k in changed if k not in breaking]
+
+
+def check_config(saved: Mapping, current: Mapping, checkpoint: Path) -> list[str]:
+    """Raise on changes that break resuming from ``checkpoint``; return the harmless ones."""
+    breaking, harmless = config_changes(saved, current)
+    harmless = [k for k in harmless if k not in ("resume", "overwrite")]
+    if breaking:
+        raise CheckpointError(f"cannot resume from {checkpoint}: the config changed {', '.join(breaking)}; "
+                              "restore them, or start a new run with another output_dir (or resume=false overwrite=true)")
+    return harmless
+
+
+def set_aside_newer(output_dir: str | Path, chosen: Path) -> list[Path]:
+    """Rename checkpoints newer than ``chosen`` (they failed verification) to ``step_N.corrupt``, so the
+    resumed run can write its own ``step_N`` while the damaged files stay for inspection."""
+    moved = []
+    for path in step_dirs(output_dir):
+        if path.resolve() == Path(chosen).resolve():
+            break
+        target = path.with_name(path.name + ".corrupt")
+        n = 1
+        while target.exists():
+            target, n = path.with_name(f"{path.name}.corrupt{n}"), n + 1
+        path.rename(target)
+        moved.append(target)
+    return moved
