@@ -46,9 +46,11 @@ def test_tiny_recipe_loss_falls_and_output_is_a_drop_in_replacement(tmp_path):
     assert (ours - theirs).abs().max().item() <= 1e-5
     assert not torch.allclose(ours, before), "the output must hold the fine-tuned weights"
 
-    again = run_recipe(f"output_dir={out}", "epochs=1", f"checkpointer.checkpoint_dir={source}",
-                       f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}")
-    assert again.returncode == 1 and "already holds checkpoints" in again.stderr
+    common = [f"output_dir={out}", "epochs=1", f"checkpointer.checkpoint_dir={source}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}"]
+    again = run_recipe(*common)
+    assert again.returncode == 0 and "run already finished" in again.stdout, again.stdout + again.stderr
+    fresh = run_recipe(*common, "resume=false")
+    assert fresh.returncode == 1 and "already holds checkpoints" in fresh.stderr
 
 
 def test_gradient_accumulation_equals_the_large_batch(tmp_path):
