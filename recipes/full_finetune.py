@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("WAYPOINT_DEBUG"):
             raise
         cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
-        print(f"error: {str(cause).splitlines()[0]}", file=sys.stderr)
+        print(f"\nerror: {str(cause).splitlines()[0]}", file=sys.stderr)  # after any progress bar
         return 1
     finally:
         for sig, handler in handlers.items():  # main() may run inside another program (tests, notebooks)

@@ -1,0 +1,89 @@
+"""Run recipes/full_finetune.py with a fault injected, as a cluster would inflict it.
+
+    python tests/interrupt.py signal-at-step K SIGNAL -- <recipe args>
+    python tests/interrupt.py kill-in-save STEP MOMENT -- <recipe args>
+
+signal-at-step: sends SIGNAL to itself right after optimizer step K is logged (a
+preemption arriving mid-run). kill-in-save: SIGKILLs itself while step STEP's
+checkpoint is being saved, at MOMENT: ``first-file`` (one weight file written),
+``before-manifest`` (every file written, no manifest), ``before-rename`` (manifest
+written, directory not yet renamed) or ``after-rename`` (committed, parent not fsynced).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import checkpointers.commit as commit  # noqa: E402
+from checkpointers import HFCheckpointer  # noqa: E402
+from recipes import full_finetune  # noqa: E402
+from training.metrics import MetricsLog  # noqa: E402
+
+
+def signal_at_step(step: int, name: str) -> None:
+    write = MetricsLog.write
+
+    def patched(self, **record):
+        write(self, **record)
+        if record["step"] == step:
+            os.kill(os.getpid(), getattr(signal, name))
+
+    MetricsLog.write = patched
+
+
+def kill_in_save(target: int, moment: str) -> None:
+    saving = {"now": False}
+    files = {"n": 0}
+    calls = {"n": 0}
+    save = HFCheckpointer.save_checkpoint
+
+    def patched_save(self, state_dict, step):
+        saving["now"] = step == target
+        files["n"] = calls["n"] = 0
+        return save(self, state_dict, step)
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    close = commit.HashingFile.close_durably
+
+    def patched_close(self):
+        result = close(self)
+        files["n"] += 1
+        if saving["now"] and moment == "first-file" and files["n"] == 1:
+            die()
+        return result
+
+    commit_ = commit.StagedDir._commit
+
+    def patched_commit(self):
+        if saving["now"] and moment == "before-manifest":
+            die()
+        commit_(self)
+
+    fsync_dir = commit.fsync_dir
+
+    def patched_fsync_dir(path):
+        fsync_dir(path)
+        if saving["now"]:
+            calls["n"] += 1
+            if (moment, calls["n"]) in (("before-rename", 1), ("after-rename", 2)):
+                die()
+
+    HFCheckpointer.save_checkpoint = patched_save
+    commit.HashingFile.close_durably = patched_close
+    commit.StagedDir._commit = patched_commit
+    commit.fsync_dir = patched_fsync_dir
+
+
+if __name__ == "__main__":
+    mode, a, b, sep, *recipe_args = sys.argv[1:]
+    assert sep == "--", "usage: interrupt.py MODE A B -- <recipe args>"
+    {"signal-at-step": signal_at_step, "kill-in-save": kill_in_save}[mode](int(a), b)
+    sys.exit(full_finetune.main(recipe_args))

@@ -1,0 +1,204 @@
+"""Interrupted runs resume exactly: SIGTERM, SIGKILL mid-save, corruption, disk full, config changes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpointers.commit import verify
+from checkpointers.file_formats import read_tensors
+from tests.conftest import ROOT
+
+STEPS_PER_EPOCH, EPOCHS = 8, 2
+BASE = [f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}",
+        f"epochs={EPOCHS}", f"max_steps_per_epoch={STEPS_PER_EPOCH}", "model.attn_dropout=0.1",
+        "keep_last_n_checkpoints=null", "save_every_n_steps=4"]
+FINAL = f"step_{STEPS_PER_EPOCH * EPOCHS}"
+
+
+def run(out, *overrides, fault=None, preexec_fn=None, env=None):
+    cmd = [sys.executable]
+    cmd += [str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [str(ROOT / "recipes/full_finetune.py")]
+    cmd += ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn,
+                          env={**os.environ, **(env or {})})
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(step_dir):
+    merged = {}
+    for f in sorted(step_dir.glob("*.safetensors")):
+        merged.update(read_tensors(f))
+    return merged
+
+
+def assert_same_run(out, reference):
+    assert losses(out) == losses(reference), "per-step losses differ from the uninterrupted run"
+    mine, theirs = weights(out / FINAL), weights(reference / FINAL)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert not list(out.glob(".step_*")), "a temporary checkpoint directory was left behind"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = run(out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(losses(out)) == STEPS_PER_EPOCH * EPOCHS
+    return out
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """A run stopped by SIGTERM after step 12: checkpoints step_4, step_8, step_12."""
+    out = tmp_path_factory.mktemp("interrupted")
+    result = run(out, fault=["signal-at-step", "12", "SIGTERM"])
+    assert result.returncode == 75, result.stderr[-3000:]
+    return out
+
+
+def copy_run(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_at,where", [(5, "epoch 0, batch 5/8"), (8, "epoch 1, batch 0/8")], ids=["mid-epoch", "epoch-boundary"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_signal_then_same_command_is_bit_exact(tmp_path, reference, stop_at, where, sig):
+    if sig == "SIGUSR1" and stop_at == 8:
+        pytest.skip("one signal kind at the boundary is enough")
+    out = tmp_path / "run"
+    stopped = run(out, fault=["signal-at-step", str(stop_at), sig])
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert f"stopped by {sig} at step {stop_at}" in stopped.stdout
+    assert verify(out / f"step_{stop_at}").ok
+    resumed = run(out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from step_{stop_at} ({where}), " in resumed.stdout
+    assert_same_run(out, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment,resumes_from", [("first-file", 8), ("before-manifest", 8), ("before-rename", 8), ("after-rename", 12)])
+def test_sigkill_during_save(tmp_path, reference, moment, resumes_from):
+    out = tmp_path / "run"
+    killed = run(out, fault=["kill-in-save", "12", moment])
+    assert killed.returncode == -signal.SIGKILL
+    resumed = run(out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from step_{resumes_from} " in resumed.stdout
+    assert_same_run(out, reference)
+
+
+def _truncate(path):
+    shard = sorted(path.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-7])
+
+
+def _flip_byte(path):
+    shard = sorted(path.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+def _drop_manifest(path):
+    (path / "MANIFEST.json").unlink()
+
+
+@pytest.mark.parametrize("damage,problem", [(_truncate, r"model-\S+ has \d+ bytes, manifest says"), (_flip_byte, r"model-\S+ does not match its hash"),
+                                            (_drop_manifest, "no MANIFEST.json")], ids=["truncated", "flipped", "no-manifest"])
+def test_corrupt_newest_checkpoint_falls_back(tmp_path, interrupted, reference, damage, problem):
+    out = copy_run(interrupted, tmp_path / "run")
+    damage(out / "step_12")
+    assert not verify(out / "step_12").ok
+    resumed = run(out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert re.search(rf"warning: skipping step_12: {problem}", resumed.stdout), resumed.stdout
+    assert "resuming from step_8 " in resumed.stdout
+    assert (out / "step_12.corrupt").is_dir(), "the damaged checkpoint is kept for inspection"
+    assert_same_run(out, reference)
+
+
+def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, interrupted):
+    out = copy_run(interrupted, tmp_path / "run")
+    shutil.rmtree(out / "step_12")
+    before = {p: p.read_bytes() for p in (out / "step_8").iterdir()}
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+    result = run(out, preexec_fn=small_disk)
+    assert result.returncode == 1
+    assert result.stderr.count("error:") == 1, result.stderr
+    assert re.search(r"error: could not write \S+/step_12: File too large \(OSError\); nothing was committed", result.stderr)
+    assert verify(out / "step_8").ok and {p: p.read_bytes() for p in (out / "step_8").iterdir()} == before
+    assert not list(out.glob(".step_*")) and not (out / "step_12").exists()
+
+
+def test_incompatible_config_change_is_refused_with_the_keys(tmp_path, interrupted):
+    out = copy_run(interrupted, tmp_path / "run")
+    result = run(out, "batch_size=4", "seed=7")
+    assert result.returncode == 1
+    assert "the config changed batch_size, seed;" in result.stderr
+    harmless = run(out, "clip_grad_norm=0.5")
+    assert harmless.returncode == 0, harmless.stderr[-2000:]
+    assert "note: clip_grad_norm differs from the checkpoint's config; accepted" in harmless.stdout
+
+
+def test_extra_state_survives_resume(tmp_path):
+    lazy = ["model._target_=tests.lazy_state_model.build", "save_every_n_steps=null", "epochs=1"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert run(whole, *lazy).returncode == 0
+    stopped = run(parts, *lazy, fault=["signal-at-step", "3", "SIGTERM"])
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    saved = torch.load(parts / "step_3" / "extra_state.pt", weights_only=True)
+    assert saved["calibration._extra_state"]["draws"] == 1 and saved["calibration._extra_state"]["p"].shape == (128,)
+    assert "extra_state.pt" in json.loads((parts / "step_3" / "MANIFEST.json").read_text())["files"]
+    assert run(parts, *lazy).returncode == 0
+    assert losses(parts) == losses(whole), "the lazily drawn tensor was not restored"
+
+
+def test_checkpoint_without_extra_state_loads(caplog):
+    from checkpointers import HFCheckpointer, load_into
+    from tests.lazy_state_model import build
+
+    state = HFCheckpointer(ROOT / "assets/tiny_llama", output_dir=ROOT / "unused").load_checkpoint()["model"]
+    with torch.device("meta"):
+        model = build(ROOT / "assets/tiny_llama")
+    with caplog.at_level("WARNING"):
+        load_into(model, state)
+    assert model.calibration.p is None and model.calibration.draws == 0
+    assert "calibration._extra_state" in caplog.text
+
+
+def test_retention_keeps_the_newest(tmp_path):
+    out = tmp_path / "run"
+    result = run(out, "epochs=1", "save_every_n_steps=2", "keep_last_n_checkpoints=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_6", "step_8"]
+
+
+def test_preemption_requeues_under_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol.log'}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    result = run(tmp_path / "run", "epochs=1", "requeue=true", fault=["signal-at-step", "2", "SIGTERM"],
+                 env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"})
+    assert result.returncode == 75, result.stderr[-2000:]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
