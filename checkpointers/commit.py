@@ -4,7 +4,7 @@ A checkpoint directory is assembled under a hidden temporary name next to its
 target. Every file is written through :class:`StagedDir`, which hashes the bytes
 as they are written (on a helper thread, overlapping the disk writes: no second
 read pass) and fsyncs the file. ``MANIFEST.json`` (format version, each file's
-size and SHA-256) is written last, then the directory is fsynced, renamed into
+size and BLAKE3 hash) is written last, then the directory is fsynced, renamed into
 place, and its parent fsynced. A directory without a manifest that verifies is
 never used: a kill at any moment leaves either the old state or the new one.
 """
@@ -20,14 +20,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
+
 from converters.errors import CheckpointError
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_VERSION = 1
-HASH = "sha256"
+HASH = "blake3"  # cryptographic, and ~5 GB/s on one core (SHA-256: ~1.3 GB/s here, more than a disk write)
 CHUNK = 16 * 2**20  # write in 16 MiB pieces: one giant write() is several times slower on common disks
 MAX_PENDING = 16  # chunks queued for the hashing thread at most
 STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def new_hasher(name: str = HASH):
+    if name == "blake3":
+        return blake3.blake3()
+    return hashlib.new(name)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -43,7 +51,7 @@ class HashingFile:
 
     def __init__(self, path: Path, hasher_pool: ThreadPoolExecutor) -> None:
         self._file = open(path, "wb")
-        self._hash = hashlib.new(HASH)
+        self._hash = new_hasher()
         self._pool = hasher_pool
         self._pending = []
         self.size = 0
@@ -178,7 +186,7 @@ def verify(path: str | os.PathLike, hash_contents: bool = True) -> Verification:
         if file.stat().st_size != entry["size"]:
             return Verification(path, False, problem=f"{name} has {file.stat().st_size} bytes, manifest says {entry['size']}")
         if hash_contents:
-            digest = hashlib.new(manifest.get("hash", HASH))
+            digest = new_hasher(manifest.get("hash", HASH))
             with open(file, "rb") as f:
                 while chunk := f.read(CHUNK):
                     digest.update(chunk)

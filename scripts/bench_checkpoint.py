@@ -7,7 +7,8 @@ index), then times each step in a fresh process, ``--repeats`` times, and report
 the best and the spread (this machine's disk swings several-fold between runs):
 
   raw      write the same bytes to the same number of files, fsync each
-  save     HFCheckpointer.save_checkpoint of an in-memory model, durable (fsync)
+  save     HFCheckpointer.save_checkpoint of an in-memory model, durable (fsync), with its manifest
+  save-nohash  the same with the manifest's hashing switched off (the manifest's cost)
   load     HFCheckpointer.load_checkpoint + meta-device build + assign, every parameter touched
   hf-save  transformers save_pretrained + sync          (when transformers is installed)
   hf-load  transformers from_pretrained, every parameter touched
@@ -132,6 +133,21 @@ def step_save(ckpt: Path, out: Path) -> float:
     return time.perf_counter() - start
 
 
+def step_save_nohash(ckpt: Path, out: Path) -> float:
+    """The same save with the manifest's hashing replaced by nothing: what the manifest costs."""
+    import checkpointers.commit as commit
+
+    class NoHash:
+        def update(self, data) -> None:
+            pass
+
+        def hexdigest(self) -> str:
+            return ""
+
+    commit.new_hasher = lambda name=commit.HASH: NoHash()
+    return step_save(ckpt, out)
+
+
 def step_load(ckpt: Path, out: Path) -> float:
     import torch
 
@@ -175,8 +191,8 @@ def step_hf_load(ckpt: Path, out: Path) -> float:
     return time.perf_counter() - start
 
 
-WRITERS = ("raw", "save", "hf-save")
-STEPS = {"raw": step_raw, "save": step_save, "load": step_load, "hf-save": step_hf_save, "hf-load": step_hf_load}
+WRITERS = ("raw", "save", "save-nohash", "hf-save")
+STEPS = {"raw": step_raw, "save": step_save, "save-nohash": step_save_nohash, "load": step_load, "hf-save": step_hf_save, "hf-load": step_hf_load}
 
 
 def run_child(step: str, ckpt: Path, work: Path) -> tuple[float, float]:
@@ -210,7 +226,7 @@ def main() -> None:
         import transformers  # noqa: F401
         steps = list(STEPS)
     except ImportError:
-        steps = ["raw", "save", "load"]
+        steps = ["raw", "save", "save-nohash", "load"]
     work = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench_checkpoint_"))
     try:
         ckpt = work / "ckpt"
@@ -233,6 +249,8 @@ def main() -> None:
                   f"{total / 1e9 / best:6.2f} {rss[step]:11.2f}")
         best = {s: min(t) for s, t in times.items()}
         print(f"save speed / raw write speed: {best['raw'] / best['save']:.2f}x   (target >= 0.9x)")
+        print(f"manifest (hash while writing) cost: {best['save'] / best['save-nohash'] - 1:+.1%} of save time, best vs best; "
+              f"{statistics.median(times['save']) / statistics.median(times['save-nohash']) - 1:+.1%} median vs median   (target <= 10%)")
         print(f"load peak RSS / model bytes: {rss['load'] / (total / 1e9):.2f}x; "
               f"limit 1.1 x {total / 1e9:.2f} + 0.5 = {1.1 * total / 1e9 + 0.5:.2f} GB -> "
               f"{'ok' if rss['load'] <= 1.1 * total / 1e9 + 0.5 else 'OVER'}")
