@@ -131,6 +131,15 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path, interrupted, reference, 
     assert_same_run(out, reference)
 
 
+def test_pinned_checkpoint_resumes_there(tmp_path, interrupted, reference):
+    out = copy_run(interrupted, tmp_path / "run")
+    result = run(out, f"resume={out / 'step_8'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from step_8 " in result.stdout
+    assert (out / "step_12.superseded").is_dir()
+    assert_same_run(out, reference)
+
+
 def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, interrupted):
     out = copy_run(interrupted, tmp_path / "run")
     shutil.rmtree(out / "step_12")

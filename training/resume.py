@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from checkpointers.commit import step_dirs, verify, Verification
+from checkpointers.commit import STEP_DIR, Verification, step_dirs, verify
 from converters.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -69,17 +69,17 @@ def check_config(saved: Mapping, current: Mapping, checkpoint: Path) -> list[str
     return harmless
 
 
-def set_aside_newer(output_dir: str | Path, chosen: Path) -> list[Path]:
-    """Rename checkpoints newer than ``chosen`` (they failed verification) to ``step_N.corrupt``, so the
-    resumed run can write its own ``step_N`` while the damaged files stay for inspection."""
+def set_aside_newer(output_dir: str | Path, chosen: Path, suffix: str) -> list[Path]:
+    """Rename the checkpoints after ``chosen`` to ``step_N.<suffix>`` (they failed verification, or the user
+    pinned an earlier one), so the resumed run can write its own ``step_N`` and nothing is deleted."""
+    chosen_step = int(STEP_DIR.match(Path(chosen).name).group(1)) if STEP_DIR.match(Path(chosen).name) else -1
     moved = []
     for path in step_dirs(output_dir):
-        if path.resolve() == Path(chosen).resolve():
-            break
-        target = path.with_name(path.name + ".corrupt")
-        n = 1
+        if int(STEP_DIR.match(path.name).group(1)) <= chosen_step or path.resolve() == Path(chosen).resolve():
+            continue
+        target, n = path.with_name(f"{path.name}.{suffix}"), 1
         while target.exists():
-            target, n = path.with_name(f"{path.name}.corrupt{n}"), n + 1
+            target, n = path.with_name(f"{path.name}.{suffix}{n}"), n + 1
         path.rename(target)
         moved.append(target)
     return moved
