@@ -101,7 +101,9 @@ class StagedDir:
         self.target = Path(target)
         self.path = self.target.with_name(f".{self.target.name}.tmp-{os.getpid()}")
         self.files: dict[str, dict] = {}
+        self._closing: dict[str, object] = {}  # name -> future of (size, digest): fsync overlaps the next file's writes
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-fsync")
 
     def __enter__(self) -> StagedDir:
         if self.target.exists():
@@ -112,29 +114,37 @@ class StagedDir:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._discard()
+            return
         try:
-            if exc_type is None:
-                self._commit()
+            self._commit()
         except BaseException:
-            shutil.rmtree(self.path, ignore_errors=True)
+            self._discard()
             raise
-        finally:
-            self._pool.shutdown(wait=True)
-            if exc_type is not None:
-                shutil.rmtree(self.path, ignore_errors=True)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._syncer.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+
+    def _discard(self) -> None:
+        self._shutdown()  # every staged file closed before the directory goes
+        shutil.rmtree(self.path, ignore_errors=True)
 
     def write(self, name: str, produce) -> None:
-        """Call ``produce(file)`` with a hashing file object for ``name``; record its size and hash."""
-        if name in self.files or name == MANIFEST or "/" in name:
+        """Call ``produce(file)`` with a hashing file object for ``name``; it is fsynced in the background
+        and its size and hash recorded before the commit."""
+        if name in self._closing or name == MANIFEST or "/" in name:
             raise CheckpointError(f"{self.target}: cannot stage file {name!r}")
         handle = HashingFile(self.path / name, self._pool)
         try:
             produce(handle)
-            size, digest = handle.close_durably()
+            handle.flush()
         except BaseException:
             handle.abandon()
             raise
-        self.files[name] = {"size": size, HASH: digest}
+        self._closing[name] = self._syncer.submit(handle.close_durably)
 
     def write_bytes(self, name: str, data: bytes) -> None:
         self.write(name, lambda f: f.write(data))
@@ -147,6 +157,9 @@ class StagedDir:
         self.write(name or source.name, produce)
 
     def _commit(self) -> None:
+        for name, closing in self._closing.items():
+            size, digest = closing.result()
+            self.files[name] = {"size": size, HASH: digest}
         manifest = {"format_version": MANIFEST_VERSION, "hash": HASH, "files": dict(sorted(self.files.items()))}
         with open(self.path / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
