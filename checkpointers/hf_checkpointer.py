@@ -9,26 +9,20 @@ index goes out under the same names, with the same keys in each file.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from checkpointers.commit import MANIFEST, StagedDir
-from checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state, split_extra_state
+from checkpointers.base import Checkpointer
+from checkpointers.commit import StagedDir
 from checkpointers.file_formats import SAFETENSORS, TORCH, read_metadata, read_tensors, write_tensors
-from checkpointers.shard_layout import INDEX_NAMES, WEIGHT_SUFFIXES, ShardLayout, discover
+from checkpointers.shard_layout import INDEX_NAMES, ShardLayout, discover
 from converters import CheckpointError, Converter, detect_model_type, get_converter
 
-log = logging.getLogger(__name__)
 
-SMALL_FILE_LIMIT = 100 * 2**20  # non-weight files up to this size are copied to the output (tokenizer, README, ...)
-RECIPE_STATE_FILE = "recipe_state.pt"
-NOT_COPIED = {MANIFEST, RECIPE_STATE_FILE, EXTRA_STATE_FILE, "config.json", *INDEX_NAMES.values()}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -45,7 +39,7 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class HFCheckpointer:
+class HFCheckpointer(Checkpointer):
     """Load and save checkpoints in the Hugging Face format.
 
     Args:
@@ -57,11 +51,12 @@ class HFCheckpointer:
             ``False`` PyTorch ``.bin`` files (file names follow the format).
     """
 
+    own_files = frozenset({"config.json", *INDEX_NAMES.values()})
+
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
                  safe_serialization: bool | None = None) -> None:
-        self.checkpoint_dir = Path(checkpoint_dir)
-        self.output_dir = Path(output_dir)
+        super().__init__(checkpoint_dir, output_dir)
         self.config = _read_json(self.checkpoint_dir / "config.json")
         self.model_type = model_type or detect_model_type(self.config, str(self.checkpoint_dir / "config.json"))
         self.converter: Converter = get_converter(self.model_type, self.config)
@@ -70,8 +65,7 @@ class HFCheckpointer:
         self._file_metadata: dict[str, dict | None] = {}
 
     # -- load ---------------------------------------------------------------------
-    def load_checkpoint(self) -> dict[str, Any]:
-        """``{"model": native state dict}``; tensors are memory-mapped and keep the file's dtype."""
+    def _load_model(self) -> dict[str, torch.Tensor]:
         hf_state: dict[str, torch.Tensor] = {}
         where: dict[str, str] = {}
         keys_by_file: dict[str, list[str]] = {}
@@ -89,10 +83,7 @@ class HFCheckpointer:
                 keys_by_file[name] = [k for k in tensors if not self.converter.is_ignored(k)]
                 bar.update(path.stat().st_size)
         self.layout = self.layout.with_keys(keys_by_file)
-        native = self.converter.to_native(hf_state, where)
-        if (self.checkpoint_dir / EXTRA_STATE_FILE).is_file():
-            native.update(load_extra_state(self.checkpoint_dir / EXTRA_STATE_FILE))
-        return {"model": native}
+        return self.converter.to_native(hf_state, where)
 
     def _check_against_index(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         if self.layout.weight_map is None:
@@ -111,30 +102,14 @@ class HFCheckpointer:
         fmt = {None: self.layout.file_format, True: SAFETENSORS, False: TORCH}[self.safe_serialization]
         return self.layout.in_format(fmt)
 
-    def save_checkpoint(self, state_dict: Mapping[str, Any], step: int) -> Path:
-        """Write ``output_dir/step_{step}``: ``state_dict["model"]`` in the input's format and layout, and
-        ``state_dict["recipe_state"]`` (when given) as ``recipe_state.pt``.
-
-        The directory is committed atomically with a manifest (``commit.StagedDir``);
-        an existing ``step_{step}`` is never touched.
-        """
-        native, extra = split_extra_state(state_dict["model"])
+    def _model_writer(self, native: Mapping[str, torch.Tensor]):
         layout = self.output_layout()
         plan = self._plan_files(native, layout)
-        target = self.output_dir / f"step_{step}"
-        try:
-            with StagedDir(target) as stage:
-                self._write_weights(native, layout, plan, stage)
-                self._write_side_files(native, stage)
-                if extra:
-                    stage.write(EXTRA_STATE_FILE, lambda f: torch.save(extra, f))
-                if state_dict.get("recipe_state") is not None:
-                    stage.write(RECIPE_STATE_FILE, lambda f: torch.save(state_dict["recipe_state"], f))
-        except OSError as e:
-            raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
-                                  "nothing was committed and earlier checkpoints are intact") from e
-        log.info("saved %s", target)
-        return target
+
+        def write(stage: StagedDir) -> None:
+            self._write_weights(native, layout, plan, stage)
+            self._write_config(native, stage)
+        return write
 
     def _plan_files(self, native: Mapping[str, torch.Tensor], layout: ShardLayout) -> dict[str, list]:
         """Output file -> converter groups that produce its keys; every key placed exactly as in the input."""
@@ -174,8 +149,8 @@ class HFCheckpointer:
             index = {"metadata": metadata, "weight_map": dict(sorted(layout.weight_map.items()))}
             stage.write_bytes(layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
 
-    def _write_side_files(self, native, stage: StagedDir) -> None:
-        """config.json (dtype made true to what was written) and the small non-weight files."""
+    def _write_config(self, native, stage: StagedDir) -> None:
+        """config.json, its dtype made true to what was written."""
         config = dict(self.config)
         dtypes = {t.dtype for t in native.values() if t.is_floating_point()}
         if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPE_NAMES:
@@ -183,7 +158,3 @@ class HFCheckpointer:
             for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
                 config[key] = name
         stage.write_bytes("config.json", (json.dumps(config, indent=2) + "\n").encode())
-        for src in sorted(self.checkpoint_dir.iterdir()):
-            if (src.is_file() and src.name not in NOT_COPIED and not src.name.startswith(".")
-                    and not src.name.endswith(WEIGHT_SUFFIXES) and src.stat().st_size <= SMALL_FILE_LIMIT):
-                stage.copy_file(src)

@@ -223,7 +223,7 @@ def main() -> None:
         return
 
     try:
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401  (is it installed?)
         steps = list(STEPS)
     except ImportError:
         steps = ["raw", "save", "save-nohash", "load"]

@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
+from checkpointers.base import RECIPE_STATE_FILE
 from converters.errors import CheckpointError
-
-RECIPE_STATE_FILE = "recipe_state.pt"
 FORMAT_VERSION = 1
 
 
