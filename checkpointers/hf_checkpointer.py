@@ -28,7 +28,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
-        raise CheckpointError(f"{path}: missing (an HF checkpoint directory needs config.json)")
+        raise CheckpointError(f"{path}: missing (this checkpoint format needs {path.name})")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -52,17 +52,21 @@ class HFCheckpointer(Checkpointer):
     """
 
     own_files = frozenset({"config.json", *INDEX_NAMES.values()})
+    config_file = "config.json"
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
                  safe_serialization: bool | None = None) -> None:
         super().__init__(checkpoint_dir, output_dir)
-        self.config = _read_json(self.checkpoint_dir / "config.json")
-        self.model_type = model_type or detect_model_type(self.config, str(self.checkpoint_dir / "config.json"))
-        self.converter: Converter = get_converter(self.model_type, self.config)
+        self.config = _read_json(self.checkpoint_dir / self.config_file)
+        self.converter: Converter = self._make_converter(model_type)
         self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
         self.safe_serialization = safe_serialization
         self._file_metadata: dict[str, dict | None] = {}
+
+    def _make_converter(self, model_type: str | None) -> Converter:
+        self.model_type = model_type or detect_model_type(self.config, str(self.checkpoint_dir / self.config_file))
+        return get_converter(self.model_type, self.config)
 
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
@@ -135,8 +139,7 @@ class HFCheckpointer(Checkpointer):
             for src_name, name in zip(self.layout.files, layout.files):
                 converted = self.converter.apply_groups(plan[name], native, forward=False, where=None)
                 tensors = {k: converted[k] for k in self.layout.weight_map if layout.weight_map[k] == name}
-                metadata = self._file_metadata.get(src_name) if layout.file_format == SAFETENSORS else None
-                metadata = metadata or ({"format": "pt"} if layout.file_format == SAFETENSORS else None)
+                metadata = self._metadata_for(src_name, tensors) if layout.file_format == SAFETENSORS else None
                 stage.write(name, lambda f: write_tensors(f, tensors, layout.file_format, metadata))
                 size = sum(_tensor_bytes(t) for t in tensors.values())
                 total_size += size
@@ -148,6 +151,10 @@ class HFCheckpointer(Checkpointer):
                 metadata["total_parameters"] = total_params
             index = {"metadata": metadata, "weight_map": dict(sorted(layout.weight_map.items()))}
             stage.write_bytes(layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
+
+    def _metadata_for(self, source_file: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+        """The safetensors header metadata of an output file: its input twin's (HF writes {"format": "pt"})."""
+        return self._file_metadata.get(source_file) or {"format": "pt"}
 
     def _write_config(self, native, stage: StagedDir) -> None:
         """config.json, its dtype made true to what was written."""

@@ -100,7 +100,7 @@ def discover(directory: str | Path, checkpoint_files: list[str] | str | None = "
             index = directory / INDEX_NAMES[fmt]
             if index.is_file():
                 return _from_index(directory, index)
-        for pattern in ("model*.safetensors", "*.safetensors", "pytorch_model*.bin", "*.bin"):
+        for pattern in ("model*.safetensors", "*.safetensors", "pytorch_model*.bin", "*.bin", "model*.pt"):
             found = sorted(p.name for p in directory.glob(pattern) if p.is_file())
             if found:
                 return ShardLayout(tuple(found))

@@ -1,7 +1,7 @@
 """A declarative, reversible key/tensor conversion table.
 
 A :class:`Rule` pairs HF key patterns with native key patterns and a tensor op;
-``{i}`` in a pattern stands for a layer index. :class:`Converter` applies the
+``{i}`` in a pattern stands for a layer index, ``{key}`` for any whole key. :class:`Converter` applies the
 rules forwards (HF -> native) on load and backwards (native -> HF) on save, so
 saving is loading run in reverse. Any key that no rule matches is an error that
 names it; only keys matching ``ignore`` (e.g. ``rotary_emb.inv_freq``) are
@@ -21,7 +21,8 @@ from converters.ops import Identity
 
 
 def _compile(pattern: str) -> re.Pattern:
-    regex = re.escape(pattern).replace(re.escape("{i}"), r"(?P<i>\d+)")
+    """``{i}`` matches a layer index, ``{key}`` any key (for tables that keep names as they are)."""
+    regex = re.escape(pattern).replace(re.escape("{i}"), r"(?P<i>\d+)").replace(re.escape("{key}"), r"(?P<key>.+)")
     return re.compile(f"^{regex}$")
 
 

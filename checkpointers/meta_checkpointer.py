@@ -1,0 +1,162 @@
+"""MetaCheckpointer: Meta's original checkpoints, ``consolidated.NN.pth`` + ``params.json`` (+ ``tokenizer.model``).
+
+Llama 2 13B ships 2 model-parallel files and 70B ships 8: on load each tensor is
+joined along its model-parallel dimension (column-parallel ``wq wk wv w1 w3 output``
+on dim 0, row-parallel ``wo w2`` on dim 1, the embedding on dim 1 for Llama 2's
+ParallelEmbedding and dim 0 for Llama 3's VocabParallelEmbedding, norms replicated
+and checked equal); save splits them the same way into the same number of files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from checkpointers.base import Checkpointer
+from checkpointers.commit import StagedDir
+from checkpointers.file_formats import read_tensors
+from converters import CheckpointError
+from converters.meta import COLUMN_PARALLEL, ROW_PARALLEL, meta_converter
+from models import ModelArgs
+
+PARAMS_FILE = "params.json"
+
+
+def _read_params(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (a Meta checkpoint directory needs params.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid json ({e})") from e
+
+
+def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """The FFN width Meta's reference code derives from params.json."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+class MetaCheckpointer(Checkpointer):
+    """Load and save Meta-format checkpoints, single- or multi-file (model parallel)."""
+
+    own_files = frozenset()  # params.json and tokenizer.model are copied as they are
+
+    def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                 checkpoint_files: list[str] | str = "auto", model_type: str | None = None) -> None:
+        super().__init__(checkpoint_dir, output_dir)
+        self.params = _read_params(self.checkpoint_dir / PARAMS_FILE)
+        self.model_type = model_type or ("LLAMA3" if self.params.get("vocab_size", 0) >= 128000 else "LLAMA2")
+        if checkpoint_files in (None, "auto"):
+            self.files = sorted(p.name for p in self.checkpoint_dir.glob("consolidated.*.pth"))
+        else:
+            self.files = [checkpoint_files] if isinstance(checkpoint_files, str) else list(checkpoint_files)
+        if not self.files:
+            raise CheckpointError(f"{self.checkpoint_dir}: no consolidated.*.pth files")
+        self.converter = meta_converter()
+        self.split_dims: dict[str, int | None] | None = None  # meta key -> model-parallel dim (None: replicated)
+        self.model_args: ModelArgs | None = None
+
+    # -- load ---------------------------------------------------------------------
+    def _load_model(self) -> dict[str, torch.Tensor]:
+        shards = []
+        with tqdm(total=sum((self.checkpoint_dir / f).stat().st_size for f in self.files), unit="B", unit_scale=True,
+                  desc="load", leave=False) as bar:
+            for name in self.files:
+                shards.append(read_tensors(self.checkpoint_dir / name))
+                bar.update((self.checkpoint_dir / name).stat().st_size)
+        keys = list(shards[0])
+        for name, shard in zip(self.files[1:], shards[1:]):
+            if set(shard) != set(keys):
+                odd = sorted(set(shard) ^ set(keys))[0]
+                raise CheckpointError(f"{self.checkpoint_dir / name}: keys differ from {self.files[0]} (e.g. {odd!r})")
+        dim = self.params["dim"]
+        meta, self.split_dims = {}, {}
+        for key in keys:
+            if self.converter.is_ignored(key):
+                continue
+            parts = [shard[key] for shard in shards]
+            split = self._split_dim(key, parts[0], dim)
+            self.split_dims[key] = split
+            meta[key] = self._join(key, parts, split)
+        self.model_args = self._model_args(meta)
+        return self.converter.to_native(meta, where={k: self.files[0] for k in meta})
+
+    def _split_dim(self, key: str, part: torch.Tensor, dim: int) -> int | None:
+        if len(self.files) == 1 or part.ndim == 1:
+            return None
+        if key == "tok_embeddings.weight":
+            return 1 if part.shape[1] != dim else 0
+        if key.endswith(COLUMN_PARALLEL):
+            return 0
+        if key.endswith(ROW_PARALLEL):
+            return 1
+        raise CheckpointError(f"{self.checkpoint_dir}: unknown Meta key {key!r} in model-parallel files")
+
+    def _join(self, key: str, parts: list[torch.Tensor], split: int | None) -> torch.Tensor:
+        if split is None:
+            for name, part in zip(self.files[1:], parts[1:]):
+                if not torch.equal(part, parts[0]):
+                    raise CheckpointError(f"{self.checkpoint_dir / name}: replicated {key!r} differs from {self.files[0]}")
+            return parts[0]
+        try:
+            return torch.cat(parts, dim=split)
+        except RuntimeError as e:
+            shapes = ", ".join(str(tuple(p.shape)) for p in parts)
+            raise CheckpointError(f"{self.checkpoint_dir}: {key!r} does not join along dim {split}: shapes {shapes}") from e
+
+    def _model_args(self, meta: Mapping[str, torch.Tensor]) -> ModelArgs:
+        p = self.params
+        vocab, dim = meta["tok_embeddings.weight"].shape
+        hidden = meta["layers.0.feed_forward.w1.weight"].shape[0]
+        n_layers = 1 + max(int(k.split(".")[1]) for k in meta if k.startswith("layers."))
+        problems = []
+        if dim != p["dim"]:
+            problems.append(f"dim {p['dim']} but tok_embeddings.weight has width {dim}")
+        if p.get("n_layers", n_layers) != n_layers:
+            problems.append(f"n_layers {p['n_layers']} but the files hold {n_layers} layers")
+        if p.get("vocab_size", -1) > 0 and p["vocab_size"] != vocab:
+            problems.append(f"vocab_size {p['vocab_size']} but tok_embeddings.weight has {vocab} rows")
+        if "multiple_of" in p and meta_hidden_dim(dim, p["multiple_of"], p.get("ffn_dim_multiplier")) != hidden:
+            problems.append(f"an FFN width of {meta_hidden_dim(dim, p['multiple_of'], p.get('ffn_dim_multiplier'))} "
+                            f"but layers.0.feed_forward.w1.weight has {hidden}")
+        n_heads = p["n_heads"]
+        n_kv = p.get("n_kv_heads") or n_heads
+        if meta["layers.0.attention.wk.weight"].shape[0] != n_kv * (dim // n_heads):
+            problems.append(f"n_kv_heads {n_kv} but layers.0.attention.wk.weight has {meta['layers.0.attention.wk.weight'].shape[0]} rows")
+        if problems:
+            raise CheckpointError(f"{self.checkpoint_dir / PARAMS_FILE} is inconsistent with the tensors: {problems[0]}")
+        if p.get("use_scaled_rope"):
+            raise CheckpointError(f"{self.checkpoint_dir / PARAMS_FILE}: use_scaled_rope (Llama 3.1 rope scaling) is not supported for Meta checkpoints yet")
+        return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, vocab_size=vocab, hidden_dim=hidden,
+                         norm_eps=p.get("norm_eps", 1e-5), rope_theta=float(p.get("rope_theta", 10000.0)),
+                         max_seq_len=8192 if vocab >= 128000 else 4096)
+
+    # -- save ---------------------------------------------------------------------
+    def _model_writer(self, native: Mapping[str, torch.Tensor]):
+        if self.split_dims is None:
+            raise CheckpointError("save_checkpoint needs load_checkpoint first: the input's model-parallel split is unknown")
+        meta = self.converter.from_native(native)
+        missing = sorted(set(self.split_dims) - set(meta))
+        extra = sorted(set(meta) - set(self.split_dims))
+        if missing or extra:
+            raise CheckpointError(f"state dict does not match the input checkpoint: "
+                                  + (f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the input does not"))
+        n = len(self.files)
+
+        def write(stage: StagedDir) -> None:
+            for index, name in enumerate(tqdm(self.files, desc="save", leave=False)):
+                shard = {}
+                for key, split in self.split_dims.items():
+                    tensor = meta[key]
+                    shard[key] = tensor.chunk(n, dim=split)[index].clone() if split is not None else tensor.contiguous()
+                stage.write(name, lambda f: torch.save(shard, f))
+        return write

@@ -1,0 +1,89 @@
+"""NativeCheckpointer: this project's own format, native keys with no conversion.
+
+A native checkpoint directory holds ``waypoint_model.json`` (the ModelArgs), the
+weights under native keys in safetensors (one ``model.safetensors`` or shards with
+``model.safetensors.index.json``; ``.pt``/``.bin`` files are read too), and the
+tokenizer files. A tied output projection is stored once: the file holding
+``tok_embeddings.weight`` records ``output.weight`` as its alias in the safetensors
+metadata, and loading re-ties the two (safetensors refuses tensors that share memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from checkpointers.commit import StagedDir
+from checkpointers.file_formats import write_tensors
+from checkpointers.hf_checkpointer import HFCheckpointer
+from checkpointers.shard_layout import INDEX_NAMES
+from converters import CheckpointError, Converter, Rule
+from models import ModelArgs
+
+MODEL_FILE = "waypoint_model.json"
+FORMAT_NAME, FORMAT_VERSION = "waypoint-native", 1
+ALIASES_KEY = "waypoint_aliases"
+
+
+def native_converter(tied: bool) -> Converter:
+    """Keys as they are; the tied head is written once, as the embedding."""
+    return Converter([Rule("{key}", "{key}")], tied_embeddings=tied)
+
+
+def model_args_of(config: Mapping) -> ModelArgs:
+    fields = {f.name for f in dataclasses.fields(ModelArgs)}
+    unknown = sorted(set(config.get("model_args", {})) - fields)
+    if config.get("format") != FORMAT_NAME or unknown:
+        raise CheckpointError(f"{MODEL_FILE}: not a {FORMAT_NAME} model description"
+                              + (f" (unknown fields {', '.join(unknown)})" if unknown else ""))
+    return ModelArgs(**config["model_args"])
+
+
+def describe(args: ModelArgs) -> dict:
+    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_args": dataclasses.asdict(args)}
+
+
+class NativeCheckpointer(HFCheckpointer):
+    """Load and save native checkpoints (same constructor and methods as HFCheckpointer, no model_type)."""
+
+    own_files = frozenset({MODEL_FILE, *INDEX_NAMES.values()})
+    config_file = MODEL_FILE
+
+    def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                 checkpoint_files: list[str] | str = "auto", safe_serialization: bool | None = None) -> None:
+        super().__init__(checkpoint_dir, output_dir, checkpoint_files=checkpoint_files, safe_serialization=safe_serialization)
+
+    def _make_converter(self, model_type: str | None) -> Converter:
+        self.model_args = model_args_of(self.config)
+        self.model_type = "NATIVE"
+        return native_converter(self.model_args.tie_embeddings)
+
+    def _metadata_for(self, source_file: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+        metadata = dict(super()._metadata_for(source_file, tensors))
+        if self.model_args.tie_embeddings and "tok_embeddings.weight" in tensors:
+            metadata[ALIASES_KEY] = json.dumps({"output.weight": "tok_embeddings.weight"})
+        return metadata
+
+    def _write_config(self, native, stage: StagedDir) -> None:
+        stage.write_bytes(MODEL_FILE, (json.dumps(self.config, indent=2) + "\n").encode())
+
+
+def write_native_checkpoint(directory: str | os.PathLike, model_state: Mapping[str, torch.Tensor], args: ModelArgs,
+                            side_files: list[Path] = ()) -> Path:
+    """A new single-file native checkpoint at ``directory`` (committed atomically; refuses an existing path)."""
+    converter = native_converter(args.tie_embeddings)
+    tensors = converter.from_native({k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)})
+    metadata = {"format": "pt"}
+    if args.tie_embeddings:
+        metadata[ALIASES_KEY] = json.dumps({"output.weight": "tok_embeddings.weight"})
+    with StagedDir(directory) as stage:
+        stage.write("model.safetensors", lambda f: write_tensors(f, tensors, "safetensors", metadata))
+        stage.write_bytes(MODEL_FILE, (json.dumps(describe(args), indent=2) + "\n").encode())
+        for path in side_files:
+            stage.copy_file(Path(path))
+    return Path(directory)

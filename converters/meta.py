@@ -1,0 +1,39 @@
+"""Meta's reference layout (``consolidated.NN.pth`` + ``params.json``) <-> native keys.
+
+The native model uses Meta's interleaved RoPE layout, so no permutation is needed:
+the table is renames only.
+"""
+
+from __future__ import annotations
+
+from converters.table import Converter, Rule
+
+# How model-parallel files split each weight (Meta's ColumnParallelLinear / RowParallelLinear);
+# the embedding's split dim depends on the generation and is read from the shapes.
+COLUMN_PARALLEL = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+                   "feed_forward.w1.weight", "feed_forward.w3.weight", "output.weight")
+ROW_PARALLEL = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+def meta_converter(tied: bool = False) -> Converter:
+    layer, native = "layers.{i}.", "layers.{i}."
+    return Converter(
+        rules=[
+            Rule("tok_embeddings.weight", "tok_embeddings.weight"),
+            Rule(layer + "attention_norm.weight", native + "sa_norm.weight"),
+            Rule(layer + "attention.wq.weight", native + "attn.q_proj.weight"),
+            Rule(layer + "attention.wk.weight", native + "attn.k_proj.weight"),
+            Rule(layer + "attention.wv.weight", native + "attn.v_proj.weight"),
+            Rule(layer + "attention.wo.weight", native + "attn.output_proj.weight"),
+            Rule(layer + "ffn_norm.weight", native + "mlp_norm.weight"),
+            Rule(layer + "feed_forward.w1.weight", native + "mlp.w1.weight"),
+            Rule(layer + "feed_forward.w3.weight", native + "mlp.w3.weight"),
+            Rule(layer + "feed_forward.w2.weight", native + "mlp.w2.weight"),
+            Rule("norm.weight", "norm.weight"),
+            Rule("output.weight", "output.weight"),
+        ],
+        ignore=(r"^rope\.freqs$",),
+        tied_embeddings=tied,
+        hf_embedding_key="tok_embeddings.weight",
+        hf_head_key="output.weight",
+    )
