@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from models import Transformer, from_hf_config
+from checkpointers import build_model
+from models import Transformer
 from models.extra_state import ExtraStateModule
 
 
@@ -42,6 +43,5 @@ class CalibratedTransformer(Transformer):
         return self.output(self.norm(self.calibration(h)))
 
 
-def build(config, attn_dropout=None) -> CalibratedTransformer:
-    args = from_hf_config(config, attn_dropout=attn_dropout).args
-    return CalibratedTransformer(args)
+def build(checkpoint_dir, attn_dropout=None) -> CalibratedTransformer:
+    return CalibratedTransformer(build_model(checkpoint_dir, attn_dropout=attn_dropout).args)

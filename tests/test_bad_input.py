@@ -82,8 +82,7 @@ def test_bad_checkpoint_one_line_error_and_output_dir_untouched(damage, tmp_path
     snapshot = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
     code = main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={ckpt}",
-                 f"output_dir={out}", "overwrite=true", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}",
-                 "model._target_=models.from_hf_config"])
+                 f"output_dir={out}", "overwrite=true", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}"])
     err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error" in line]
     assert code == 1
     assert len(err) == 1 and err[0].startswith("error: "), err

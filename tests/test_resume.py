@@ -19,7 +19,7 @@ from checkpointers.file_formats import read_tensors
 from tests.conftest import ROOT
 
 STEPS_PER_EPOCH, EPOCHS = 8, 2
-BASE = [f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}",
+BASE = [f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}",
         f"epochs={EPOCHS}", f"max_steps_per_epoch={STEPS_PER_EPOCH}", "model.attn_dropout=0.1",
         "keep_last_n_checkpoints=null", "save_every_n_steps=4"]
 FINAL = f"step_{STEPS_PER_EPOCH * EPOCHS}"
@@ -28,6 +28,8 @@ FINAL = f"step_{STEPS_PER_EPOCH * EPOCHS}"
 def run(out, *overrides, fault=None, preexec_fn=None, env=None):
     cmd = [sys.executable]
     cmd += [str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [str(ROOT / "recipes/full_finetune.py")]
+    if not any(o.startswith("checkpointer.checkpoint_dir=") for o in overrides):
+        overrides = (f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", *overrides)
     cmd += ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn,
                           env={**os.environ, **(env or {})})
@@ -167,16 +169,48 @@ def test_incompatible_config_change_is_refused_with_the_keys(tmp_path, interrupt
     assert "note: clip_grad_norm differs from the checkpoint's config; accepted" in harmless.stdout
 
 
-def test_extra_state_survives_resume(tmp_path):
-    lazy = ["model._target_=tests.lazy_state_model.build", "save_every_n_steps=null", "epochs=1"]
+def tiny_in_format(fmt, tmp_path):
+    """The embedded tiny checkpoint in HF, native or 2-file Meta format (tokenizer files beside it)."""
+    from checkpointers import load_model
+    from checkpointers.native_checkpointer import write_native_checkpoint
+    from tests.test_formats import hf_to_meta_oracle, write_meta_checkpoint
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = ROOT / "assets/tiny_llama"
+    tokenizer_files = [source / "tokenizer.json", source / "tokenizer_config.json"]
+    if fmt == "hf":
+        return source
+    if fmt == "native":
+        model = load_model(source)
+        return write_native_checkpoint(tmp_path / "native", model.state_dict(), model.args, side_files=tokenizer_files)
+    config = LlamaConfig.from_pretrained(source)
+    meta = hf_to_meta_oracle(LlamaForCausalLM.from_pretrained(source).state_dict(), config)
+    write_meta_checkpoint(tmp_path / "meta", meta, config, 2, 1)
+    params = json.loads((tmp_path / "meta/params.json").read_text())
+    params.pop("multiple_of")
+    (tmp_path / "meta/params.json").write_text(json.dumps(params))
+    (tmp_path / "meta/tokenizer.model").unlink()
+    for f in tokenizer_files:
+        shutil.copy(f, tmp_path / "meta" / f.name)
+    return tmp_path / "meta"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["hf", "meta", "native"])
+def test_extra_state_survives_resume(tmp_path, fmt):
+    source = tiny_in_format(fmt, tmp_path)
+    lazy = ["model._target_=tests.lazy_state_model.build", "save_every_n_steps=null", "epochs=1",
+            f"checkpointer={fmt}", f"checkpointer.checkpoint_dir={source}"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert run(whole, *lazy).returncode == 0
+    done = run(whole, *lazy)
+    assert done.returncode == 0, done.stderr[-2000:]
     stopped = run(parts, *lazy, fault=["signal-at-step", "3", "SIGTERM"])
     assert stopped.returncode == 75, stopped.stderr[-2000:]
     saved = torch.load(parts / "step_3" / "extra_state.pt", weights_only=True)
     assert saved["calibration._extra_state"]["draws"] == 1 and saved["calibration._extra_state"]["p"].shape == (128,)
     assert "extra_state.pt" in json.loads((parts / "step_3" / "MANIFEST.json").read_text())["files"]
-    assert run(parts, *lazy).returncode == 0
+    resumed = run(parts, *lazy)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert losses(parts) == losses(whole), "the lazily drawn tensor was not restored"
 
 
