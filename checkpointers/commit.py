@@ -182,6 +182,8 @@ class Verification:
 def verify(path: str | os.PathLike, hash_contents: bool = True) -> Verification:
     """Check a committed directory against its manifest: every file present, of its size and hash."""
     path = Path(path)
+    if not path.is_dir():
+        return Verification(path, False, problem="no such directory")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]

@@ -1,6 +1,7 @@
 """Run recipes/full_finetune.py with a fault injected, as a cluster would inflict it.
 
     python tests/interrupt.py signal-at-step K SIGNAL -- <recipe args>
+    python tests/interrupt.py signal-twice K SIGNAL -- <recipe args>
     python tests/interrupt.py kill-in-save STEP MOMENT -- <recipe args>
 
 signal-at-step: sends SIGNAL to itself right after optimizer step K is logged (a
@@ -35,6 +36,26 @@ def signal_at_step(step: int, name: str) -> None:
             os.kill(os.getpid(), getattr(signal, name))
 
     MetricsLog.write = patched
+
+
+def signal_twice(step: int, name: str) -> None:
+    """The signal at step K, and again while that checkpoint's files are being written."""
+    signal_at_step(step, name)
+    close = commit.HashingFile.close_durably
+    write = MetricsLog.write
+    sent = {"first": False}
+
+    def patched_write(self, **record):
+        sent["first"] = sent["first"] or record["step"] == step
+        write(self, **record)
+
+    def patched_close(self):
+        if sent["first"]:
+            os.kill(os.getpid(), getattr(signal, name))
+        return close(self)
+
+    MetricsLog.write = patched_write
+    commit.HashingFile.close_durably = patched_close
 
 
 def kill_in_save(target: int, moment: str) -> None:
@@ -85,5 +106,5 @@ def kill_in_save(target: int, moment: str) -> None:
 if __name__ == "__main__":
     mode, a, b, sep, *recipe_args = sys.argv[1:]
     assert sep == "--", "usage: interrupt.py MODE A B -- <recipe args>"
-    {"signal-at-step": signal_at_step, "kill-in-save": kill_in_save}[mode](int(a), b)
+    {"signal-at-step": signal_at_step, "signal-twice": signal_twice, "kill-in-save": kill_in_save}[mode](int(a), b)
     sys.exit(full_finetune.main(recipe_args))

@@ -91,6 +91,15 @@ def test_signal_then_same_command_is_bit_exact(tmp_path, reference, stop_at, whe
     assert_same_run(out, reference)
 
 
+def test_second_signal_during_the_save_corrupts_nothing(tmp_path, reference):
+    out = tmp_path / "run"
+    stopped = run(out, fault=["signal-twice", "6", "SIGTERM"])
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    assert verify(out / "step_6").ok
+    assert run(out).returncode == 0
+    assert_same_run(out, reference)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("moment,resumes_from", [("first-file", 8), ("before-manifest", 8), ("before-rename", 8), ("after-rename", 12)])
 def test_sigkill_during_save(tmp_path, reference, moment, resumes_from):
