@@ -63,6 +63,7 @@ class HFCheckpointer(Checkpointer):
         self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
         self.safe_serialization = safe_serialization
         self._file_metadata: dict[str, dict | None] = {}
+        self.added_prefix = ""
 
     def _make_converter(self, model_type: str | None) -> Converter:
         self.model_type = model_type or detect_model_type(self.config, str(self.checkpoint_dir / self.config_file))
@@ -86,6 +87,14 @@ class HFCheckpointer(Checkpointer):
                     hf_state[key], where[key] = t, name
                 keys_by_file[name] = [k for k in tensors if not self.converter.is_ignored(k)]
                 bar.update(path.stat().st_size)
+        # A headless checkpoint (LlamaModel.save_pretrained) lacks the backbone's "model." prefix:
+        # add it for the converter, and take it off again on save, as from_pretrained does.
+        headless = not any(k.startswith("model.") for k in hf_state) and any(k.startswith(("embed_tokens.", "layers.")) for k in hf_state)
+        self.added_prefix = "model." if headless else ""
+        if headless:
+            hf_state = {self.added_prefix + k: v for k, v in hf_state.items()}
+            where = {self.added_prefix + k: v for k, v in where.items()}
+            keys_by_file = {f: [self.added_prefix + k for k in keys] for f, keys in keys_by_file.items()}
         self.layout = self.layout.with_keys(keys_by_file)
         return self.converter.to_native(hf_state, where)
 
@@ -138,7 +147,7 @@ class HFCheckpointer(Checkpointer):
         with tqdm(total=sum(_tensor_bytes(t) for t in native.values()), unit="B", unit_scale=True, desc="save", leave=False) as bar:
             for src_name, name in zip(self.layout.files, layout.files):
                 converted = self.converter.apply_groups(plan[name], native, forward=False, where=None)
-                tensors = {k: converted[k] for k in self.layout.weight_map if layout.weight_map[k] == name}
+                tensors = {k[len(self.added_prefix):]: converted[k] for k in self.layout.weight_map if layout.weight_map[k] == name}
                 metadata = self._metadata_for(src_name, tensors) if layout.file_format == SAFETENSORS else None
                 stage.write(name, lambda f: write_tensors(f, tensors, layout.file_format, metadata))
                 size = sum(_tensor_bytes(t) for t in tensors.values())
@@ -149,7 +158,8 @@ class HFCheckpointer(Checkpointer):
             metadata = dict(layout.index_metadata, total_size=total_size)
             if "total_parameters" in metadata:
                 metadata["total_parameters"] = total_params
-            index = {"metadata": metadata, "weight_map": dict(sorted(layout.weight_map.items()))}
+            weight_map = {k[len(self.added_prefix):]: f for k, f in sorted(layout.weight_map.items())}
+            index = {"metadata": metadata, "weight_map": weight_map}
             stage.write_bytes(layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
 
     def _metadata_for(self, source_file: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:

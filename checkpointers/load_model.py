@@ -8,6 +8,7 @@ Build the optimizer after this, so it holds the parameters the model really uses
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 from collections.abc import Mapping
@@ -16,41 +17,137 @@ from pathlib import Path
 import torch
 
 from checkpointers.extra_state import is_extra_state_key
+from checkpointers.load_report import LoadReport, fold_keys
 from converters import CheckpointError
 from models import ModelArgs, Transformer, from_hf_config, model_args_from_hf_config, parse_dtype
+
+
+log = logging.getLogger(__name__)
 
 
 def _fold(keys: list[str]) -> str:
     return f"{keys[0]!r}" + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
 
 
-def load_into(model: Transformer, state: Mapping[str, torch.Tensor], dtype: torch.dtype | str | None = None,
-              device: torch.device | str | None = None) -> Transformer:
-    """Assign ``state`` to ``model``'s parameters (strict; shapes checked first; one-line errors naming the key).
+HEAD_KEYS = ("output.weight",)  # a head that a headless skeleton drops (reported), as from_pretrained does
 
+
+def map_prefixes(state_keys: list[str], model_keys: list[str], key_prefix_map: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Checkpoint key -> model key.
+
+    Declared ``key_prefix_map`` entries (``{"model.": "backbone."}``) rename first. Otherwise the
+    standard cases are detected: keys match as they are; the checkpoint carries a prefix the
+    model lacks; or the model nests the backbone under a prefix the checkpoint lacks.
+    """
+    if key_prefix_map:
+        renamed = {}
+        for key in state_keys:
+            for source, target in key_prefix_map.items():
+                if key.startswith(source):
+                    renamed[key] = target + key[len(source):]
+                    break
+            else:
+                renamed[key] = key
+        return renamed
+    model_set = set(model_keys)
+    candidates = [{k: k for k in state_keys}]
+    for key in state_keys:  # the checkpoint has a prefix the model lacks
+        if "." in key:
+            prefix = key.split(".", 1)[0] + "."
+            candidates.append({k: k[len(prefix):] if k.startswith(prefix) else k for k in state_keys})
+    for key in model_keys:  # the model nests the backbone
+        if "." in key:
+            prefix = key.split(".", 1)[0] + "."
+            candidates.append({k: prefix + k for k in state_keys})
+    return max(candidates, key=lambda mapping: sum(v in model_set for v in mapping.values()))
+
+
+def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: torch.dtype | str | None = None,
+              device: torch.device | str | None = None, strict: bool = True,
+              key_prefix_map: Mapping[str, str] | None = None) -> LoadReport:
+    """Assign ``state`` to ``model``'s parameters and return what was done.
+
+    Shapes are checked first (one-line errors naming the key). ``strict`` (the default) makes
+    missing and unexpected keys an error that lists them; a head the model lacks is always dropped
+    and reported. ``strict=False`` allows new heads (left as initialised, named in the report).
     Tensors keep their dtype unless ``dtype`` is given; ``*._extra_state`` entries go to the modules'
     ``set_extra_state`` (a checkpoint older than a module's extra state loads with its defaults).
     """
     dtype = parse_dtype(dtype)
-    expected = {k: v for k, v in model.state_dict().items() if not is_extra_state_key(k)}
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(k for k in state.keys() - expected.keys() if not is_extra_state_key(k) or k not in model.state_dict())
-    if missing:
-        raise CheckpointError(f"checkpoint lacks model key {_fold(missing)}")
-    if unexpected:
-        raise CheckpointError(f"checkpoint has key {_fold(unexpected)} that the model does not")
-    for key, want in expected.items():
-        if state[key].shape != want.shape:
-            raise CheckpointError(f"{key}: checkpoint shape {tuple(state[key].shape)} does not fit the model's {tuple(want.shape)}")
+    own = model.state_dict()
+    expected = {k: v for k, v in own.items() if not is_extra_state_key(k)}
+    tensors = {k: v for k, v in state.items() if not is_extra_state_key(k)}
+    mapping = map_prefixes(list(tensors), list(expected), key_prefix_map)
+    report = LoadReport(renamed={k: v for k, v in mapping.items() if k != v})
+    matched: dict[str, torch.Tensor] = {}
+    order = {k: i for i, k in enumerate(expected)}
+    for key, target in sorted(mapping.items(), key=lambda item: order.get(item[1], len(order))):  # model order
+        if target not in expected:
+            report.unexpected.append(key)
+        elif tensors[key].shape != expected[target].shape:
+            if strict:
+                raise CheckpointError(f"{target}: checkpoint shape {tuple(tensors[key].shape)} does not fit the model's "
+                                      f"{tuple(expected[target].shape)}")
+            report.mismatched.append(target)
+        else:
+            matched[target] = tensors[key]
+    dropped_heads = [k for k in report.unexpected if mapping[k].endswith(HEAD_KEYS)]
+    missing = sorted(expected.keys() - matched.keys())
+    tied = [k for k in missing if k.endswith(HEAD_KEYS) and getattr(getattr(model, "args", None), "tie_embeddings", False)]
+    missing = [k for k in missing if k not in tied]
+    if strict and missing:
+        raise CheckpointError(f"checkpoint lacks model key {_fold(fold_keys(missing))} (strict: set strict=false to allow new heads)")
+    if strict and len(report.unexpected) > len(dropped_heads):
+        others = sorted(set(report.unexpected) - set(dropped_heads))
+        raise CheckpointError(f"checkpoint has key {_fold(fold_keys(others))} that the model does not")
+
     def place(value):
         if not isinstance(value, torch.Tensor):
             return value
         return value.to(device=device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
 
-    model.load_state_dict({k: place(v) for k, v in state.items()}, strict=True, assign=True)
-    model.tie_weights()
-    model.reset_rope()
-    return model
+    extra = {k: v for k, v in state.items() if is_extra_state_key(k) and k in own}
+    placed = {k: place(v) for k, v in matched.items()}
+    model.load_state_dict({**placed, **extra}, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if hasattr(model, "reset_rope"):
+        model.reset_rope()
+    for module in model.modules():  # every rotary table, also in a model that nests the backbone
+        if module is not model and hasattr(module, "reset_rope"):
+            module.reset_rope()
+
+    for key in missing:  # new heads (strict=False): materialise and initialise what the checkpoint lacks
+        _initialise_new(model, key, device, dtype)
+
+    # From the model as it now is: which parameters hold a checkpoint tensor, which were re-tied.
+    after = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    report.loaded = sorted(k for k, t in placed.items() if after.get(k) is not None and after[k].data_ptr() == t.data_ptr())
+    report.retied = sorted(k for k, t in placed.items() if k not in report.loaded and k in after)
+    report.retied += [k for k in tied if not after[k].is_meta]
+    report.missing = sorted(missing)
+    report.extra_state = sorted(extra)
+    still_meta = sorted(k for k, t in after.items() if t.is_meta)
+    if still_meta and strict:
+        raise CheckpointError(f"after loading, {_fold(fold_keys(still_meta))} still has no data")
+    for line in report.lines():
+        log.info(line)
+    return report
+
+
+def _initialise_new(model: torch.nn.Module, key: str, device, dtype) -> None:
+    """Give a still-empty (meta) parameter real memory: normal(0, 0.02) for weights, zeros for biases."""
+    owner_name, _, attr = key.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    old = getattr(owner, attr)
+    if not old.is_meta:
+        return
+    fresh = torch.empty(old.shape, dtype=dtype or old.dtype, device=device or "cpu")
+    torch.nn.init.zeros_(fresh) if attr == "bias" else torch.nn.init.normal_(fresh, std=0.02)
+    if isinstance(old, torch.nn.Parameter):
+        setattr(owner, attr, torch.nn.Parameter(fresh, requires_grad=old.requires_grad))
+    else:
+        setattr(owner, attr, fresh)
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -105,4 +202,5 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None) 
     state = checkpointer.load_checkpoint()["model"]
     with torch.device("meta"):
         model = Transformer(model_args_for(checkpointer))
-    return load_into(model, state, dtype)
+    load_into(model, state, dtype)
+    return model

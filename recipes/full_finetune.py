@@ -72,7 +72,9 @@ def train(cfg: DictConfig) -> int:
     state = checkpointer.load_checkpoint()
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    load_into(model, state["model"], dtype=cfg.dtype, device=device)
+    report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
+                       key_prefix_map=cfg.key_prefix_map)
+    print("\n".join(report.lines()))
     del state
     model.activation_checkpointing = cfg.enable_activation_checkpointing
     model.train()

@@ -1,0 +1,69 @@
+"""What a load actually did, key by key, folded by layer for reading.
+
+The report is built from the model after assignment (which parameters now hold a
+checkpoint tensor), not from comparing key lists, so a key that was matched but
+not assigned (or re-tied afterwards) shows up as what it is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+_LAYER = re.compile(r"(^|\.)(layers)\.(\d+)\.")
+
+
+def fold_keys(keys: Iterable[str]) -> list[str]:
+    """``layers.0.x, layers.1.x, ... layers.31.x`` -> ``layers.{0..31}.x`` (other keys as they are)."""
+    groups: dict[str, list[int]] = {}
+    for key in keys:
+        m = _LAYER.search(key)
+        if m:
+            pattern = key[: m.start(3)] + "{}" + key[m.end(3):]
+            groups.setdefault(pattern, []).append(int(m.group(3)))
+        else:
+            groups.setdefault(key, [])
+    folded = []
+    for pattern, layers in groups.items():
+        if not layers:
+            folded.append(pattern)
+            continue
+        layers = sorted(set(layers))
+        contiguous = layers == list(range(layers[0], layers[-1] + 1))
+        span = f"{{{layers[0]}..{layers[-1]}}}" if contiguous and len(layers) > 1 else "{" + ",".join(map(str, layers)) + "}"
+        folded.append(pattern.replace("{}", span if len(layers) > 1 else str(layers[0])))
+    return sorted(folded)
+
+
+@dataclass
+class LoadReport:
+    loaded: list[str] = field(default_factory=list)  # model keys that now hold a checkpoint tensor
+    renamed: dict[str, str] = field(default_factory=dict)  # checkpoint key -> model key, for prefix mapping
+    missing: list[str] = field(default_factory=list)  # model keys the checkpoint did not fill (new heads with strict=false)
+    unexpected: list[str] = field(default_factory=list)  # checkpoint keys the model has no place for (dropped)
+    mismatched: list[str] = field(default_factory=list)  # shape mismatches (an error unless strict=false drops them)
+    retied: list[str] = field(default_factory=list)  # parameters re-tied to another after loading
+    extra_state: list[str] = field(default_factory=list)  # module extra state restored
+
+    def lines(self) -> list[str]:
+        out = [f"loaded {len(self.loaded)} tensors: {', '.join(fold_keys(self.loaded))}"]
+        if self.renamed:
+            prefixes = sorted({_prefix_change(a, b) for a, b in self.renamed.items()})
+            out.append(f"renamed {len(self.renamed)} keys: {', '.join(prefixes)}")
+        for label, keys in (("missing (left as initialised)", self.missing), ("unexpected (dropped)", self.unexpected),
+                            ("shape-mismatched (dropped)", self.mismatched), ("re-tied", self.retied),
+                            ("extra state restored", self.extra_state)):
+            if keys:
+                out.append(f"{label}: {', '.join(fold_keys(keys))}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def _prefix_change(source: str, target: str) -> str:
+    i = 0
+    while i < min(len(source), len(target)) and source[-1 - i] == target[-1 - i]:
+        i += 1
+    return f"{source[: len(source) - i] or '(none)'} -> {target[: len(target) - i] or '(none)'}"
