@@ -61,9 +61,13 @@ class Checkpointer:
         Everything about the model is checked before anything is written; the directory is
         committed atomically with a manifest; an existing ``step_{step}`` is never touched.
         """
+        return self.save_to(state_dict, self.output_dir / f"step_{step}")
+
+    def save_to(self, state_dict: Mapping[str, Any], target: str | os.PathLike) -> Path:
+        """``save_checkpoint`` into a directory of your choosing (it must not exist yet)."""
+        target = Path(target)
         native, extra = split_extra_state(state_dict["model"])
         write_model = self._model_writer(native)
-        target = self.output_dir / f"step_{step}"
         try:
             with StagedDir(target) as stage:
                 write_model(stage)
