@@ -53,6 +53,7 @@ class HFCheckpointer(Checkpointer):
 
     own_files = frozenset({"config.json", *INDEX_NAMES.values()})
     config_file = "config.json"
+    base_model_prefix = "model."  # transformers' name of the backbone inside *ForCausalLM
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
@@ -89,8 +90,9 @@ class HFCheckpointer(Checkpointer):
                 bar.update(path.stat().st_size)
         # A headless checkpoint (LlamaModel.save_pretrained) lacks the backbone's "model." prefix:
         # add it for the converter, and take it off again on save, as from_pretrained does.
-        headless = not any(k.startswith("model.") for k in hf_state) and any(k.startswith(("embed_tokens.", "layers.")) for k in hf_state)
-        self.added_prefix = "model." if headless else ""
+        headless = (self.base_model_prefix and not any(k.startswith(self.base_model_prefix) for k in hf_state)
+                    and any(k.startswith(("embed_tokens.", "layers.")) for k in hf_state))
+        self.added_prefix = self.base_model_prefix if headless else ""
         if headless:
             hf_state = {self.added_prefix + k: v for k, v in hf_state.items()}
             where = {self.added_prefix + k: v for k, v in where.items()}

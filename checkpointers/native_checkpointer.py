@@ -37,15 +37,17 @@ def native_converter(tied: bool) -> Converter:
 
 def model_args_of(config: Mapping) -> ModelArgs:
     fields = {f.name for f in dataclasses.fields(ModelArgs)}
-    unknown = sorted(set(config.get("model_args", {})) - fields)
+    unknown = sorted(set(config.get("model_args", {})) - fields)  # written by a newer version
     if config.get("format") != FORMAT_NAME or unknown:
         raise CheckpointError(f"{MODEL_FILE}: not a {FORMAT_NAME} model description"
                               + (f" (unknown fields {', '.join(unknown)})" if unknown else ""))
     return ModelArgs(**config["model_args"])
 
 
-def describe(args: ModelArgs) -> dict:
-    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_args": dataclasses.asdict(args)}
+def describe(args: ModelArgs, model_type: str | None = None) -> dict:
+    """waypoint_model.json: the ModelArgs, and the family it came from (for converting back)."""
+    description = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_args": dataclasses.asdict(args)}
+    return description | ({"model_type": model_type} if model_type else {})
 
 
 class NativeCheckpointer(HFCheckpointer):
@@ -53,6 +55,7 @@ class NativeCheckpointer(HFCheckpointer):
 
     own_files = frozenset({MODEL_FILE, *INDEX_NAMES.values()})
     config_file = MODEL_FILE
+    base_model_prefix = ""  # native keys have no backbone prefix
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", safe_serialization: bool | None = None) -> None:
@@ -60,7 +63,7 @@ class NativeCheckpointer(HFCheckpointer):
 
     def _make_converter(self, model_type: str | None) -> Converter:
         self.model_args = model_args_of(self.config)
-        self.model_type = "NATIVE"
+        self.model_type = self.config.get("model_type", "NATIVE")
         return native_converter(self.model_args.tie_embeddings)
 
     def _metadata_for(self, source_file: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# This file's folder comes first on sys.path and its name is the standard library's `inspect`
-# (which torch imports): put the repository root in its place before anything else is imported.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+# Run as a script, this folder is sys.path[0] and this file's name is the standard library's
+# `inspect` (which torch imports): the repository root takes its place before anything else is imported.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -1,0 +1,151 @@
+"""Writing a native state dict in another format than it came in (``scripts/convert.py``).
+
+Same-format saves go through each checkpointer's ``save_to`` and reproduce the
+input's files exactly; this module is for changing format (or sharding): HF
+(``config.json`` + ``model-0000X-of-0000N.safetensors`` + index), Meta
+(``params.json`` + ``consolidated.NN.pth`` model-parallel files) and native.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from checkpointers.commit import StagedDir
+from checkpointers.file_formats import write_tensors
+from checkpointers.meta_checkpointer import meta_hidden_dim
+from checkpointers.native_checkpointer import ALIASES_KEY, MODEL_FILE, describe, native_converter
+from converters import CheckpointError, get_converter
+from converters.meta import COLUMN_PARALLEL, ROW_PARALLEL, meta_converter
+from models import ModelArgs
+
+HF_MODEL_TYPES = {"LLAMA2": "llama", "LLAMA3": "llama", "LLAMA3_2": "llama", "MISTRAL": "mistral"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def plan_shards(sizes: Mapping[str, int], num_shards: int | None = None, max_shard_bytes: int | None = None) -> list[list[str]]:
+    """Keys, in order, cut into ``num_shards`` files of about equal bytes, or into files of at most
+    ``max_shard_bytes`` (a tensor larger than that gets a file of its own)."""
+    keys = list(sizes)
+    if max_shard_bytes:
+        shards, current, size = [], [], 0
+        for key in keys:
+            if current and size + sizes[key] > max_shard_bytes:
+                shards.append(current)
+                current, size = [], 0
+            current.append(key)
+            size += sizes[key]
+        return shards + ([current] if current else [])
+    n = max(1, min(num_shards or 1, len(keys)))
+    total = sum(sizes.values())
+    shards, current, size = [], [], 0
+    for key in keys:
+        current.append(key)
+        size += sizes[key]
+        if len(shards) < n - 1 and size >= total * (len(shards) + 1) / n:
+            shards.append(current)
+            current = []
+    return shards + ([current] if current else [])
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _write_sharded(stage: StagedDir, tensors: Mapping[str, torch.Tensor], shards: list[list[str]],
+                   metadata: Mapping[str, str], aliases: Mapping[str, str] | None = None) -> None:
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for name, keys in zip(names, shards):
+        file_metadata = dict(metadata)
+        if aliases and any(target in keys for target in aliases.values()):
+            file_metadata[ALIASES_KEY] = json.dumps(dict(aliases))
+        stage.write(name, lambda f: write_tensors(f, {k: tensors[k] for k in keys}, "safetensors", file_metadata))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+                 "weight_map": {k: name for name, keys in zip(names, shards) for k in sorted(keys)}}
+        stage.write_bytes("model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
+
+
+def hf_config(args: ModelArgs, model_type: str, dtype: torch.dtype) -> dict:
+    """A transformers config.json for the Llama-family types."""
+    if model_type not in HF_MODEL_TYPES:
+        raise CheckpointError(f"converting to HF needs the model type ({', '.join(HF_MODEL_TYPES)}); got {model_type}: "
+                              "pass --model-type")
+    arch = "MistralForCausalLM" if HF_MODEL_TYPES[model_type] == "mistral" else "LlamaForCausalLM"
+    return {
+        "architectures": [arch], "model_type": HF_MODEL_TYPES[model_type], "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim, "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
+        "num_hidden_layers": args.n_layers, "head_dim": args.resolved_head_dim, "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
+    }
+
+
+def meta_params(args: ModelArgs) -> dict:
+    """params.json whose derived FFN width is the model's (multiple_of chosen to reproduce it)."""
+    params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+              "vocab_size": args.vocab_size, "norm_eps": args.norm_eps, "rope_theta": args.rope_theta}
+    for multiple_of in (256, 128, 64, 32, 16, 8, 4, 2, 1):
+        if meta_hidden_dim(args.dim, multiple_of, None) == args.hidden_dim:
+            return {**params, "multiple_of": multiple_of, "ffn_dim_multiplier": None}
+    return params  # no Meta rule gives this width: the loader takes it from the tensors
+
+
+def export(native: Mapping[str, torch.Tensor], args: ModelArgs, model_type: str, to: str, target: str | os.PathLike,
+           side_files: list[Path] = (), num_shards: int | None = None, max_shard_bytes: int | None = None) -> Path:
+    """Write ``native`` as a new ``to``-format checkpoint at ``target`` (committed atomically)."""
+    tensors_native = {k: v for k, v in native.items() if isinstance(v, torch.Tensor)}
+    dtypes = {t.dtype for t in tensors_native.values() if t.is_floating_point()}
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
+    with StagedDir(target) as stage:
+        if to == "hf":
+            tensors = get_converter(model_type, hf_config(args, model_type, dtype)).from_native(tensors_native)
+            _write_sharded(stage, tensors, plan_shards({k: _nbytes(t) for k, t in tensors.items()}, num_shards, max_shard_bytes),
+                           {"format": "pt"})
+            stage.write_bytes("config.json", (json.dumps(hf_config(args, model_type, dtype), indent=2) + "\n").encode())
+        elif to == "native":
+            tensors = native_converter(args.tie_embeddings).from_native(tensors_native)
+            aliases = {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else None
+            _write_sharded(stage, tensors, plan_shards({k: _nbytes(t) for k, t in tensors.items()}, num_shards, max_shard_bytes),
+                           {"format": "pt"}, aliases)
+            stage.write_bytes(MODEL_FILE, (json.dumps(describe(args, model_type), indent=2) + "\n").encode())
+        elif to == "meta":
+            _write_meta(stage, meta_converter().from_native(tensors_native), args, num_shards or 1)
+        else:
+            raise CheckpointError(f"--to {to!r}: expected hf, meta or native")
+        for path in side_files:
+            stage.copy_file(Path(path))
+    return Path(target)
+
+
+def _write_meta(stage: StagedDir, meta: Mapping[str, torch.Tensor], args: ModelArgs, n: int) -> None:
+    for key, t in meta.items():
+        split = 0 if key.endswith(COLUMN_PARALLEL) else 1 if key.endswith(ROW_PARALLEL) or key == "tok_embeddings.weight" else None
+        if split is not None and t.shape[split] % n:
+            raise CheckpointError(f"--num-shards {n}: {key} {tuple(t.shape)} does not split evenly into {n} model-parallel files")
+    for index in range(n):
+        shard = {}
+        for key, t in meta.items():
+            split = 0 if key.endswith(COLUMN_PARALLEL) else 1 if key.endswith(ROW_PARALLEL) or key == "tok_embeddings.weight" else None
+            shard[key] = t.chunk(n, dim=split)[index].clone() if split is not None and n > 1 else t.contiguous()
+        stage.write(f"consolidated.{index:02d}.pth", lambda f: torch.save(shard, f))
+    stage.write_bytes("params.json", (json.dumps(meta_params(args), indent=2) + "\n").encode())
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '1500KB' / '123' -> bytes (decimal units, as transformers' max_shard_size)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    text = text.strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda u: -len(u[0])):
+        if text.endswith(unit):
+            return math.floor(float(text[: -len(unit)]) * factor)
+    return int(text)

@@ -1,0 +1,85 @@
+"""Convert a checkpoint between the HF, Meta and native formats (or re-shard it), offline.
+
+    python scripts/convert.py IN_DIR OUT_DIR --to hf|meta|native [--from ...] [--model-type ...]
+                              [--max-shard-size 5GB | --num-shards N] [--overwrite]
+
+By default the output has as many files as the input (for the same format: the very
+same files and key -> file map). OUT_DIR must not exist or be empty, unless --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+# Run as a script, this folder is sys.path[0]; it holds inspect.py, which would shadow the standard
+# library's inspect (torch imports it): the repository root takes its place.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+else:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
+from checkpointers.base import SMALL_FILE_LIMIT  # noqa: E402
+from checkpointers.export import export, parse_size  # noqa: E402
+from checkpointers.load_model import model_args_for  # noqa: E402
+from checkpointers.shard_layout import WEIGHT_SUFFIXES  # noqa: E402
+
+SKIPPED = {"config.json", "params.json", "waypoint_model.json", "MANIFEST.json", "model.safetensors.index.json",
+           "pytorch_model.bin.index.json", "recipe_state.pt", "extra_state.pt"}
+
+
+def side_files(directory: Path) -> list[Path]:
+    """Tokenizer and other small files that travel with the weights in any format."""
+    return [p for p in sorted(directory.iterdir()) if p.is_file() and p.name not in SKIPPED and not p.name.startswith(".")
+            and not p.name.endswith(WEIGHT_SUFFIXES) and p.stat().st_size <= SMALL_FILE_LIMIT]
+
+
+def convert(src: Path, dst: Path, to: str, source_format: str | None = None, model_type: str | None = None,
+            max_shard_size: str | None = None, num_shards: int | None = None, overwrite: bool = False) -> Path:
+    fmt = detect_format(src)
+    if source_format and source_format != fmt:
+        raise CheckpointError(f"--from {source_format}: {src} holds a {fmt} checkpoint")
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise CheckpointError(f"{dst}: not empty; choose another directory or pass --overwrite")
+    kwargs = {"model_type": model_type} if model_type and fmt != "native" else {}
+    model_type = model_type or None
+    ckpt = checkpointer_for(src, output_dir=dst.parent, **kwargs)
+    state = ckpt.load_checkpoint()
+    if dst.exists():
+        shutil.rmtree(dst)  # only now: a failed load above leaves the old output as it was
+    if to == fmt and not (max_shard_size or num_shards):
+        return ckpt.save_to(state, dst)  # the same files, keys and split as the input
+    files = getattr(ckpt, "files", None) or ckpt.layout.files
+    return export(state["model"], model_args_for(ckpt), model_type or ckpt.model_type, to, dst,
+                  side_files=side_files(src), num_shards=num_shards or (None if max_shard_size else len(files)),
+                  max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("input", type=Path)
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--to", required=True, choices=["hf", "meta", "native"])
+    parser.add_argument("--from", dest="source_format", choices=["hf", "meta", "native"], help="default: detected")
+    parser.add_argument("--model-type", help="LLAMA2, LLAMA3, MISTRAL, ... (default: detected)")
+    shard = parser.add_mutually_exclusive_group()
+    shard.add_argument("--max-shard-size", help="e.g. 5GB (HF and native outputs)")
+    shard.add_argument("--num-shards", type=int, help="number of output files (Meta: model-parallel files)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.input, args.output, args.to, args.source_format, args.model_type, args.max_shard_size,
+                      args.num_shards, args.overwrite)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
