@@ -13,6 +13,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+if __name__ == "inspect":
+    # Another script of this folder ran, so this file was found in place of the standard library's
+    # `inspect`: become that module (load it from the standard library and take over its names).
+    import importlib.util
+    import sysconfig
+
+    _spec = importlib.util.spec_from_file_location("inspect", Path(sysconfig.get_paths()["stdlib"]) / "inspect.py")
+    _real = importlib.util.module_from_spec(_spec)
+    sys.modules["inspect"] = _real
+    _spec.loader.exec_module(_real)
+    # The importer receives sys.modules["inspect"], the real one; the rest of this file still runs here.
+
 # Run as a script, this folder is sys.path[0] and this file's name is the standard library's
 # `inspect` (which torch imports): the repository root takes its place before anything else is imported.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
