@@ -101,23 +101,28 @@ def meta_params(args: ModelArgs) -> dict:
 
 
 def export(native: Mapping[str, torch.Tensor], args: ModelArgs, model_type: str, to: str, target: str | os.PathLike,
-           side_files: list[Path] = (), num_shards: int | None = None, max_shard_bytes: int | None = None) -> Path:
-    """Write ``native`` as a new ``to``-format checkpoint at ``target`` (committed atomically)."""
+           side_files: list[Path] = (), num_shards: int | None = None, max_shard_bytes: int | None = None,
+           source_hf_config: Mapping | None = None) -> Path:
+    """Write ``native`` as a new ``to``-format checkpoint at ``target`` (committed atomically).
+
+    ``source_hf_config`` (the config.json the weights came with, kept in native checkpoints made from
+    HF ones) is written back as it was for HF output; otherwise one is made for the Llama family."""
     tensors_native = {k: v for k, v in native.items() if isinstance(v, torch.Tensor)}
     dtypes = {t.dtype for t in tensors_native.values() if t.is_floating_point()}
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
     with StagedDir(target) as stage:
         if to == "hf":
-            tensors = get_converter(model_type, hf_config(args, model_type, dtype)).from_native(tensors_native)
+            config = dict(source_hf_config) if source_hf_config else hf_config(args, model_type, dtype)
+            tensors = get_converter(model_type, config).from_native(tensors_native)
             _write_sharded(stage, tensors, plan_shards({k: _nbytes(t) for k, t in tensors.items()}, num_shards, max_shard_bytes),
                            {"format": "pt"})
-            stage.write_bytes("config.json", (json.dumps(hf_config(args, model_type, dtype), indent=2) + "\n").encode())
+            stage.write_bytes("config.json", (json.dumps(config, indent=2) + "\n").encode())
         elif to == "native":
             tensors = native_converter(args.tie_embeddings).from_native(tensors_native)
             aliases = {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else None
             _write_sharded(stage, tensors, plan_shards({k: _nbytes(t) for k, t in tensors.items()}, num_shards, max_shard_bytes),
                            {"format": "pt"}, aliases)
-            stage.write_bytes(MODEL_FILE, (json.dumps(describe(args, model_type), indent=2) + "\n").encode())
+            stage.write_bytes(MODEL_FILE, (json.dumps(describe(args, model_type, source_hf_config), indent=2) + "\n").encode())
         elif to == "meta":
             _write_meta(stage, meta_converter().from_native(tensors_native), args, num_shards or 1)
         else:

@@ -44,10 +44,10 @@ def model_args_of(config: Mapping) -> ModelArgs:
     return ModelArgs(**config["model_args"])
 
 
-def describe(args: ModelArgs, model_type: str | None = None) -> dict:
-    """waypoint_model.json: the ModelArgs, and the family it came from (for converting back)."""
+def describe(args: ModelArgs, model_type: str | None = None, hf_config: Mapping | None = None) -> dict:
+    """waypoint_model.json: the ModelArgs, and the family and HF config it came from (for converting back)."""
     description = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_args": dataclasses.asdict(args)}
-    return description | ({"model_type": model_type} if model_type else {})
+    return description | ({"model_type": model_type} if model_type else {}) | ({"hf_config": dict(hf_config)} if hf_config else {})
 
 
 class NativeCheckpointer(HFCheckpointer):

@@ -54,7 +54,8 @@ def convert(src: Path, dst: Path, to: str, source_format: str | None = None, mod
     if to == fmt and not (max_shard_size or num_shards):
         return ckpt.save_to(state, dst)  # the same files, keys and split as the input
     files = getattr(ckpt, "files", None) or ckpt.layout.files
-    return export(state["model"], model_args_for(ckpt), model_type or ckpt.model_type, to, dst,
+    source_hf_config = ckpt.config.get("hf_config") if fmt == "native" else ckpt.config if fmt == "hf" else None
+    return export(state["model"], model_args_for(ckpt), model_type or ckpt.model_type, to, dst, source_hf_config=source_hf_config,
                   side_files=side_files(src), num_shards=num_shards or (None if max_shard_size else len(files)),
                   max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None)
 

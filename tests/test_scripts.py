@@ -72,3 +72,19 @@ def test_inspect_tells_what_a_checkpoint_is(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "hf checkpoint, model type LLAMA2" in out and "total: 869,504 parameters" in out
     assert "manifest: none" in out
+
+
+def test_hf_to_native_and_back_is_bitwise_with_the_same_config(tmp_path):
+    write_hf_checkpoint(tmp_path / "hf", tiny_llama_config(tie=True), max_shard_size="60KB")
+    n_files = len(list((tmp_path / "hf").glob("*.safetensors")))
+    assert convert.main([str(tmp_path / "hf"), str(tmp_path / "native"), "--to", "native"]) == 0
+    assert convert.main([str(tmp_path / "native"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    before, after = {}, {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        before.update(read_tensors(f))
+    for f in (tmp_path / "back").glob("*.safetensors"):
+        after.update(read_tensors(f))
+    assert len(list((tmp_path / "back").glob("*.safetensors"))) == n_files
+    assert before.keys() == after.keys() and "lm_head.weight" not in after
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((tmp_path / "hf" / "config.json").read_text())
