@@ -9,20 +9,38 @@ Parameter names (the native checkpoint format)::
     layers.{i}.mlp.{w1,w2,w3}.weight
     norm.weight
     output.weight            (absent from the state dict's storage when tied)
+    layers.{i}.attn.{q,k,v}_proj.bias    (only with ``qkv_bias``, as in Qwen2)
 
 Rotary embeddings rotate interleaved pairs ``(x0, x1), (x2, x3), ...`` as in
 Meta's reference code; Hugging Face rotates the two halves of each head, which
-the converters bridge by permuting the rows of the q and k projections.
+the converters bridge by permuting the rows of the q and k projections (and of
+their biases).
+
+The other families differ from Llama only through :class:`ModelArgs` fields whose
+defaults are Llama's: ``qkv_bias`` (Qwen2), ``norm_plus_one``, ``embedding_scale`` and
+``activation`` (Gemma), ``rope_type="llama3"`` with its scaling fields (Llama 3.1),
+``sliding_window`` / ``full_attention_layers`` (Mistral, Phi-3, Qwen2) and
+``resid_dropout`` (Phi-3). Each is computed the way transformers computes it, so
+logits agree with it in fp32.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,  # exact (erf) GELU
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+ROPE_TYPES = ("default", "llama3")
 
 
 @dataclass(frozen=True)
@@ -39,35 +57,92 @@ class ModelArgs:
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     attn_dropout: float = 0.0  # attention-probability dropout while training
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + weight), multiplied in fp32 (Gemma)
+    embedding_scale: float = 1.0  # embeddings times this, cast to their dtype first (Gemma: sqrt(dim))
+    activation: str = "silu"  # the gate's activation: silu, gelu, gelu_pytorch_tanh (Gemma)
+    rope_type: str = "default"  # "default" or "llama3" (Llama 3.1's frequency scaling, below)
+    rope_factor: float = 8.0  # llama3 only, like the three fields below
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    sliding_window: int | None = None  # each query sees itself and the window - 1 tokens before it
+    full_attention_layers: tuple[int, ...] = ()  # layers exempt from sliding_window (Qwen2's max_window_layers)
+    resid_dropout: float = 0.0  # dropout on each block's attention and MLP outputs while training (Phi-3)
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
     def __post_init__(self) -> None:
+        # JSON round trips (asdict -> json -> ModelArgs(**)) turn tuples into lists
+        object.__setattr__(self, "full_attention_layers", tuple(sorted(int(i) for i in self.full_attention_layers)))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.resolved_head_dim % 2:
             raise ValueError(f"head_dim={self.resolved_head_dim} must be even for rotary embeddings")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        if self.rope_type == "llama3" and self.rope_low_freq_factor >= self.rope_high_freq_factor:
+            raise ValueError(f"llama3 rope needs low_freq_factor < high_freq_factor, got "
+                             f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be positive (or None)")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    """``weight * normalize(x)``, or with ``plus_one`` Gemma's ``(1 + weight) * normalize(x)`` multiplied in fp32
+    before the cast back (Llama casts first, then multiplies; both as transformers does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.plus_one = plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
-def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos/sin table of shape [max_seq_len, head_dim // 2, 2], in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
+def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
+    """The inverse frequencies [head_dim // 2] in fp32, scaled for ``rope_type="llama3"`` exactly as
+    transformers' ``_compute_llama3_parameters`` does."""
+    head_dim = args.resolved_head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
+    if args.rope_type == "default":
+        return inv_freq
+    factor, low, high = args.rope_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    old_context_len = args.rope_original_max_seq_len
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by factor, short ones kept, the ones between interpolated
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None,
+               inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """cos/sin table of shape [max_seq_len, head_dim // 2, 2], in fp32 (``inv_freq``: precomputed frequencies)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def sliding_window_mask(seq: int, window: int, device=None) -> torch.Tensor:
+    """[seq, seq] bool, True where query i may attend key j: ``i - window < j <= i`` (transformers' sliding window)."""
+    i = torch.arange(seq, device=device)[:, None]
+    j = torch.arange(seq, device=device)[None, :]
+    return (j <= i) & (j > i - window)
 
 
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -85,46 +160,55 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.resolved_head_dim
         self.dropout = args.attn_dropout
-        self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.output_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: [seq, seq] bool (True: attend) replacing the plain causal mask, e.g. a sliding window."""
         bsz, seq, _ = x.shape
         q = apply_rope(self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim), rope)
         k = apply_rope(self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim), rope)
         v = self.v_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=self.n_kv_heads != self.n_heads,
                                              dropout_p=self.dropout if self.training else 0.0)
         return self.output_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """Gated MLP: w2(act(w1 x) * w3 x); SwiGLU with the default silu, GeGLU with a gelu."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu") -> None:
         super().__init__()
+        self.act = ACTIVATIONS[activation]
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
-        self.sa_norm = RMSNorm(args.dim, args.norm_eps)
+        self.sa_norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         self.attn = Attention(args)
-        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = FeedForward(args.dim, args.hidden_dim)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
+        self.mlp = FeedForward(args.dim, args.hidden_dim, args.activation)
+        self.resid_dropout = args.resid_dropout
+        # the window this layer's attention slides (None: full causal attention)
+        self.sliding_window = args.sliding_window if layer_id not in args.full_attention_layers else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.sa_norm(x), rope)
-        return h + self.mlp(self.mlp_norm(h))
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.resid_dropout, training=True) if self.resid_dropout and self.training else x
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self._dropout(self.attn(self.sa_norm(x), rope, mask))
+        return h + self._dropout(self.mlp(self.mlp_norm(h)))
 
 
 class Transformer(nn.Module):
@@ -138,8 +222,8 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
         if not self.tok_embeddings.weight.is_meta:
             nn.init.normal_(self.tok_embeddings.weight)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.activation_checkpointing = False
         self.register_buffer("rope", torch.empty(0), persistent=False)
@@ -158,13 +242,16 @@ class Transformer(nn.Module):
             self.rope = torch.empty(0, device=device)
             return
         a = self.args
-        self.rope = rope_cache(a.resolved_head_dim, a.max_seq_len, a.rope_theta, device=device)
+        self.rope = rope_cache(a.resolved_head_dim, a.max_seq_len, a.rope_theta, device=device,
+                               inv_freq=rope_frequencies(a, device=device))
 
     def init_weights(self, std: float = 0.02) -> None:
         """Random initialisation for training from scratch (tests, tiny models)."""
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
-                nn.init.ones_(p)
+                (nn.init.zeros_ if self.args.norm_plus_one else nn.init.ones_)(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
             else:
                 nn.init.normal_(p, std=std if not name.endswith(("output_proj.weight", "w2.weight")) else std / math.sqrt(2 * self.args.n_layers))
 
@@ -172,9 +259,16 @@ class Transformer(nn.Module):
         if tokens.shape[1] > self.rope.shape[0]:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.rope.shape[0]}")
         h = self.tok_embeddings(tokens)
+        if self.args.embedding_scale != 1.0:
+            # as transformers: the scale rounded to fp32, then to the embedding's dtype
+            h = h * torch.tensor(self.args.embedding_scale, dtype=torch.float32, device=h.device).to(h.dtype)
+        seq = tokens.shape[1]
+        window = self.args.sliding_window
+        window_mask = sliding_window_mask(seq, window, h.device) if window is not None and seq > window else None
         for layer in self.layers:
+            mask = window_mask if layer.sliding_window is not None else None
             if self.activation_checkpointing and self.training:
-                h = torch.utils.checkpoint.checkpoint(layer, h, self.rope, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(layer, h, self.rope, mask, use_reentrant=False)
             else:
-                h = layer(h, self.rope)
+                h = layer(h, self.rope, mask)
         return self.output(self.norm(h))
