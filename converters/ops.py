@@ -47,3 +47,75 @@ class RopePermute:
 
     def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [self._regroup(t, self.head_dim // 2, 2) for t in tensors]
+
+
+@dataclass(frozen=True)
+class Split:
+    """One fused tensor <-> its consecutive blocks of ``sizes`` rows (dim 0), e.g. Phi-3's ``qkv_proj``.
+
+    ``forward`` returns views of the fused tensor (no copy); ``inverse`` concatenates them back.
+    """
+
+    sizes: tuple[int, ...]
+
+    def __init__(self, sizes) -> None:
+        object.__setattr__(self, "sizes", tuple(int(s) for s in sizes))
+
+    def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        (t,) = tensors
+        if t.shape[0] != sum(self.sizes):
+            raise ValueError(f"has {t.shape[0]} rows, expected {' + '.join(map(str, self.sizes))} = {sum(self.sizes)}")
+        return list(t.split(self.sizes, dim=0))
+
+    def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if len(tensors) != len(self.sizes):
+            raise ValueError(f"got {len(tensors)} tensors to fuse, expected {len(self.sizes)}")
+        for t, size in zip(tensors, self.sizes):
+            if t.shape[0] != size:
+                raise ValueError(f"a block has {t.shape[0]} rows, expected {size} (blocks {self.sizes})")
+        return [torch.cat(tensors, dim=0)]
+
+
+@dataclass(frozen=True)
+class PerTensor:
+    """The i-th op on the i-th tensor (each op maps one tensor to one), e.g. RoPE permutations after a Split."""
+
+    ops: tuple
+
+    def __init__(self, *ops) -> None:
+        object.__setattr__(self, "ops", tuple(ops))
+
+    def _apply(self, tensors: list[torch.Tensor], forward: bool) -> list[torch.Tensor]:
+        if len(tensors) != len(self.ops):
+            raise ValueError(f"got {len(tensors)} tensors for {len(self.ops)} ops")
+        out = []
+        for op, t in zip(self.ops, tensors):
+            (result,) = (op.forward if forward else op.inverse)([t])
+            out.append(result)
+        return out
+
+    def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._apply(tensors, True)
+
+    def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._apply(tensors, False)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Ops applied one after another on load (``forward``) and in reverse order, inverted, on save."""
+
+    ops: tuple
+
+    def __init__(self, *ops) -> None:
+        object.__setattr__(self, "ops", tuple(ops))
+
+    def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        for op in self.ops:
+            tensors = op.forward(tensors)
+        return list(tensors)
+
+    def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        for op in reversed(self.ops):
+            tensors = op.inverse(tensors)
+        return list(tensors)
