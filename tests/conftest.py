@@ -52,3 +52,45 @@ def write_hf_checkpoint(path: Path, config, fmt: str = "safetensors", max_shard_
 @pytest.fixture
 def tokens():
     return torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(7))
+
+
+# -- other families (tests/test_families.py) ------------------------------------------------------------------
+
+def tiny_family_config(family: str, **overrides):
+    """A tiny transformers config of ``family`` (llama, llama31, mistral, qwen2, gemma, phi3): 2 layers, GQA,
+    128 vocab, 128 positions; ``overrides`` replace any field."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    specific = {
+        "llama": ("LlamaConfig", {}),
+        "llama31": ("LlamaConfig", dict(rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})),
+        "mistral": ("MistralConfig", dict(sliding_window=5)),
+        "qwen2": ("Qwen2Config", {}),
+        "gemma": ("GemmaConfig", dict(head_dim=24, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh")),
+        "phi3": ("Phi3Config", dict(pad_token_id=0)),
+    }
+    class_name, fields = specific[family]
+    return getattr(transformers, class_name)(**{**common, **fields, **overrides})
+
+
+def write_family_checkpoint(path: Path, config, max_shard_size: str = "40KB", seed: int = 0):
+    """A random ``<Family>ForCausalLM`` for ``config`` saved by ``save_pretrained`` into shards. Every parameter is
+    perturbed (norm weights and biases too, which transformers initialises to constants), so that RoPE
+    permutations of biases and Gemma's (1 + weight) norms are exercised. Returns the model (eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return model
