@@ -65,7 +65,10 @@ def safe_member(directory: Path, name: str, source: str) -> str:
     """``name`` if it names a file inside ``directory``; an error naming ``source`` otherwise."""
     if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
         raise CheckpointError(f"{source}: file name {name!r} escapes the checkpoint directory")
-    if not (directory / name).resolve().is_relative_to(directory.resolve()):
+    target, inside = (directory / name).resolve(), [directory.resolve()]
+    # A hub cache snapshot (.../snapshots/<sha>/) holds symlinks into the repository's ../../blobs/.
+    inside += [p.parent / "blobs" for p in directory.absolute().parents if p.name == "snapshots"]
+    if not any(target.is_relative_to(d.resolve()) for d in inside):
         raise CheckpointError(f"{source}: file name {name!r} escapes the checkpoint directory")
     return name
 
