@@ -286,3 +286,17 @@ def test_bad_batch_arguments_fail_at_the_call():
         iterate_batches(list(range(10)), 3, seed=0, epoch=0, collate_fn=list, start_batch=4)
     with pytest.raises(ValueError, match="batch_size"):
         iterate_batches(list(range(10)), 0, seed=0, epoch=0, collate_fn=list)
+
+
+def test_parquet_records_read_like_jsonl(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from training.instruct_dataset import read_records
+
+    rows = [{"instruction": "Add.", "input": "1 2", "output": "3"}, {"instruction": "Say hi.", "input": "", "output": "hi"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert read_records(tmp_path / "d.parquet") == rows
+    pq.write_table(pa.Table.from_pylist([{"instruction": "x", "input": ""}]), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad\.parquet: record 1.*output"):
+        read_records(tmp_path / "bad.parquet")

@@ -91,9 +91,11 @@ class InstructDataset(Dataset):
 
 
 def read_records(path: Path) -> list[dict[str, str]]:
-    """The checked records of a ``.json`` (list) or ``.jsonl`` file; ``input`` defaults to ""."""
+    """The checked records of a ``.json`` (list), ``.jsonl`` or ``.parquet`` file; ``input`` defaults to ""."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: dataset file not found")
+    if path.suffix == ".parquet":
+        return [_check(path, f"record {n}", record) for n, record in enumerate(_read_parquet(path), start=1)]
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
         numbered = []
@@ -107,8 +109,19 @@ def read_records(path: Path) -> list[dict[str, str]]:
             raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
         numbered = [(f"record {n}", record) for n, record in enumerate(data, start=1)]
     else:
-        raise ValueError(f"{path}: unsupported dataset file type {path.suffix!r} (expected .json or .jsonl)")
+        raise ValueError(f"{path}: unsupported dataset file type {path.suffix!r} (expected .json, .jsonl or .parquet)")
     return [_check(path, where, record) for where, record in numbered]
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ValueError(f"{path}: reading parquet needs pyarrow (pip install 'waypoint[parquet]')") from e
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises its own error types
+        raise ValueError(f"{path}: unreadable parquet file ({str(e).splitlines()[0]})") from e
 
 
 def _parse(path: Path, text: str, where: str):
