@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from checkpointers.commit import StagedDir
 from checkpointers.file_formats import write_tensors
@@ -63,7 +64,7 @@ def _write_sharded(stage: StagedDir, tensors: Mapping[str, torch.Tensor], shards
         names = ["model.safetensors"]
     else:
         names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    for name, keys in zip(names, shards):
+    for name, keys in tqdm(list(zip(names, shards)), desc="write", unit="file", leave=False):
         file_metadata = dict(metadata)
         if aliases and any(target in keys for target in aliases.values()):
             file_metadata[ALIASES_KEY] = json.dumps(dict(aliases))
@@ -137,7 +138,7 @@ def _write_meta(stage: StagedDir, meta: Mapping[str, torch.Tensor], args: ModelA
         split = 0 if key.endswith(COLUMN_PARALLEL) else 1 if key.endswith(ROW_PARALLEL) or key == "tok_embeddings.weight" else None
         if split is not None and t.shape[split] % n:
             raise CheckpointError(f"--num-shards {n}: {key} {tuple(t.shape)} does not split evenly into {n} model-parallel files")
-    for index in range(n):
+    for index in tqdm(range(n), desc="write", unit="file", leave=False):
         shard = {}
         for key, t in meta.items():
             split = 0 if key.endswith(COLUMN_PARALLEL) else 1 if key.endswith(ROW_PARALLEL) or key == "tok_embeddings.weight" else None

@@ -46,7 +46,7 @@ class HFCheckpointer(Checkpointer):
         checkpoint_dir: the input directory (config.json, weight files, tokenizer files).
         checkpoint_files: a list of weight file names, or ``"auto"`` (the index json, else a glob).
         output_dir: where ``save_checkpoint`` writes ``step_{N}`` directories.
-        model_type: ``LLAMA2``, ``LLAMA3``, ``MISTRAL``, ...; ``None`` detects it from config.json.
+        model_type: ``LLAMA2``, ``LLAMA3``, ``MISTRAL``, ``QWEN2``, ``GEMMA``, ``PHI3``; ``None`` detects it from config.json.
         safe_serialization: ``None`` keeps the input's format; ``True`` writes safetensors,
             ``False`` PyTorch ``.bin`` files (file names follow the format).
     """

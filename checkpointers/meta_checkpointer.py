@@ -134,11 +134,12 @@ class MetaCheckpointer(Checkpointer):
             problems.append(f"n_kv_heads {n_kv} but layers.0.attention.wk.weight has {meta['layers.0.attention.wk.weight'].shape[0]} rows")
         if problems:
             raise CheckpointError(f"{self.checkpoint_dir / PARAMS_FILE} is inconsistent with the tensors: {problems[0]}")
-        if p.get("use_scaled_rope"):
-            raise CheckpointError(f"{self.checkpoint_dir / PARAMS_FILE}: use_scaled_rope (Llama 3.1 rope scaling) is not supported for Meta checkpoints yet")
+        # Llama 3.1+: Meta's apply_scaling (factor 8, or rope_scaling_factor; low 1, high 4, over 8192 positions)
+        scaling = ({"rope_type": "llama3", "rope_factor": float(p.get("rope_scaling_factor", 8.0)), "rope_low_freq_factor": 1.0,
+                    "rope_high_freq_factor": 4.0, "rope_original_max_seq_len": 8192} if p.get("use_scaled_rope") else {})
         return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, vocab_size=vocab, hidden_dim=hidden,
                          norm_eps=p.get("norm_eps", 1e-5), rope_theta=float(p.get("rope_theta", 10000.0)),
-                         max_seq_len=8192 if vocab >= 128000 else 4096)
+                         max_seq_len=8192 if vocab >= 128000 else 4096, **scaling)
 
     # -- save ---------------------------------------------------------------------
     def _model_writer(self, native: Mapping[str, torch.Tensor]):

@@ -201,3 +201,22 @@ def test_extra_state_survives_every_checkpointer(tmp_path, fmt):
     assert torch.equal(back["p"], lazy["p"]) and back["draws"] == 1 and back["note"] == "set at step 3"
     with pytest.raises(CheckpointError, match="calibration._extra_state: extra state holds a object"):
         ckpt.save_checkpoint({"model": {**state["model"], "calibration._extra_state": {"x": object()}}}, step=4)
+
+
+@pytest.mark.parametrize("meta_case", [(1, None)], indirect=True)
+def test_meta_llama31_scaled_rope_matches_transformers(meta_case, tokens):
+    """params.json use_scaled_rope == transformers' rope_type llama3 with factor 8, low 1, high 4, 8192 positions."""
+    from transformers import LlamaForCausalLM
+
+    hf_model, config, path = meta_case
+    params = json.loads((path / "params.json").read_text())
+    (path / "params.json").write_text(json.dumps({**params, "use_scaled_rope": True, "rope_theta": 500000.0}))
+    scaled = config.to_dict() | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 8192}}
+    reference = LlamaForCausalLM(type(config).from_dict(scaled)).eval()
+    reference.load_state_dict(hf_model.state_dict())
+    model = load_model(path).eval()
+    assert model.args.rope_type == "llama3"
+    with torch.no_grad():
+        assert (model(tokens) - reference(tokens).logits).abs().max().item() <= 1e-5
