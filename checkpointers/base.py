@@ -8,6 +8,7 @@ the model files into the staged directory), and names the files it writes itself
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -25,6 +26,16 @@ log = logging.getLogger(__name__)
 
 RECIPE_STATE_FILE = "recipe_state.pt"
 SMALL_FILE_LIMIT = 100 * 2**20  # non-weight files up to this size travel with the model (tokenizer, README, ...)
+
+
+def read_json(path: Path) -> dict:
+    """A checkpoint's description file (config.json, params.json, ...); one-line errors naming it."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (this checkpoint format needs {path.name})")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid json ({e})") from e
 
 
 class Checkpointer:

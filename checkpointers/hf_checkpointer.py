@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from checkpointers.base import Checkpointer
+from checkpointers.base import Checkpointer, read_json
 from checkpointers.commit import StagedDir
 from checkpointers.file_formats import SAFETENSORS, TORCH, read_metadata, read_tensors, write_tensors
 from checkpointers.shard_layout import INDEX_NAMES, ShardLayout, discover
@@ -24,15 +23,6 @@ from converters import CheckpointError, Converter, detect_model_type, get_conver
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (this checkpoint format needs {path.name})")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid json ({e})") from e
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -59,7 +49,7 @@ class HFCheckpointer(Checkpointer):
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
                  safe_serialization: bool | None = None) -> None:
         super().__init__(checkpoint_dir, output_dir)
-        self.config = _read_json(self.checkpoint_dir / self.config_file)
+        self.config = read_json(self.checkpoint_dir / self.config_file)
         self.converter: Converter = self._make_converter(model_type)
         self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
         self.safe_serialization = safe_serialization

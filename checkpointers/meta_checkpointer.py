@@ -9,16 +9,14 @@ and checked equal); save splits them the same way into the same number of files.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from checkpointers.base import Checkpointer
+from checkpointers.base import Checkpointer, read_json
 from checkpointers.commit import StagedDir
 from checkpointers.file_formats import read_tensors
 from converters import CheckpointError
@@ -26,15 +24,6 @@ from converters.meta import COLUMN_PARALLEL, ROW_PARALLEL, meta_converter
 from models import ModelArgs
 
 PARAMS_FILE = "params.json"
-
-
-def _read_params(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (a Meta checkpoint directory needs params.json)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid json ({e})") from e
 
 
 def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -53,7 +42,7 @@ class MetaCheckpointer(Checkpointer):
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None) -> None:
         super().__init__(checkpoint_dir, output_dir)
-        self.params = _read_params(self.checkpoint_dir / PARAMS_FILE)
+        self.params = read_json(self.checkpoint_dir / PARAMS_FILE)
         self.model_type = model_type or ("LLAMA3" if self.params.get("vocab_size", 0) >= 128000 else "LLAMA2")
         if checkpoint_files in (None, "auto"):
             self.files = sorted(p.name for p in self.checkpoint_dir.glob("consolidated.*.pth"))
@@ -149,7 +138,7 @@ class MetaCheckpointer(Checkpointer):
         missing = sorted(set(self.split_dims) - set(meta))
         extra = sorted(set(meta) - set(self.split_dims))
         if missing or extra:
-            raise CheckpointError(f"state dict does not match the input checkpoint: "
+            raise CheckpointError("state dict does not match the input checkpoint: "
                                   + (f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the input does not"))
         n = len(self.files)
 

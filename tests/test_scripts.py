@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 import torch
 
 from checkpointers.file_formats import read_tensors
