@@ -58,10 +58,10 @@ def train(cfg: DictConfig) -> int:
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
     resume_from = find_checkpoint(output_dir, cfg.resume)
-    if resume_from:  # later checkpoints are corrupt (auto) or unwanted (a pinned path): kept, renamed
-        set_aside_newer(output_dir, resume_from.path, "corrupt" if cfg.resume in (True, "auto") else "superseded")
     recipe_state = load_recipe_state(resume_from.path) if resume_from else None
     notes = check_config(recipe_state["config"], config, resume_from.path) if recipe_state else []
+    if resume_from:  # later checkpoints are corrupt (auto) or unwanted (a pinned path): kept, renamed
+        set_aside_newer(output_dir, resume_from.path, "corrupt" if cfg.resume in (True, "auto") else "superseded")
     if not resume_from and cfg.resume not in (False, "false") and step_dirs(output_dir) and not cfg.overwrite:
         raise CheckpointError(f"output_dir {output_dir} holds checkpoints but none verifies; "
                               "set resume=<path> to pick one or overwrite=true to start again")
