@@ -1,0 +1,201 @@
+"""LoRA adapters in PEFT's format: ``adapter_model.safetensors`` + ``adapter_config.json``.
+
+Keys are ``base_model.model.<HF module path>.lora_A.weight`` / ``.lora_B.weight``; the HF module path of a
+native layer comes from the family's converter (the native weight key mapped through its rules). The q
+and k projections' rows are RoPE-permuted between the layouts, so ``lora_B`` (whose rows are the
+projection's output rows) goes through the same op as the base weight; ``lora_A`` (input columns)
+needs none. Targets that a converter does not map one-to-one (Phi-3's fused ``qkv_proj`` and
+``gate_up_proj``) are refused: PEFT's module there is the fused one.
+
+Loading (``load_adapter``) runs the mapping backwards, for adapters written by us or by PEFT.
+At save, the adapter is checked against what vLLM serves (``vllm_problems``); each problem is a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save
+
+from checkpointers.commit import StagedDir
+from converters.errors import CheckpointError
+from converters.ops import Identity, RopePermute
+from converters.table import Converter, Rule
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+DEFAULT_MAX_LORA_RANK = 16
+# The LoRA modules vLLM serves for Llama-family models (its packed_modules_mapping and embedding_modules aside)
+VLLM_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
+
+
+def converter_for_args(args) -> Converter:
+    """The Llama table for a native model's ModelArgs (Meta and native checkpoints have no HF converter)."""
+    from converters.llama import IGNORE, attention_rules, mlp_rules, norm_rules, outer_rules
+
+    return Converter(rules=outer_rules() + norm_rules() + attention_rules(args) + mlp_rules(), ignore=IGNORE,
+                     tied_embeddings=args.tie_embeddings)
+
+
+def _single_rule(converter: Converter, key: str, side: str) -> tuple[Rule, str]:
+    """The rule mapping ``key`` (of ``side``) to exactly one key of the other side, and that key."""
+    try:
+        groups = converter.plan([key], side)
+    except CheckpointError:
+        groups = []
+    if len(groups) != 1 or len(groups[0].sources) != 1 or len(groups[0].targets) != 1 \
+            or not isinstance(groups[0].rule.op, (Identity, RopePermute)):
+        raise CheckpointError(f"{key}: the converter does not map this layer one-to-one to a Hugging Face module "
+                              "(a fused projection?), so its LoRA cannot be written in PEFT's format; choose other lora.targets")
+    return groups[0].rule, groups[0].targets[0]
+
+
+def hf_module(converter: Converter, native_module: str) -> str:
+    return _single_rule(converter, f"{native_module}.weight", "native")[1].removesuffix(".weight")
+
+
+def to_peft(adapter: Mapping[str, torch.Tensor], converter: Converter) -> dict[str, torch.Tensor]:
+    """Native adapter tensors (``<module>.lora_A.weight``, ...) -> PEFT keys and layout."""
+    out = {}
+    for module in sorted({k.rsplit(".lora_", 1)[0] for k in adapter}):
+        rule, hf_key = _single_rule(converter, f"{module}.weight", "native")
+        path = PEFT_PREFIX + hf_key.removesuffix(".weight")
+        out[f"{path}.lora_A.weight"] = adapter[f"{module}.lora_A.weight"].contiguous()
+        (out[f"{path}.lora_B.weight"],) = rule.op.inverse([adapter[f"{module}.lora_B.weight"]])
+        out[f"{path}.lora_B.weight"] = out[f"{path}.lora_B.weight"].contiguous()
+    return out
+
+
+def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source: str = ADAPTER_WEIGHTS) -> dict[str, torch.Tensor]:
+    """PEFT adapter tensors -> native adapter tensors (the inverse of ``to_peft``)."""
+    out = {}
+    for key, t in tensors.items():
+        stem = key.removeprefix(PEFT_PREFIX)
+        for part in ("lora_A", "lora_B"):
+            suffix = f".{part}.weight"
+            if stem.endswith(suffix) or stem.endswith(f".{part}.default.weight"):
+                module = stem[: stem.rindex(f".{part}.")]
+                break
+        else:
+            raise CheckpointError(f"{source}: key {key!r} is not a LoRA A/B weight (only plain LoRA adapters load)")
+        rule, native_key = _single_rule(converter, f"{module}.weight", "hf")
+        native_module = native_key.removesuffix(".weight")
+        if part == "lora_B":
+            (t,) = rule.op.forward([t])
+        out[f"{native_module}.{part}.weight"] = t
+    return out
+
+
+def adapter_config(converter: Converter, native_modules: list[str], rank: int, alpha: float, dropout: float,
+                   base_model_name_or_path: str) -> dict[str, Any]:
+    targets = sorted({hf_module(converter, m).rsplit(".", 1)[-1] for m in native_modules})
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": alpha, "lora_dropout": dropout,
+        "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
+        "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+        "alpha_pattern": {}, "revision": None,
+    }
+
+
+def base_model_name(checkpoint_dir: str | os.PathLike) -> str:
+    """The hub repo id recorded in ``waypoint_source.json`` when the base was downloaded, else its path."""
+    from training.hub import read_source
+
+    record = read_source(checkpoint_dir) if Path(checkpoint_dir).exists() else None
+    return record["repo_id"] if record else str(Path(checkpoint_dir).resolve())
+
+
+def vllm_problems(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> list[str]:
+    """What would stop vLLM (``--enable-lora --max-lora-rank``) from serving this adapter, one line each."""
+    problems = []
+    if int(config.get("r", 0)) > max_lora_rank:
+        problems.append(f"vLLM: rank r={config['r']} exceeds max_lora_rank={max_lora_rank} (serve with --max-lora-rank "
+                        f"{min([v for v in VLLM_RANKS if v >= int(config['r'])] or [int(config['r'])])})")
+    if config.get("bias", "none") != "none":
+        problems.append(f"vLLM: bias={config['bias']!r} is not supported (LoRA biases are ignored or refused); use bias='none'")
+    if config.get("modules_to_save"):
+        problems.append(f"vLLM: modules_to_save={config['modules_to_save']} is not supported; those modules would not be served")
+    unsupported = sorted(set(config.get("target_modules") or []) - VLLM_TARGETS)
+    if unsupported:
+        problems.append(f"vLLM: target module(s) {', '.join(unsupported)} are not supported LoRA modules "
+                        f"(supported: {', '.join(sorted(VLLM_TARGETS))})")
+    if config.get("use_dora") or config.get("use_rslora"):
+        problems.append("vLLM: DoRA / rsLoRA adapters are not supported")
+    return problems
+
+
+def warn_vllm(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> list[str]:
+    problems = vllm_problems(config, max_lora_rank)
+    for line in problems:
+        warnings.warn(line, stacklevel=3)
+    return problems
+
+
+def write_adapter(stage: StagedDir, model: torch.nn.Module, converter: Converter, base_model_name_or_path: str,
+                  max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> dict[str, Any]:
+    """Stage ``adapter_model.safetensors`` and ``adapter_config.json`` for ``model``'s LoRA layers."""
+    from models.lora import adapter_state, lora_modules
+
+    modules = lora_modules(model)
+    if not modules:
+        raise CheckpointError("the model has no LoRA layers (apply_lora first)")
+    tensors = to_peft(adapter_state(model), converter)  # validates every target before anything is written
+    first = next(iter(modules.values()))
+    config = adapter_config(converter, list(modules), first.rank, first.alpha, first.dropout_p, base_model_name_or_path)
+    warn_vllm(config, max_lora_rank)
+    payload = save(tensors, metadata={"format": "pt"})
+    stage.write_bytes(ADAPTER_WEIGHTS, payload)
+    stage.write_bytes(ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+    return config
+
+
+def save_adapter(directory: str | os.PathLike, model: torch.nn.Module, converter: Converter, base_model_name_or_path: str,
+                 max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> Path:
+    """``write_adapter`` into a new directory, committed atomically with a manifest."""
+    with StagedDir(directory) as stage:
+        write_adapter(stage, model, converter, base_model_name_or_path, max_lora_rank)
+    return Path(directory)
+
+
+def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
+    from checkpointers.base import read_json
+
+    config = read_json(Path(directory) / ADAPTER_CONFIG)
+    if config.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{Path(directory) / ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r}; only LORA adapters load")
+    for key, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False)):
+        if config.get(key, plain) != plain:
+            raise CheckpointError(f"{Path(directory) / ADAPTER_CONFIG}: {key}={config[key]!r} is not supported")
+    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
+        raise CheckpointError(f"{Path(directory) / ADAPTER_CONFIG}: bias / modules_to_save adapters are not supported")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise CheckpointError(f"{Path(directory) / ADAPTER_CONFIG}: per-module rank_pattern / alpha_pattern are not supported")
+    return config
+
+
+def load_adapter(directory: str | os.PathLike, converter: Converter) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(native adapter tensors, adapter_config) of a PEFT LoRA adapter directory (ours or PEFT's)."""
+    directory = Path(directory)
+    config = read_adapter_config(directory)
+    weights = directory / ADAPTER_WEIGHTS
+    if weights.is_file():
+        tensors = load_file(weights)
+    elif (directory / "adapter_model.bin").is_file():
+        tensors = torch.load(directory / "adapter_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise CheckpointError(f"{weights}: missing")
+    return from_peft(tensors, converter, str(weights)), config
+
+
+def native_targets(adapter: Mapping[str, torch.Tensor]) -> list[str]:
+    """The native target names (``q_proj``, ``w1``, ...) of a native adapter state."""
+    return sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in adapter})

@@ -1,0 +1,151 @@
+"""LoRA adapters on the native model's linear layers.
+
+``apply_lora(model, targets, rank, alpha, dropout)`` replaces each targeted ``nn.Linear`` (by its
+attribute name: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj``, ``w1``, ``w2``, ``w3``, ``output``)
+with a :class:`LoRALinear` that keeps the base ``weight`` (and ``bias``) under the same key, frozen,
+and adds ``lora_A.weight`` [rank, in] and ``lora_B.weight`` [out, rank]. Call it *after* the base
+weights are loaded (``checkpointers.load_into``), so the base keys stay the native ones; every other
+parameter of the model is frozen too, so only adapter parameters reach the optimizer.
+
+Initialisation is PEFT's: A Kaiming-uniform (a = sqrt(5)), B zeros, so the adapted model starts equal
+to the base. ``output = base(x) + lora_B(lora_A(dropout(x))) * alpha / rank``, as PEFT computes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from converters.errors import CheckpointError
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        if rank < 1:
+            raise CheckpointError(f"lora rank must be at least 1, got {rank}")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.rank, self.alpha, self.dropout_p = int(rank), float(alpha), float(dropout)
+        self.scaling = self.alpha / self.rank
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        self.bias = base.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        factory = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Linear(self.in_features, self.rank, bias=False, **factory)
+        self.lora_B = nn.Linear(self.rank, self.out_features, bias=False, **factory)
+        self.dropout = nn.Dropout(self.dropout_p) if self.dropout_p > 0 else nn.Identity()
+        self.reset_lora_parameters()
+
+    def reset_lora_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # as peft.tuners.lora.LoraLayer
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = F.linear(x, self.weight, self.bias)
+        return result + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+    def delta_weight(self) -> torch.Tensor:
+        """(alpha / r) * B @ A in fp32."""
+        return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}, dropout={self.dropout_p}"
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float, dropout: float = 0.0) -> list[str]:
+    """Wrap every ``nn.Linear`` named in ``targets`` in a LoRALinear and freeze all non-adapter parameters;
+    returns the wrapped module paths. Unknown target names and a LoRA on a tied head are one-line errors."""
+    targets = list(targets)
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        raise CheckpointError(f"unknown lora target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}")
+    if not targets:
+        raise CheckpointError("lora.targets is empty: name at least one of " + ", ".join(TARGETS))
+    if "output" in targets and getattr(getattr(model, "args", None), "tie_embeddings", False):
+        raise CheckpointError("lora target 'output' is tied to the embedding in this model; a LoRA on it would untie them")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    chosen = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+    if not chosen:
+        raise CheckpointError(f"no linear layer of the model is named {', '.join(targets)}")
+    for name, module in chosen:
+        if module.weight.is_meta:
+            raise CheckpointError(f"{name}: apply_lora needs the base weights loaded first (load_into)")
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        setattr(owner, attr, LoRALinear(module, rank, alpha, dropout))
+    model.lora_config = {"targets": targets, "rank": int(rank), "alpha": float(alpha), "dropout": float(dropout)}
+    return [name for name, _ in chosen]
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``<module>.lora_A.weight`` / ``<module>.lora_B.weight`` for every LoRALinear (native module paths)."""
+    out = {}
+    for name, m in lora_modules(model).items():
+        out[f"{name}.lora_A.weight"] = m.lora_A.weight.detach()
+        out[f"{name}.lora_B.weight"] = m.lora_B.weight.detach()
+    return out
+
+
+def load_adapter_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy adapter tensors (``adapter_state``'s keys) into the model's LoRA layers; missing, unexpected or
+    misshapen keys are one-line errors."""
+    own = adapter_state(model)
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    if missing or unexpected:
+        problem = f"lacks {missing[0]!r}" if missing else f"has {unexpected[0]!r}, which the model has no LoRA layer for"
+        raise CheckpointError(f"adapter {problem} ({len(missing)} missing, {len(unexpected)} unexpected keys)")
+    with torch.no_grad():
+        for key, target in own.items():
+            if state[key].shape != target.shape:
+                raise CheckpointError(f"adapter {key}: shape {tuple(state[key].shape)} does not fit the model's {tuple(target.shape)}")
+            target.copy_(state[key])
+
+
+def merge_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + scaling * B @ A, computed in fp32 and cast back to W's dtype."""
+    return (weight.float() + (lora_b.float() @ lora_a.float()) * scaling).to(weight.dtype)
+
+
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every LoRA update folded into its base weight: native keys only, as the
+    base checkpoint had them (saveable by any checkpointer)."""
+    modules = lora_modules(model)
+    out = {}
+    for key, t in model.state_dict().items():
+        owner, _, leaf = key.rpartition(".")
+        if ".lora_A." in f".{key}" or ".lora_B." in f".{key}":
+            continue
+        if leaf == "weight" and owner in modules:
+            m = modules[owner]
+            out[key] = merge_weight(m.weight.detach(), m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.scaling)
+        else:
+            out[key] = t
+    return out
+
+
+def merge_state_dict(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """Offline merge: a native base state dict plus native adapter tensors -> the merged native state dict."""
+    out = dict(base)
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in adapter})
+    for module in modules:
+        key = f"{module}.weight"
+        if key not in out:
+            raise CheckpointError(f"adapter targets {module!r}, which the base checkpoint lacks")
+        out[key] = merge_weight(out[key], adapter[f"{module}.lora_A.weight"], adapter[f"{module}.lora_B.weight"], scaling)
+    return out

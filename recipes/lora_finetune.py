@@ -1,0 +1,253 @@
+"""LoRA fine-tuning of a Llama-family model; adapters in PEFT's format, the merged model in the input's format and files.
+
+    python recipes/lora_finetune.py --config configs/tiny_lora.yaml [key=value ...]
+
+The same loop, config keys, logging, resume and preemption handling as recipes/full_finetune.py, with the
+LoRA differences:
+
+- the base model is always loaded from ``checkpointer.checkpoint_dir`` (frozen); ``apply_lora`` wraps the
+  ``lora.targets`` after loading, and only the adapter parameters reach the optimizer;
+- ``output_dir/step_N`` holds ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's format:
+  ``PeftModel.from_pretrained(base, step_N)`` loads it), ``recipe_state.pt`` and ``MANIFEST.json``;
+- the merged model (W + alpha/r * B @ A) goes to ``step_N/merged/``: a complete checkpoint in the input's
+  format, file names and key -> file map, with the input's side files and its own ``MANIFEST.json``. It is a
+  subdirectory (not files beside the adapter) because transformers treats a directory holding
+  ``adapter_config.json`` as an adapter to load onto ``base_model_name_or_path``, not as a model.
+  ``save_merged: final`` (default) writes it in the last checkpoint only, ``every`` in each one, ``never``
+  in none; ``save_adapter_weights_only: true`` also skips it. ``step_N/merged`` is staged inside
+  ``step_N`` before ``step_N`` is committed, so both appear together or not at all;
+- resuming takes the base from ``checkpointer.checkpoint_dir`` and the adapter, optimizer, scheduler, RNG and
+  data position from ``step_N``: the result is bit-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from checkpointers import CheckpointError, load_into
+from checkpointers.base import RECIPE_STATE_FILE
+from checkpointers.commit import StagedDir, prune_checkpoints, remove_stale_staging, step_dirs
+from checkpointers.peft_adapter import base_model_name, converter_for_args, load_adapter, write_adapter
+from models.lora import apply_lora, load_adapter_state, merged_state
+from training.collate import padded_collate
+from training.config import parse_config
+from training.data_order import batches_per_epoch, iterate_batches
+from training.loss import next_token_loss_sum, supervised_tokens
+from training.metrics import MetricsLog
+from training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from training.recipe_state import build_recipe_state, load_recipe_state
+from training.resume import check_config, find_checkpoint, set_aside_newer
+from training.rng_state import capture_rng, restore_rng
+from training.seed import seed_everything
+
+MERGED_DIR = "merged"
+LORA_BREAKING = ("lora", "max_lora_rank")  # beside training.resume.BREAKING_KEYS: another adapter shape
+
+
+def start_fresh(output_dir: Path, overwrite: bool) -> None:
+    """Refuse to mix a new run into a directory that holds an earlier run, unless told to replace it."""
+    earlier = [p.name for p in step_dirs(output_dir)]
+    if earlier and not overwrite:
+        raise CheckpointError(f"output_dir {output_dir} already holds checkpoints ({', '.join(earlier)}); "
+                              "resume=auto continues them; choose another output_dir or set overwrite=true to replace them")
+    for name in earlier:
+        shutil.rmtree(output_dir / name)
+    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def converter_of(checkpointer, model):
+    """The HF converter that names the adapter's modules: the checkpointer's own (HF input), else the Llama
+    table for the model's shapes (Meta and native inputs)."""
+    return getattr(checkpointer, "converter", None) or converter_for_args(model.args)
+
+
+def check_lora_config(saved: dict, current: dict, checkpoint: Path) -> None:
+    changed = [k for k in LORA_BREAKING if saved.get(k) != current.get(k)]
+    if changed:
+        raise CheckpointError(f"cannot resume from {checkpoint}: the config changed {', '.join(changed)}; "
+                              "restore them, or start a new run with another output_dir (or resume=false overwrite=true)")
+
+
+def train(cfg: DictConfig) -> int:
+    output_dir = Path(cfg.output_dir)
+    device = torch.device(cfg.device)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    save_merged = str(cfg.get("save_merged", "final")).lower()
+    if save_merged not in ("final", "every", "never", "false", "none"):
+        raise CheckpointError(f"save_merged must be final, every or never, got {cfg.save_merged!r}")
+    if cfg.get("save_adapter_weights_only", False):
+        save_merged = "never"
+    max_lora_rank = cfg.get("max_lora_rank", 16)
+
+    # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
+    resume_from = find_checkpoint(output_dir, cfg.resume)
+    recipe_state = load_recipe_state(resume_from.path) if resume_from else None
+    notes = check_config(recipe_state["config"], config, resume_from.path) if recipe_state else []
+    if recipe_state:
+        check_lora_config(recipe_state["config"], config, resume_from.path)
+        notes = [k for k in notes if not k.startswith(LORA_BREAKING)]
+    if resume_from:  # later checkpoints are corrupt (auto) or unwanted (a pinned path): kept, renamed
+        set_aside_newer(output_dir, resume_from.path, "corrupt" if cfg.resume in (True, "auto") else "superseded")
+    if not resume_from and cfg.resume not in (False, "false") and step_dirs(output_dir) and not cfg.overwrite:
+        raise CheckpointError(f"output_dir {output_dir} holds checkpoints but none verifies; "
+                              "set resume=<path> to pick one or overwrite=true to start again")
+    seed_everything(cfg.seed)
+
+    # Model: the base (always the input checkpoint) on the meta device, given its tensors, then the adapters.
+    checkpointer = instantiate(cfg.checkpointer)
+    state = checkpointer.load_checkpoint()
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
+                       key_prefix_map=cfg.key_prefix_map)
+    print("\n".join(report.lines()))
+    del state
+    lora = cfg.lora
+    wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
+    converter = converter_of(checkpointer, model)
+    base_name = base_model_name(checkpointer.checkpoint_dir)
+    if resume_from:
+        adapter, _ = load_adapter(resume_from.path, converter)
+        load_adapter_state(model, adapter)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    print(f"lora: {len(wrapped)} layers ({', '.join(lora.targets)}), rank {lora.rank}, alpha {lora.alpha}: "
+          f"{sum(p.numel() for p in trainable):,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters")
+    model.activation_checkpointing = cfg.enable_activation_checkpointing
+    model.train()
+
+    # Data.
+    tokenizer = instantiate(cfg.tokenizer)
+    dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
+    collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
+    accumulate = cfg.gradient_accumulation_steps
+    steps_per_epoch = batches_per_epoch(len(dataset), cfg.batch_size) // accumulate
+    if cfg.max_steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
+    if steps_per_epoch < 1:
+        raise CheckpointError(f"dataset has {len(dataset)} samples: too few for batch_size={cfg.batch_size} "
+                              f"x gradient_accumulation_steps={accumulate}")
+    total_steps = cfg.epochs * steps_per_epoch
+
+    # Optimizer over the adapter parameters only.
+    optimizer = instantiate(cfg.optimizer, params=trainable)
+    scheduler = instantiate(cfg.lr_scheduler, optimizer=optimizer, num_training_steps=total_steps)
+
+    global_step, start_epoch, start_step = 0, 0, 0
+    if recipe_state:
+        if recipe_state["global_step"] >= total_steps:
+            print(f"run already finished: {resume_from.path} is step {recipe_state['global_step']} of {total_steps}; nothing to do")
+            return 0
+        optimizer.load_state_dict(recipe_state["optimizer"])
+        scheduler.load_state_dict(recipe_state["lr_scheduler"])
+        restore_rng(recipe_state["rng"])
+        global_step, start_epoch, start_step = recipe_state["global_step"], recipe_state["epoch"], recipe_state["step_in_epoch"]
+        print(f"resuming from {resume_from.path.name} (epoch {start_epoch}, batch {start_step * accumulate}/"
+              f"{steps_per_epoch * accumulate}), {resume_from.files} files verified, {resume_from.bytes / 1e9:.2f} GB")
+        for key in notes:
+            print(f"note: {key} differs from the checkpoint's config; accepted")
+    else:
+        start_fresh(output_dir, cfg.overwrite)  # only now: bad input above must leave output_dir as it was
+    remove_stale_staging(output_dir)
+    metrics = MetricsLog(output_dir, keep_through_step=global_step)
+
+    def save(next_epoch: int, next_step: int) -> Path:
+        recipe = build_recipe_state(
+            optimizer=optimizer, lr_scheduler=scheduler, global_step=global_step, epoch=next_epoch,
+            step_in_epoch=next_step, steps_per_epoch=steps_per_epoch, total_steps=total_steps, seed=cfg.seed,
+            epochs=cfg.epochs, rng=capture_rng(), config=config,
+            data_position={"epoch": next_epoch, "next_batch": next_step * accumulate, "batch_size": cfg.batch_size,
+                           "samples_seen_in_epoch": next_step * accumulate * cfg.batch_size, "seed": cfg.seed})
+        target = output_dir / f"step_{global_step}"
+        merge = save_merged == "every" or (save_merged == "final" and global_step == total_steps)
+        try:
+            with StagedDir(target) as stage:
+                write_adapter(stage, model, converter, base_name, max_lora_rank)
+                stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe, f))
+                if merge:  # its own atomic commit, inside step_N's staging directory
+                    checkpointer.save_to({"model": merged_state(model)}, stage.path / MERGED_DIR)
+        except OSError as e:
+            raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
+                                  "nothing was committed and earlier checkpoints are intact") from e
+        prune_checkpoints(output_dir, cfg.keep_last_n_checkpoints)
+        return target
+
+    preemption = PreemptionWatch(cfg.preemption_signals)
+    bar = tqdm(total=total_steps, initial=global_step, desc="train", dynamic_ncols=True)
+    for epoch in range(start_epoch, cfg.epochs):
+        first = start_step if epoch == start_epoch else 0
+        batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=collate,
+                                  start_batch=first * accumulate)
+        for step_in_epoch in range(first, steps_per_epoch):
+            started = time.perf_counter()
+            micro_batches = [next(batches)[1] for _ in range(accumulate)]
+            n_supervised = sum(supervised_tokens(b["labels"]) for b in micro_batches)
+            loss_sum = 0.0
+            for batch in micro_batches:
+                logits = model(batch["tokens"].to(device))
+                loss = next_token_loss_sum(logits, batch["labels"].to(device)) / max(n_supervised, 1)
+                loss.backward()
+                loss_sum += loss.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip_grad_norm or float("inf"))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            global_step += 1
+
+            tokens = sum(b["tokens"].numel() for b in micro_batches)
+            record = dict(step=global_step, epoch=epoch, loss=loss_sum, lr=scheduler.get_last_lr()[0],
+                          grad_norm=float(grad_norm), tokens_per_s=tokens / (time.perf_counter() - started))
+            metrics.write(**record)
+            bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update()
+
+            # Checkpoints at optimizer-step boundaries only.
+            epoch_done = step_in_epoch + 1 == steps_per_epoch
+            due = (global_step == total_steps or preemption.requested
+                   or (cfg.save_every_n_steps and global_step % cfg.save_every_n_steps == 0)
+                   or (epoch_done and cfg.save_every_epoch))
+            if due:
+                saved = save(epoch + 1, 0) if epoch_done else save(epoch, step_in_epoch + 1)
+                bar.write(f"saved {saved}")
+            if preemption.requested and global_step < total_steps:
+                bar.close()
+                print(f"stopped by {preemption.received} at step {global_step}; rerun the same command to resume")
+                if cfg.requeue:
+                    requeue_slurm_job()
+                return PREEMPTED_EXIT_CODE
+    bar.close()
+    metrics.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv, description=__doc__.splitlines()[0])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return train(cfg)
+    except (CheckpointError, FileNotFoundError, InstantiationException) as e:
+        if os.environ.get("WAYPOINT_DEBUG"):
+            raise
+        cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
+        print(f"\nerror: {str(cause).splitlines()[0]}", file=sys.stderr)  # after any progress bar
+        return 1
+    finally:
+        for sig, handler in handlers.items():  # main() may run inside another program (tests, notebooks)
+            signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
