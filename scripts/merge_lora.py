@@ -1,0 +1,60 @@
+"""Merge a LoRA adapter (PEFT format: ours or PEFT's own) into its base checkpoint, offline.
+
+    python scripts/merge_lora.py BASE_DIR ADAPTER_DIR OUT_DIR
+
+OUT_DIR gets the base's format, file names and key -> file map (and its tokenizer and other side files),
+with every adapted weight replaced by W + (lora_alpha / r) * B @ A (computed in fp32, cast back to W's
+dtype), committed atomically with a MANIFEST.json. OUT_DIR must not exist yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # scripts/inspect.py must not shadow the stdlib's
+else:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from checkpointers import CheckpointError, checkpointer_for  # noqa: E402
+from checkpointers.load_model import model_args_for  # noqa: E402
+from checkpointers.peft_adapter import converter_for_args, load_adapter  # noqa: E402
+from models.lora import merge_state_dict  # noqa: E402
+
+
+def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"{out_dir}: already exists; choose a new output directory")
+    checkpointer = checkpointer_for(base_dir, output_dir=out_dir.parent)
+    base = checkpointer.load_checkpoint()["model"]
+    converter = getattr(checkpointer, "converter", None) or converter_for_args(model_args_for(checkpointer))
+    adapter, config = load_adapter(adapter_dir, converter)
+    if converter.tied_embeddings and any(k.startswith(converter.native_head_key.rsplit(".", 1)[0] + ".lora_") for k in adapter):
+        raise CheckpointError("the adapter changes the output head, which this base ties to the embedding")
+    merged = merge_state_dict(base, adapter, float(config["lora_alpha"]) / int(config["r"]))
+    return checkpointer.save_to({"model": merged}, out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("base_dir")
+    parser.add_argument("adapter_dir")
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    try:
+        out = merge(args.base_dir, args.adapter_dir, args.out_dir)
+    except (CheckpointError, FileNotFoundError) as e:
+        if os.environ.get("WAYPOINT_DEBUG"):
+            raise
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+    print(f"merged {args.adapter_dir} into {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
