@@ -249,3 +249,35 @@ def test_resume_refuses_a_changed_lora_config(tmp_path, reference):
     shutil.rmtree(out / FINAL)
     result = run_lora(out, *BASE, "lora.rank=4")
     assert result.returncode == 1 and "the config changed lora" in result.stderr
+
+
+def test_base_model_name_is_the_hub_repo_when_recorded(tmp_path):
+    from checkpointers.peft_adapter import base_model_name
+
+    base = tmp_path / "base"
+    write_family_checkpoint(base, tiny_family_config("llama"))
+    assert base_model_name(base) == str(base.resolve())
+    (base / "waypoint_source.json").write_text(json.dumps({"repo_id": "meta-llama/Llama-2-7b-hf", "revision": "0" * 40}))
+    checkpointer, model = native_model(base, ["v_proj"])
+    adapter = save_adapter(tmp_path / "a", model, checkpointer.converter, base_model_name(base))
+    assert json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == "meta-llama/Llama-2-7b-hf"
+
+
+def test_lora_on_a_tied_head_is_refused(tmp_path):
+    base = tmp_path / "base"
+    write_family_checkpoint(base, tiny_family_config("gemma"))
+    with pytest.raises(CheckpointError, match="tied to the embedding"):
+        native_model(base, ["q_proj", "output"])
+
+
+@pytest.mark.slow
+def test_save_merged_every_and_adapter_only(tmp_path):
+    short = [*BASE[:2], "epochs=1", "max_steps_per_epoch=4", "save_every_n_steps=2", "keep_last_n_checkpoints=null"]
+    every = tmp_path / "every"
+    result = run_lora(every, *short, "save_merged=every")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert all(verify(every / s / "merged").ok for s in ("step_2", "step_4"))
+    adapter_only = tmp_path / "adapter_only"
+    result = run_lora(adapter_only, *short, "save_adapter_weights_only=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [p for p in adapter_only.glob("step_*/merged")] == [] and verify(adapter_only / "step_4").ok
