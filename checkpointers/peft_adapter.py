@@ -45,6 +45,20 @@ def converter_for_args(args) -> Converter:
                      tied_embeddings=args.tie_embeddings)
 
 
+def hf_converter(checkpointer, model_args) -> Converter:
+    """The converter whose HF side names PEFT's modules: an HF checkpointer's own (its family's table); for Meta
+    and native checkpointers (whose converters speak their own key names) the Llama table for the model's shapes."""
+    converter = getattr(checkpointer, "converter", None)
+    if converter is not None:
+        try:
+            groups = converter.plan(["tok_embeddings.weight"], "native")
+        except CheckpointError:
+            groups = []
+        if len(groups) == 1 and groups[0].targets == ("model.embed_tokens.weight",):
+            return converter
+    return converter_for_args(model_args)
+
+
 def _single_rule(converter: Converter, key: str, side: str) -> tuple[Rule, str]:
     """The rule mapping ``key`` (of ``side``) to exactly one key of the other side, and that key."""
     try:

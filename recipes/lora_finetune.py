@@ -40,7 +40,7 @@ from tqdm import tqdm
 from checkpointers import CheckpointError, load_into
 from checkpointers.base import RECIPE_STATE_FILE
 from checkpointers.commit import StagedDir, prune_checkpoints, remove_stale_staging, step_dirs
-from checkpointers.peft_adapter import base_model_name, converter_for_args, load_adapter, write_adapter
+from checkpointers.peft_adapter import base_model_name, hf_converter, load_adapter, write_adapter
 from models.lora import apply_lora, load_adapter_state, merged_state
 from training.collate import padded_collate
 from training.config import parse_config
@@ -67,12 +67,6 @@ def start_fresh(output_dir: Path, overwrite: bool) -> None:
         shutil.rmtree(output_dir / name)
     (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     output_dir.mkdir(parents=True, exist_ok=True)
-
-
-def converter_of(checkpointer, model):
-    """The HF converter that names the adapter's modules: the checkpointer's own (HF input), else the Llama
-    table for the model's shapes (Meta and native inputs)."""
-    return getattr(checkpointer, "converter", None) or converter_for_args(model.args)
 
 
 def check_lora_config(saved: dict, current: dict, checkpoint: Path) -> None:
@@ -118,7 +112,7 @@ def train(cfg: DictConfig) -> int:
     del state
     lora = cfg.lora
     wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
-    converter = converter_of(checkpointer, model)
+    converter = hf_converter(checkpointer, model.args)  # names the adapter's modules as HF does
     base_name = base_model_name(checkpointer.checkpoint_dir)
     if resume_from:
         adapter, _ = load_adapter(resume_from.path, converter)

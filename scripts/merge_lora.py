@@ -21,7 +21,7 @@ else:
 
 from checkpointers import CheckpointError, checkpointer_for  # noqa: E402
 from checkpointers.load_model import model_args_for  # noqa: E402
-from checkpointers.peft_adapter import converter_for_args, load_adapter  # noqa: E402
+from checkpointers.peft_adapter import hf_converter, load_adapter  # noqa: E402
 from models.lora import merge_state_dict  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: 
         raise CheckpointError(f"{out_dir}: already exists; choose a new output directory")
     checkpointer = checkpointer_for(base_dir, output_dir=out_dir.parent)
     base = checkpointer.load_checkpoint()["model"]
-    converter = getattr(checkpointer, "converter", None) or converter_for_args(model_args_for(checkpointer))
+    converter = hf_converter(checkpointer, model_args_for(checkpointer))
     adapter, config = load_adapter(adapter_dir, converter)
     if converter.tied_embeddings and any(k.startswith(converter.native_head_key.rsplit(".", 1)[0] + ".lora_") for k in adapter):
         raise CheckpointError("the adapter changes the output head, which this base ties to the embedding")

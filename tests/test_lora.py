@@ -281,3 +281,32 @@ def test_save_merged_every_and_adapter_only(tmp_path):
     result = run_lora(adapter_only, *short, "save_adapter_weights_only=true")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [p for p in adapter_only.glob("step_*/merged")] == [] and verify(adapter_only / "step_4").ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["meta", "native"])
+def test_meta_and_native_inputs_give_hf_named_adapters(tmp_path, fmt):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from checkpointers import load_model
+
+    source, base = ROOT / "assets/tiny_llama", tmp_path / "base"
+    converted = subprocess.run([sys.executable, str(ROOT / "scripts/convert.py"), str(source), str(base), "--to", fmt,
+                                *(["--num-shards", "1"] if fmt == "meta" else [])], cwd=ROOT, capture_output=True, text=True)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    out = tmp_path / "run"
+    result = run_lora(out, f"checkpointer={fmt}", f"checkpointer.checkpoint_dir={base}", *BASE[1:2], "epochs=1",
+                      "max_steps_per_epoch=4", "optimizer.lr=3e-2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    step = out / "step_4"
+    config = json.loads((step / ADAPTER_CONFIG).read_text())
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert all(k.startswith("base_model.model.model.layers.") for k in read_tensors(step / ADAPTER_WEIGHTS))
+    tokens = torch.randint(0, 512, (2, 13), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), step).eval()(tokens).logits
+        merged_logits = load_model(step / "merged").eval()(tokens)
+    diff = max_diff(peft_logits, merged_logits)
+    print(f"\n{fmt} input: PEFT (HF twin of the base + our adapter) vs our merged {fmt} checkpoint: max |logits diff| = {diff:.3g}")
+    assert diff <= TOL
