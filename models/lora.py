@@ -7,7 +7,8 @@ and adds ``lora_A.weight`` [rank, in] and ``lora_B.weight`` [out, rank]. Call it
 weights are loaded (``checkpointers.load_into``), so the base keys stay the native ones; every other
 parameter of the model is frozen too, so only adapter parameters reach the optimizer.
 
-Initialisation is PEFT's: A Kaiming-uniform (a = sqrt(5)), B zeros, so the adapted model starts equal
+On a bf16 / fp16 base the adapter weights are fp32 (as PEFT keeps them); the update is cast to the base's
+dtype. Initialisation is PEFT's: A Kaiming-uniform (a = sqrt(5)), B zeros, so the adapted model starts equal
 to the base. ``output = base(x) + lora_B(lora_A(dropout(x))) * alpha / rank``, as PEFT computes it.
 """
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from converters.errors import CheckpointError
 
+HALF = (torch.bfloat16, torch.float16)
 TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
 
 
@@ -40,7 +42,9 @@ class LoRALinear(nn.Module):
         self.bias = base.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        factory = dict(device=base.weight.device, dtype=base.weight.dtype)
+        # fp32 adapters on a half-precision base (PEFT's autocast_adapter_dtype default): the optimizer's updates
+        # to small adapter weights are not lost to bf16 rounding
+        factory = dict(device=base.weight.device, dtype=torch.float32 if base.weight.dtype in HALF else base.weight.dtype)
         self.lora_A = nn.Linear(self.in_features, self.rank, bias=False, **factory)
         self.lora_B = nn.Linear(self.rank, self.out_features, bias=False, **factory)
         self.dropout = nn.Dropout(self.dropout_p) if self.dropout_p > 0 else nn.Identity()
@@ -52,7 +56,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
-        return result + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        x = x.to(self.lora_A.weight.dtype)
+        return result + (self.lora_B(self.lora_A(self.dropout(x))) * self.scaling).to(result.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         """(alpha / r) * B @ A in fp32."""

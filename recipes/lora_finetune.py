@@ -54,7 +54,7 @@ from training.rng_state import capture_rng, restore_rng
 from training.seed import seed_everything
 
 MERGED_DIR = "merged"
-LORA_BREAKING = ("lora", "max_lora_rank")  # beside training.resume.BREAKING_KEYS: another adapter shape
+LORA_BREAKING = ("lora",)  # beside training.resume.BREAKING_KEYS: another adapter (targets, rank, alpha, dropout)
 
 
 def start_fresh(output_dir: Path, overwrite: bool) -> None:

@@ -310,3 +310,24 @@ def test_meta_and_native_inputs_give_hf_named_adapters(tmp_path, fmt):
     diff = max_diff(peft_logits, merged_logits)
     print(f"\n{fmt} input: PEFT (HF twin of the base + our adapter) vs our merged {fmt} checkpoint: max |logits diff| = {diff:.3g}")
     assert diff <= TOL
+
+
+def test_adapters_on_a_bf16_base_are_fp32(tmp_path, tokens):
+    base = tmp_path / "base"
+    write_family_checkpoint(base, tiny_family_config("llama"))
+    checkpointer = HFCheckpointer(base, output_dir=tmp_path / "out")
+    with torch.device("meta"):
+        model = build_model(base)
+    load_into(model, checkpointer.load_checkpoint()["model"], dtype="bf16")
+    apply_lora(model, ["q_proj", "w2"], 4, 8.0)
+    randomise_lora_b(model.named_parameters())
+    assert {p.dtype for n, p in model.named_parameters() if p.requires_grad} == {torch.float32}
+    logits = model(tokens)
+    logits.float().sum().backward()
+    assert logits.dtype == torch.bfloat16 and model.layers[0].mlp.w2.lora_B.weight.grad.dtype == torch.float32
+    merged = merged_state(model)
+    assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+    expected = (model.layers[1].attn.q_proj.weight.float() + model.layers[1].attn.q_proj.delta_weight()).bfloat16()
+    assert torch.equal(merged["layers.1.attn.q_proj.weight"], expected)
+    adapter = save_adapter(tmp_path / "a", model, checkpointer.converter, str(base))
+    assert {t.dtype for t in read_tensors(adapter / ADAPTER_WEIGHTS).values()} == {torch.float32}
