@@ -108,6 +108,14 @@ def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source:
     return out
 
 
+def check_targets(model: torch.nn.Module, converter: Converter) -> None:
+    """Raise the one-line CheckpointError ``write_adapter`` would, before any training (fused targets)."""
+    from models.lora import lora_modules
+
+    for module in lora_modules(model):
+        _single_rule(converter, f"{module}.weight", "native")
+
+
 def adapter_config(converter: Converter, native_modules: list[str], rank: int, alpha: float, dropout: float,
                    base_model_name_or_path: str) -> dict[str, Any]:
     targets = sorted({hf_module(converter, m).rsplit(".", 1)[-1] for m in native_modules})

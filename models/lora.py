@@ -25,6 +25,7 @@ from converters.errors import CheckpointError
 
 HALF = (torch.bfloat16, torch.float16)
 TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
+HF_NAMES = {"o_proj": "output_proj", "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "lm_head": "output"}  # also accepted
 
 
 class LoRALinear(nn.Module):
@@ -72,9 +73,9 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float, dropout: float = 0.0) -> list[str]:
-    """Wrap every ``nn.Linear`` named in ``targets`` in a LoRALinear and freeze all non-adapter parameters;
+    """Wrap every ``nn.Linear`` named in ``targets`` (native names, or HF's: ``o_proj``, ``gate_proj``, ...) in a LoRALinear and freeze all non-adapter parameters;
     returns the wrapped module paths. Unknown target names and a LoRA on a tied head are one-line errors."""
-    targets = list(targets)
+    targets = list(dict.fromkeys(HF_NAMES.get(t, t) for t in targets))
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         raise CheckpointError(f"unknown lora target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}")

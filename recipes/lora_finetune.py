@@ -40,7 +40,7 @@ from tqdm import tqdm
 from checkpointers import CheckpointError, load_into
 from checkpointers.base import RECIPE_STATE_FILE
 from checkpointers.commit import StagedDir, prune_checkpoints, remove_stale_staging, step_dirs
-from checkpointers.peft_adapter import base_model_name, hf_converter, load_adapter, write_adapter
+from checkpointers.peft_adapter import base_model_name, check_targets, hf_converter, load_adapter, write_adapter
 from models.lora import apply_lora, load_adapter_state, merged_state
 from training.collate import padded_collate
 from training.config import parse_config
@@ -113,6 +113,7 @@ def train(cfg: DictConfig) -> int:
     lora = cfg.lora
     wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
     converter = hf_converter(checkpointer, model.args)  # names the adapter's modules as HF does
+    check_targets(model, converter)  # a target PEFT cannot name (Phi-3's fused qkv) fails now, not at the first save
     base_name = base_model_name(checkpointer.checkpoint_dir)
     if resume_from:
         adapter, _ = load_adapter(resume_from.path, converter)

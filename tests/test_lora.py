@@ -111,7 +111,8 @@ def test_adapter_written_by_peft_loads_into_our_model(tmp_path, tokens):
     checkpointer, model = native_model(base)
     adapter, config = load_adapter(tmp_path / "peft_adapter", checkpointer.converter)
     assert native_targets(adapter) == sorted(ALL_TARGETS[:-1])
-    apply_lora(model, native_targets(adapter), config["r"], config["lora_alpha"], config["lora_dropout"])
+    apply_lora(model, config["target_modules"], config["r"], config["lora_alpha"], config["lora_dropout"])  # HF names
+    assert sorted(model.lora_config["targets"]) == sorted(ALL_TARGETS[:-1])
     load_adapter_state(model, adapter)
     with torch.no_grad():
         diff = max_diff(model.eval()(tokens), peft_model(tokens).logits)
@@ -122,6 +123,17 @@ def test_adapter_written_by_peft_loads_into_our_model(tmp_path, tokens):
     theirs, ours = read_tensors(tmp_path / "peft_adapter" / ADAPTER_WEIGHTS), read_tensors(tmp_path / "again" / ADAPTER_WEIGHTS)
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
 
+    # scripts/merge_lora.py on PEFT's adapter: PEFT's merge_and_unload, in the base's files
+    from scripts.merge_lora import merge
+
+    merged_dir = merge(base, tmp_path / "peft_adapter", tmp_path / "merged")
+    peft_merged = peft_model.merge_and_unload().state_dict()
+    mine = hf_weights(merged_dir)
+    weight_diff = max(max_diff(mine[k], peft_merged[k]) for k in mine)
+    print(f"merge_lora.py on a PEFT-written adapter vs PEFT merge_and_unload: max |diff| = {weight_diff:.3g}")
+    assert weight_diff <= TOL and sorted(p.name for p in merged_dir.iterdir()) == sorted(
+        [p.name for p in base.iterdir()] + ["MANIFEST.json"])
+
 
 def test_fused_targets_are_refused_in_one_line(tmp_path):
     base = tmp_path / "base"
@@ -130,6 +142,8 @@ def test_fused_targets_are_refused_in_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="one-to-one") as error:
         save_adapter(tmp_path / "adapter", model, checkpointer.converter, str(base))
     assert "\n" not in str(error.value) and not (tmp_path / "adapter").exists()
+    result = run_lora(tmp_path / "run", f"checkpointer.checkpoint_dir={base}", *BASE[1:2])  # the recipe, before training
+    assert result.returncode == 1 and "one-to-one" in result.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_vllm_readiness_warns(tmp_path):
