@@ -78,10 +78,16 @@ def hf_module(converter: Converter, native_module: str) -> str:
 
 def to_peft(adapter: Mapping[str, torch.Tensor], converter: Converter) -> dict[str, torch.Tensor]:
     """Native adapter tensors (``<module>.lora_A.weight``, ...) -> PEFT keys and layout."""
+    return to_layout(adapter, converter, PEFT_PREFIX)
+
+
+def to_layout(adapter: Mapping[str, torch.Tensor], converter: Converter, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Native adapter tensors -> the module names and row layout of ``converter``'s other side (HF for PEFT;
+    Meta's ``layers.{i}.attention.wq`` or native names for ``adapter_meta/native.safetensors``)."""
     out = {}
     for module in sorted({k.rsplit(".lora_", 1)[0] for k in adapter}):
         rule, hf_key = _single_rule(converter, f"{module}.weight", "native")
-        path = PEFT_PREFIX + hf_key.removesuffix(".weight")
+        path = prefix + hf_key.removesuffix(".weight")
         out[f"{path}.lora_A.weight"] = adapter[f"{module}.lora_A.weight"].contiguous()
         (out[f"{path}.lora_B.weight"],) = rule.op.inverse([adapter[f"{module}.lora_B.weight"]])
         out[f"{path}.lora_B.weight"] = out[f"{path}.lora_B.weight"].contiguous()
@@ -163,8 +169,9 @@ def warn_vllm(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LORA_R
 
 
 def write_adapter(stage: StagedDir, model: torch.nn.Module, converter: Converter, base_model_name_or_path: str,
-                  max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> dict[str, Any]:
-    """Stage ``adapter_model.safetensors`` and ``adapter_config.json`` for ``model``'s LoRA layers."""
+                  max_lora_rank: int = DEFAULT_MAX_LORA_RANK, layout: tuple[str, Converter] | None = None) -> dict[str, Any]:
+    """Stage ``adapter_model.safetensors`` and ``adapter_config.json`` for ``model``'s LoRA layers, and with
+    ``layout=(name, converter)`` (a Meta or native input) the adapter in that format's keys as ``adapter_<name>.safetensors``."""
     from models.lora import adapter_state, lora_modules
 
     modules = lora_modules(model)
@@ -177,6 +184,9 @@ def write_adapter(stage: StagedDir, model: torch.nn.Module, converter: Converter
     payload = save(tensors, metadata={"format": "pt"})
     stage.write_bytes(ADAPTER_WEIGHTS, payload)
     stage.write_bytes(ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+    if layout is not None:
+        name, own = layout
+        stage.write_bytes(f"adapter_{name}.safetensors", save(to_layout(adapter_state(model), own), metadata={"format": "pt"}))
     return config
 
 

@@ -37,7 +37,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from checkpointers import CheckpointError, load_into
+from checkpointers import CheckpointError, detect_format, load_into
 from checkpointers.base import RECIPE_STATE_FILE
 from checkpointers.commit import StagedDir, prune_checkpoints, remove_stale_staging, step_dirs
 from checkpointers.peft_adapter import base_model_name, check_targets, hf_converter, load_adapter, write_adapter
@@ -115,6 +115,8 @@ def train(cfg: DictConfig) -> int:
     converter = hf_converter(checkpointer, model.args)  # names the adapter's modules as HF does
     check_targets(model, converter)  # a target PEFT cannot name (Phi-3's fused qkv) fails now, not at the first save
     base_name = base_model_name(checkpointer.checkpoint_dir)
+    base_format = detect_format(checkpointer.checkpoint_dir)  # Meta/native inputs get the adapter in their keys too
+    own_layout = (base_format, checkpointer.converter) if base_format in ("meta", "native") else None
     if resume_from:
         adapter, _ = load_adapter(resume_from.path, converter)
         load_adapter_state(model, adapter)
@@ -170,7 +172,7 @@ def train(cfg: DictConfig) -> int:
         merge = save_merged == "every" or (save_merged == "final" and global_step == total_steps)
         try:
             with StagedDir(target) as stage:
-                write_adapter(stage, model, converter, base_name, max_lora_rank)
+                write_adapter(stage, model, converter, base_name, max_lora_rank, layout=own_layout)
                 stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe, f))
                 if merge:  # its own atomic commit, inside step_N's staging directory
                     checkpointer.save_to({"model": merged_state(model)}, stage.path / MERGED_DIR)

@@ -321,6 +321,12 @@ def test_meta_and_native_inputs_give_hf_named_adapters(tmp_path, fmt):
     with torch.no_grad():
         peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source), step).eval()(tokens).logits
         merged_logits = load_model(step / "merged").eval()(tokens)
+    own = read_tensors(step / f"adapter_{fmt}.safetensors")  # the adapter in the input format's own keys
+    wq = "layers.0.attention.wq" if fmt == "meta" else "layers.0.attn.q_proj"
+    assert {f"{wq}.lora_A.weight", f"{wq}.lora_B.weight"} <= own.keys() and len(own) == 2 * 2 * 4
+    peft_b = read_tensors(step / ADAPTER_WEIGHTS)["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert torch.equal(own[f"{wq}.lora_B.weight"].reshape(4, 32, -1)[:, ::2], peft_b.reshape(4, 2, 16, -1)[:, 0]), \
+        "Meta/native rows are interleaved where HF's are split in halves"
     diff = max_diff(peft_logits, merged_logits)
     print(f"\n{fmt} input: PEFT (HF twin of the base + our adapter) vs our merged {fmt} checkpoint: max |logits diff| = {diff:.3g}")
     assert diff <= TOL
