@@ -54,13 +54,16 @@ def hub(tmp_path_factory):
     root = tmp_path_factory.mktemp("hub")
     _tiny_repo(root / "models/org/tiny")
     _tiny_repo(root / "models/org/gated", with_bin=False, with_original=False)
+    # its own gated repo for the token test: an earlier test's refused download may still have
+    # requests in flight (huggingface_hub's worker threads) for org/gated when that test starts
+    _tiny_repo(root / "models/org/gated-cli", with_bin=False, with_original=False)
     (root / "datasets/org/alpaca/data").mkdir(parents=True)
     shutil.copy(ROOT / "assets/tiny_alpaca.jsonl", root / "datasets/org/alpaca/data/tiny_alpaca.jsonl")
     (root / "datasets/org/alpaca/README.md").write_text("# tiny alpaca\n")
     (root / "datasets/org/multi").mkdir(parents=True)
     for name in ("a.jsonl", "b.jsonl"):
         shutil.copy(ROOT / "assets/tiny_alpaca.jsonl", root / "datasets/org/multi" / name)
-    with HubServer(root, gated={"org/gated": TOKEN}) as server:
+    with HubServer(root, gated={"org/gated": TOKEN, "org/gated-cli": TOKEN}) as server:
         yield server
 
 
@@ -307,19 +310,20 @@ def test_recipe_config_error_is_one_line(clean_env, tmp_path, monkeypatch, capsy
 def test_cli_token_is_used_and_never_printed_or_recorded(hub, tmp_path):
     hub.clear()
     out = tmp_path / "gated"
-    ok = run(["scripts/download.py", "org/gated", "--output-dir", str(out)], sub_env(hub, tmp_path / "hf", HF_TOKEN=TOKEN))
+    ok = run(["scripts/download.py", "org/gated-cli", "--output-dir", str(out)], sub_env(hub, tmp_path / "hf", HF_TOKEN=TOKEN))
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert hub.requests() and all(r.authorization == f"Bearer {TOKEN}" for r in hub.requests())
+    gated = [r for r in hub.requests() if "/org/gated-cli" in r.path]  # (not a straggler of an earlier test's client)
+    assert gated and all(r.authorization == f"Bearer {TOKEN}" for r in gated), [r for r in gated if r.authorization != f"Bearer {TOKEN}"]
     assert f"next: python recipes/full_finetune.py --config configs/YOUR_CONFIG.yaml checkpointer.checkpoint_dir={out}" in ok.stdout
-    assert json.loads((out / "waypoint_source.json").read_text())["repo_id"] == "org/gated"
+    assert json.loads((out / "waypoint_source.json").read_text())["repo_id"] == "org/gated-cli"
     for path in [*out.rglob("*"), *(tmp_path / "hf").rglob("*")]:
         if path.is_file():
             assert TOKEN.encode() not in path.read_bytes(), path
 
     wrong = "hf_notTheRightOne0123456789"
-    bad = run(["scripts/download.py", "org/gated", "--hf-token", wrong], sub_env(hub, tmp_path / "hf"))
-    assert bad.returncode == 1 and "no access" in error_line(bad.stderr) and f"{hub.url}/org/gated" in bad.stderr
-    typo = run(["scripts/download.py", "org/gated", "--hf-tokn", TOKEN], sub_env(hub, tmp_path / "hf"))
+    bad = run(["scripts/download.py", "org/gated-cli", "--hf-token", wrong], sub_env(hub, tmp_path / "hf"))
+    assert bad.returncode == 1 and "no access" in error_line(bad.stderr) and f"{hub.url}/org/gated-cli" in bad.stderr
+    typo = run(["scripts/download.py", "org/gated-cli", "--hf-tokn", TOKEN], sub_env(hub, tmp_path / "hf"))
     assert typo.returncode == 2 and "unrecognized arguments" in typo.stderr
     for result in (ok, bad, typo):
         assert TOKEN not in result.stdout + result.stderr and wrong not in result.stdout + result.stderr
