@@ -10,9 +10,7 @@ converters, model, data) live in the libraries.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -20,7 +18,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -28,7 +25,7 @@ from tqdm import tqdm
 from checkpointers import CheckpointError, load_into
 from checkpointers.commit import prune_checkpoints, remove_stale_staging, step_dirs
 from training.collate import padded_collate
-from training.config import parse_config
+from training.entry import run_recipe
 from training.data_order import batches_per_epoch, iterate_batches
 from training.loss import next_token_loss_sum, supervised_tokens
 from training.metrics import MetricsLog
@@ -174,19 +171,7 @@ def train(cfg: DictConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(argv, description=__doc__.splitlines()[0])
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        return train(cfg)
-    except (CheckpointError, FileNotFoundError, InstantiationException) as e:
-        if os.environ.get("WAYPOINT_DEBUG"):
-            raise
-        cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
-        print(f"\nerror: {str(cause).splitlines()[0]}", file=sys.stderr)  # after any progress bar
-        return 1
-    finally:
-        for sig, handler in handlers.items():  # main() may run inside another program (tests, notebooks)
-            signal.signal(sig, handler)
+    return run_recipe(train, argv, description=__doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

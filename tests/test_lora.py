@@ -17,7 +17,7 @@ from checkpointers.commit import verify
 from checkpointers.file_formats import read_tensors
 from checkpointers.peft_adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, native_targets, save_adapter,
                                         vllm_problems, warn_vllm)
-from models.lora import adapter_state, apply_lora, load_adapter_state, merged_state
+from models.lora import apply_lora, load_adapter_state, merged_state
 from tests.conftest import ROOT, tiny_family_config, write_family_checkpoint
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output"]
@@ -219,7 +219,7 @@ def test_stop_and_resume_is_bit_exact(tmp_path, reference):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step_6 (epoch 0, batch 6/8)" in resumed.stdout
     assert losses(out) == losses(reference), "per-step losses differ from the uninterrupted run"
-    for name in (ADAPTER_WEIGHTS, f"merged/model-00001-of-00003.safetensors", "merged/model-00003-of-00003.safetensors"):
+    for name in (ADAPTER_WEIGHTS, "merged/model-00001-of-00003.safetensors", "merged/model-00003-of-00003.safetensors"):
         mine, theirs = read_tensors(out / FINAL / name), read_tensors(reference / FINAL / name)
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), name
     assert not list(out.glob(".step_*"))
