@@ -10,7 +10,6 @@ converters, model, data) live in the libraries.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,21 +30,9 @@ from training.loss import next_token_loss_sum, supervised_tokens
 from training.metrics import MetricsLog
 from training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from training.recipe_state import build_recipe_state, load_recipe_state
-from training.resume import check_config, find_checkpoint, set_aside_newer
+from training.resume import check_config, find_checkpoint, set_aside_newer, start_fresh
 from training.rng_state import capture_rng, restore_rng
 from training.seed import seed_everything
-
-
-def start_fresh(output_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix a new run into a directory that holds an earlier run, unless told to replace it."""
-    earlier = [p.name for p in step_dirs(output_dir)]
-    if earlier and not overwrite:
-        raise CheckpointError(f"output_dir {output_dir} already holds checkpoints ({', '.join(earlier)}); "
-                              "resume=auto continues them; choose another output_dir or set overwrite=true to replace them")
-    for name in earlier:
-        shutil.rmtree(output_dir / name)
-    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
-    output_dir.mkdir(parents=True, exist_ok=True)
 
 
 def train(cfg: DictConfig) -> int:

@@ -8,6 +8,7 @@ fresh; ``resume: <path>`` pins one checkpoint directory.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -83,3 +84,15 @@ def set_aside_newer(output_dir: str | Path, chosen: Path, suffix: str) -> list[P
         path.rename(target)
         moved.append(target)
     return moved
+
+
+def start_fresh(output_dir: Path, overwrite: bool) -> None:
+    """Refuse to mix a new run into a directory that holds an earlier run, unless told to replace it."""
+    earlier = [p.name for p in step_dirs(output_dir)]
+    if earlier and not overwrite:
+        raise CheckpointError(f"output_dir {output_dir} already holds checkpoints ({', '.join(earlier)}); "
+                              "resume=auto continues them; choose another output_dir or set overwrite=true to replace them")
+    for name in earlier:
+        shutil.rmtree(output_dir / name)
+    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    output_dir.mkdir(parents=True, exist_ok=True)
