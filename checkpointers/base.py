@@ -77,21 +77,34 @@ class Checkpointer:
     def save_to(self, state_dict: Mapping[str, Any], target: str | os.PathLike) -> Path:
         """``save_checkpoint`` into a directory of your choosing (it must not exist yet)."""
         target = Path(target)
-        native, extra = split_extra_state(state_dict["model"])
-        write_model = self._model_writer(native)
+        write = self.writer(state_dict)
         try:
             with StagedDir(target) as stage:
-                write_model(stage)
-                self._copy_side_files(stage)
-                if extra:
-                    stage.write(EXTRA_STATE_FILE, lambda f: torch.save(extra, f))
-                if state_dict.get("recipe_state") is not None:
-                    stage.write(RECIPE_STATE_FILE, lambda f: torch.save(state_dict["recipe_state"], f))
+                write(stage)
         except OSError as e:
             raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
                                   "nothing was committed and earlier checkpoints are intact") from e
         log.info("saved %s", target)
         return target
+
+    def writer(self, state_dict: Mapping[str, Any]) -> Callable[[StagedDir], None]:
+        """Check everything about ``state_dict`` now; return what writes it into a staged directory
+        (the model in the format's files, the input's side files, extra state, recipe state).
+
+        ``state_dict["model"]`` may be lazy (a sharded model's :class:`~checkpointers.dtensor_state.GatheredState`):
+        its tensors are read file by file, as each output file is written.
+        """
+        native, extra = split_extra_state(state_dict["model"])
+        write_model = self._model_writer(native)
+
+        def write(stage: StagedDir) -> None:
+            write_model(stage)
+            self._copy_side_files(stage)
+            if extra:
+                stage.write(EXTRA_STATE_FILE, lambda f: torch.save(extra, f))
+            if state_dict.get("recipe_state") is not None:
+                stage.write(RECIPE_STATE_FILE, lambda f: torch.save(state_dict["recipe_state"], f))
+        return write
 
     def _copy_side_files(self, stage: StagedDir) -> None:
         """The input's small non-weight files (tokenizer, generation config, README, ...)."""

@@ -156,6 +156,13 @@ class StagedDir:
                     f.write(chunk)
         self.write(name or source.name, produce)
 
+    def adopt(self, name: str, size: int, digest: str) -> None:
+        """Record a file that another writer put under this directory (a sharded checkpoint's ranks),
+        already fsynced, with the size and hash it measured (:func:`hash_file`)."""
+        if not _safe_relative(name) or name in self._closing or name in self.files or name == MANIFEST:
+            raise CheckpointError(f"{self.target}: cannot stage file {name!r}")
+        self.files[name] = {"size": size, HASH: digest}
+
     def _commit(self) -> None:
         for name, closing in self._closing.items():
             size, digest = closing.result()
@@ -168,6 +175,22 @@ class StagedDir:
         fsync_dir(self.path)
         os.rename(self.path, self.target)
         fsync_dir(self.target.parent)
+
+
+def hash_file(path: str | os.PathLike, name: str = HASH) -> tuple[int, str]:
+    """(size, hex digest) of a file's bytes."""
+    digest, size = new_hasher(name), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _safe_relative(name: str) -> bool:
+    """A manifest entry names a file inside its directory: relative, no ``..``, no empty parts."""
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts) and "\\" not in name
 
 
 @dataclass(frozen=True)
@@ -196,16 +219,14 @@ def verify(path: str | os.PathLike, hash_contents: bool = True) -> Verification:
     total = 0
     for name, entry in files.items():
         file = path / name
-        if "/" in name or not file.is_file():
+        if not _safe_relative(name):
+            return Verification(path, False, problem=f"{MANIFEST} names {name!r}, outside the checkpoint")
+        if file.is_symlink() or not file.is_file():
             return Verification(path, False, problem=f"{name} is missing")
         if file.stat().st_size != entry["size"]:
             return Verification(path, False, problem=f"{name} has {file.stat().st_size} bytes, manifest says {entry['size']}")
         if hash_contents:
-            digest = new_hasher(manifest.get("hash", HASH))
-            with open(file, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    digest.update(chunk)
-            if digest.hexdigest() != entry[manifest.get("hash", HASH)]:
+            if hash_file(file, manifest.get("hash", HASH))[1] != entry[manifest.get("hash", HASH)]:
                 return Verification(path, False, problem=f"{name} does not match its hash")
         total += entry["size"]
     return Verification(path, True, files=len(files), bytes=total)

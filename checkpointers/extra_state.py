@@ -23,16 +23,37 @@ def is_extra_state_key(key: str) -> bool:
     return key == EXTRA_STATE_SUFFIX or key.endswith("." + EXTRA_STATE_SUFFIX)
 
 
-def split_extra_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, extra state) of a native state dict; the extra state is checked to be plain data."""
-    tensors, extra = {}, {}
-    for key, value in state.items():
-        if is_extra_state_key(key):
-            _check_plain(value, key)
-            extra[key] = value
-        else:
-            tensors[key] = value
-    return tensors, extra
+def split_extra_state(state: Mapping[str, Any]) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, extra state) of a native state dict; the extra state is checked to be plain data.
+
+    Only the extra state's values are read: a lazy ``state`` (a sharded model's gathered view) stays lazy.
+    """
+    extra = {key: state[key] for key in state if is_extra_state_key(key)}
+    for key, value in extra.items():
+        _check_plain(value, key)
+    return (_Without(state, extra.keys()) if extra else state), extra
+
+
+class _Without(Mapping):
+    """``state`` less some keys, reading nothing until asked."""
+
+    def __init__(self, state: Mapping[str, Any], dropped) -> None:
+        self._state, self._dropped = state, set(dropped)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._dropped:
+            raise KeyError(key)
+        return self._state[key]
+
+    def __iter__(self):
+        return (k for k in self._state if k not in self._dropped)
+
+    def __len__(self) -> int:
+        return len(self._state) - len(self._dropped)
+
+    def spec(self, key: str):
+        from checkpointers.dtensor_state import spec
+        return spec(self._state, key)
 
 
 def _check_plain(value: Any, key: str) -> None:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from checkpointers.base import Checkpointer, read_json
 from checkpointers.commit import StagedDir
+from checkpointers.dtensor_state import nbytes, spec
 from checkpointers.file_formats import SAFETENSORS, TORCH, read_metadata, read_tensors, write_tensors
 from checkpointers.shard_layout import INDEX_NAMES, ShardLayout, discover
 from converters import CheckpointError, Converter, detect_model_type, get_converter
@@ -136,7 +137,7 @@ class HFCheckpointer(Checkpointer):
 
     def _write_weights(self, native, layout: ShardLayout, plan, stage: StagedDir) -> None:
         total_size = total_params = 0
-        with tqdm(total=sum(_tensor_bytes(t) for t in native.values()), unit="B", unit_scale=True, desc="save", leave=False) as bar:
+        with tqdm(total=sum(nbytes(native, k) for k in native), unit="B", unit_scale=True, desc="save", leave=False) as bar:
             for src_name, name in zip(self.layout.files, layout.files):
                 converted = self.converter.apply_groups(plan[name], native, forward=False, where=None)
                 tensors = {k[len(self.added_prefix):]: converted[k] for k in self.layout.weight_map if layout.weight_map[k] == name}
@@ -161,7 +162,8 @@ class HFCheckpointer(Checkpointer):
     def _write_config(self, native, stage: StagedDir) -> None:
         """config.json, its dtype made true to what was written."""
         config = dict(self.config)
-        dtypes = {t.dtype for t in native.values() if t.is_floating_point()}
+        dtypes = {spec(native, k)[1] for k in native}
+        dtypes = {d for d in dtypes if d.is_floating_point}
         if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPE_NAMES:
             name = _DTYPE_NAMES[next(iter(dtypes))]
             for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:

@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from checkpointers.dtensor_state import local_shard
 from checkpointers.extra_state import is_extra_state_key
 from checkpointers.load_report import LoadReport, fold_keys
 from converters import CheckpointError
@@ -101,28 +103,25 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
         others = sorted(set(report.unexpected) - set(dropped_heads))
         raise CheckpointError(f"checkpoint has key {_fold(fold_keys(others))} that the model does not")
 
-    def place(value):
+    def place(value, like):
         if not isinstance(value, torch.Tensor):
             return value
-        return value.to(device=device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
+        cast = dtype if dtype is not None and value.is_floating_point() else None
+        if isinstance(like, DTensor):  # a sharded (FSDP2) model: this rank's piece only
+            return local_shard(value, like, device=device, dtype=cast)
+        return value.to(device=device, dtype=cast)
 
     extra = {k: v for k, v in state.items() if is_extra_state_key(k) and k in own}
-    placed = {k: place(v) for k, v in matched.items()}
+    placed = {k: place(v, expected[k]) for k, v in matched.items()}
     model.load_state_dict({**placed, **extra}, strict=False, assign=True)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    if hasattr(model, "reset_rope"):
-        model.reset_rope()
-    for module in model.modules():  # every rotary table, also in a model that nests the backbone
-        if module is not model and hasattr(module, "reset_rope"):
-            module.reset_rope()
+    refresh_derived(model)
 
     for key in missing:  # new heads (strict=False): materialise and initialise what the checkpoint lacks
         _initialise_new(model, key, device, dtype)
 
     # From the model as it now is: which parameters hold a checkpoint tensor, which were re-tied.
     after = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    report.loaded = sorted(k for k, t in placed.items() if after.get(k) is not None and after[k].data_ptr() == t.data_ptr())
+    report.loaded = sorted(k for k, t in placed.items() if after.get(k) is not None and _ptr(after[k]) == _ptr(t))
     report.retied = sorted(k for k, t in placed.items() if k not in report.loaded and k in after)
     report.retied += [k for k in tied if not after[k].is_meta]
     report.missing = sorted(missing)
@@ -133,6 +132,47 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
     for line in report.lines():
         log.info(line)
     return report
+
+
+def refresh_derived(model: torch.nn.Module) -> None:
+    """What is not loaded but follows from what was: re-tied weights, every rotary table."""
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    for module in model.modules():  # also in a model that nests the backbone
+        if hasattr(module, "reset_rope"):
+            module.reset_rope()
+
+
+def load_sharded_into(model: torch.nn.Module, directory: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                      device: torch.device | str | None = None) -> LoadReport:
+    """Fill a meta-device model (plain or FSDP2-sharded) from a sharded checkpoint ``directory`` (a step
+    directory of a multi-process run), whatever number of processes wrote it; each rank reads its shards."""
+    from checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state
+    from checkpointers.sharded_checkpoint import SHARDED_DIR, load_sharded, sharded_keys
+
+    directory = Path(directory)
+    dtype = parse_dtype(dtype)
+    if dtype is not None:
+        model.to(dtype=dtype)  # on the meta device: no memory
+    model.to_empty(device=device or "cpu")
+    refresh_derived(model)
+    tensors = {k: v for k, v in model.state_dict().items() if not is_extra_state_key(k)}
+    held = {k.removeprefix("model.") for k in sharded_keys(directory / SHARDED_DIR) if k.startswith("model.")}
+    tied = {"output.weight"} if getattr(getattr(model, "args", None), "tie_embeddings", False) else set()
+    missing = sorted(set(tensors) - held - tied)
+    if missing:
+        raise CheckpointError(f"{directory / SHARDED_DIR}: lacks model key {_fold(fold_keys(missing))}")
+    load_sharded({"model": {k: v for k, v in tensors.items() if k in held}}, directory / SHARDED_DIR)
+    extra = load_extra_state(directory / EXTRA_STATE_FILE) if (directory / EXTRA_STATE_FILE).is_file() else {}
+    extra = {k: v for k, v in extra.items() if k in model.state_dict()}
+    if extra:
+        model.load_state_dict(extra, strict=False)
+    refresh_derived(model)
+    return LoadReport(loaded=sorted(held & set(tensors)), extra_state=sorted(extra))
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return (t.to_local() if isinstance(t, DTensor) else t).data_ptr()
 
 
 def _initialise_new(model: torch.nn.Module, key: str, device, dtype) -> None:

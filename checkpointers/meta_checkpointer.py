@@ -134,19 +134,25 @@ class MetaCheckpointer(Checkpointer):
     def _model_writer(self, native: Mapping[str, torch.Tensor]):
         if self.split_dims is None:
             raise CheckpointError("save_checkpoint needs load_checkpoint first: the input's model-parallel split is unknown")
-        meta = self.converter.from_native(native)
-        missing = sorted(set(self.split_dims) - set(meta))
-        extra = sorted(set(meta) - set(self.split_dims))
+        groups = self.converter.plan(self.converter.native_keys_to_save(native), "native")
+        produced = {key for g in groups for key in g.targets}
+        missing = sorted(set(self.split_dims) - produced)
+        extra = sorted(produced - set(self.split_dims))
         if missing or extra:
             raise CheckpointError("state dict does not match the input checkpoint: "
                                   + (f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the input does not"))
         n = len(self.files)
+        order = {key: i for i, key in enumerate(self.split_dims)}  # the input's key order
 
         def write(stage: StagedDir) -> None:
+            # File after file, converting as it goes: the tensors of one file are held at a time
+            # (each model-parallel file takes its slice of every tensor).
             for index, name in enumerate(tqdm(self.files, desc="save", leave=False)):
                 shard = {}
-                for key, split in self.split_dims.items():
-                    tensor = meta[key]
-                    shard[key] = tensor.chunk(n, dim=split)[index].clone() if split is not None else tensor.contiguous()
+                for group in groups:
+                    for key, tensor in self.converter.apply_groups([group], native, forward=False, where=None).items():
+                        split = self.split_dims[key]
+                        shard[key] = tensor.chunk(n, dim=split)[index].clone() if split is not None else tensor.contiguous()
+                shard = dict(sorted(shard.items(), key=lambda item: order[item[0]]))
                 stage.write(name, lambda f: torch.save(shard, f))
         return write

@@ -3,7 +3,10 @@
     python recipes/full_finetune.py --config configs/tiny.yaml [key=value ...]
 
 Rerunning the same command after a kill or a preemption continues from the newest
-verified checkpoint in ``output_dir``, exactly where it stopped. Copy this file and
+verified checkpoint in ``output_dir``, exactly where it stopped. The same script runs on
+several GPUs or nodes: ``torchrun --nproc_per_node N recipes/full_finetune.py --config ...``
+(FSDP2; intermediate checkpoints sharded with torch.distributed.checkpoint, resumable on
+another number of processes; the final one also in the input's format). Copy this file and
 edit it: it is the training loop, top to bottom. The reusable parts (checkpointers,
 converters, model, data) live in the libraries.
 """
@@ -22,58 +25,88 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from checkpointers import CheckpointError, load_into
+from checkpointers.base import RECIPE_STATE_FILE
 from checkpointers.commit import prune_checkpoints, remove_stale_staging, step_dirs
+from checkpointers.extra_state import EXTRA_STATE_FILE, split_extra_state
+from checkpointers.load_model import load_sharded_into
+from checkpointers.sharded_checkpoint import SHARDED_DIR, holds_sharded_model
+from checkpointers.sharded_saver import ShardedSaver
 from training.collate import padded_collate
+from training.data_order import iterate_batches
+from training.distributed import init_distributed
 from training.entry import run_recipe
-from training.data_order import batches_per_epoch, iterate_batches
+from training.fsdp import grad_norm_value, shard_model
 from training.loss import next_token_loss_sum, supervised_tokens
 from training.metrics import MetricsLog
+from training.optimizer_state import load_sharded_optimizer_state, load_whole_optimizer_state, optimizer_state
 from training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from training.recipe_state import build_recipe_state, load_recipe_state
-from training.resume import check_config, find_checkpoint, set_aside_newer, start_fresh
+from training.resume import check_config, check_global_batch, find_checkpoint, set_aside_newer, start_fresh
 from training.rng_state import capture_rng, restore_rng
 from training.seed import seed_everything
 
 
 def train(cfg: DictConfig) -> int:
+    dist = init_distributed(cfg.device)  # under torchrun: one process per GPU (or CPU), else a single process
+    try:
+        return _train(cfg, dist)
+    finally:
+        dist.close()
+
+
+def _train(cfg: DictConfig, dist) -> int:
     output_dir = Path(cfg.output_dir)
-    device = torch.device(cfg.device)
+    device, main = dist.device, dist.is_main
+    say = print if main else (lambda *a, **k: None)  # noqa: E731
     config = OmegaConf.to_container(cfg, resolve=True)
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
-    resume_from = find_checkpoint(output_dir, cfg.resume)
+    # Rank 0 decides about output_dir; every rank learns the decision.
+    def choose():
+        found = find_checkpoint(output_dir, cfg.resume)
+        if found:  # later checkpoints are corrupt (auto) or unwanted (a pinned path): kept, renamed
+            set_aside_newer(output_dir, found.path, "corrupt" if cfg.resume in (True, "auto") else "superseded")
+        elif cfg.resume not in (False, "false") and step_dirs(output_dir) and not cfg.overwrite:
+            raise CheckpointError(f"output_dir {output_dir} holds checkpoints but none verifies; "
+                                  "set resume=<path> to pick one or overwrite=true to start again")
+        return found
+    resume_from = dist.run_on_main(choose)
     recipe_state = load_recipe_state(resume_from.path) if resume_from else None
     notes = check_config(recipe_state["config"], config, resume_from.path) if recipe_state else []
-    if resume_from:  # later checkpoints are corrupt (auto) or unwanted (a pinned path): kept, renamed
-        set_aside_newer(output_dir, resume_from.path, "corrupt" if cfg.resume in (True, "auto") else "superseded")
-    if not resume_from and cfg.resume not in (False, "false") and step_dirs(output_dir) and not cfg.overwrite:
-        raise CheckpointError(f"output_dir {output_dir} holds checkpoints but none verifies; "
-                              "set resume=<path> to pick one or overwrite=true to start again")
     seed_everything(cfg.seed)
 
-    # Model: built on the meta device, then given the checkpoint's (memory-mapped) tensors.
-    checkpointer = instantiate(cfg.checkpointer, **({"checkpoint_dir": resume_from.path} if resume_from else {}))
-    state = checkpointer.load_checkpoint()
+    # Model: built on the meta device, sharded (FSDP2) under torchrun, then given the checkpoint's
+    # tensors: each rank reads only its own piece of them.
+    sharded_resume = resume_from is not None and holds_sharded_model(resume_from.path)
+    checkpointer = instantiate(cfg.checkpointer, **({"checkpoint_dir": resume_from.path}
+                                                     if resume_from and not sharded_resume else {}))
+    state = checkpointer.load_checkpoint()  # memory-mapped; also tells the checkpointer the layout to write
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
-                       key_prefix_map=cfg.key_prefix_map)
-    print("\n".join(report.lines()))
+    if dist.enabled:
+        shard_model(model, dist.mesh, cfg.get("mixed_precision"))
+    if sharded_resume:
+        report = load_sharded_into(model, resume_from.path, dtype=cfg.dtype, device=device)
+    else:
+        report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
+                           key_prefix_map=cfg.key_prefix_map)
+    say("\n".join(report.lines()))
     del state
     model.activation_checkpointing = cfg.enable_activation_checkpointing
     model.train()
 
-    # Data.
+    # Data: a global batch of batch_size x gradient_accumulation_steps x processes samples per step.
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
     collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
-    steps_per_epoch = batches_per_epoch(len(dataset), cfg.batch_size) // accumulate
+    global_batch = cfg.batch_size * accumulate * dist.world_size
+    steps_per_epoch = len(dataset) // global_batch
     if cfg.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
     if steps_per_epoch < 1:
         raise CheckpointError(f"dataset has {len(dataset)} samples: too few for batch_size={cfg.batch_size} "
-                              f"x gradient_accumulation_steps={accumulate}")
+                              f"x gradient_accumulation_steps={accumulate} x {dist.world_size} processes")
     total_steps = cfg.epochs * steps_per_epoch
 
     # Optimizer after loading, so it holds the parameters the model really uses.
@@ -82,48 +115,73 @@ def train(cfg: DictConfig) -> int:
 
     global_step, start_epoch, start_step = 0, 0, 0
     if recipe_state:
+        check_global_batch(recipe_state, global_batch, cfg.batch_size, accumulate, dist.world_size, resume_from.path)
         if recipe_state["global_step"] >= total_steps:
-            print(f"run already finished: {resume_from.path} is step {recipe_state['global_step']} of {total_steps}; nothing to do")
+            say(f"run already finished: {resume_from.path} is step {recipe_state['global_step']} of {total_steps}; nothing to do")
             return 0
-        optimizer.load_state_dict(recipe_state["optimizer"])
+        if recipe_state.get("optimizer") is not None:
+            load_whole_optimizer_state(model, optimizer, recipe_state["optimizer"])
+        else:
+            load_sharded_optimizer_state(model, optimizer, resume_from.path / SHARDED_DIR, recipe_state["optimizer_param_groups"])
         scheduler.load_state_dict(recipe_state["lr_scheduler"])
-        restore_rng(recipe_state["rng"])
-        global_step, start_epoch, start_step = recipe_state["global_step"], recipe_state["epoch"], recipe_state["step_in_epoch"]
-        print(f"resuming from {resume_from.path.name} (epoch {start_epoch}, batch {start_step * accumulate}/"
-              f"{steps_per_epoch * accumulate}), {resume_from.files} files verified, {resume_from.bytes / 1e9:.2f} GB")
+        rng_states = recipe_state.get("rng_per_rank") or [recipe_state["rng"]]
+        restore_rng(rng_states[dist.rank] if len(rng_states) == dist.world_size else rng_states[0])
+        if len(rng_states) != dist.world_size:
+            notes.append(f"world size ({len(rng_states)} -> {dist.world_size} processes: random states continue from rank 0's)")
+        global_step, start_epoch = recipe_state["global_step"], recipe_state["epoch"]
+        start_step = recipe_state["data_position"].get("samples_seen_in_epoch", recipe_state["step_in_epoch"] * global_batch) // global_batch
+        say(f"resuming from {resume_from.path.name} (epoch {start_epoch}, sample {start_step * global_batch}/"
+            f"{steps_per_epoch * global_batch}), {resume_from.files} files verified, {resume_from.bytes / 1e9:.2f} GB")
         for key in notes:
-            print(f"note: {key} differs from the checkpoint's config; accepted")
+            say(f"note: {key} differs from the checkpoint's config; accepted")
     else:
-        start_fresh(output_dir, cfg.overwrite)  # only now: bad input above must leave output_dir as it was
-    remove_stale_staging(output_dir)
-    metrics = MetricsLog(output_dir, keep_through_step=global_step)
+        dist.run_on_main(lambda: start_fresh(output_dir, cfg.overwrite))  # only now: bad input above leaves output_dir as it was
+    dist.run_on_main(lambda: remove_stale_staging(output_dir))
+    metrics = MetricsLog(output_dir, keep_through_step=global_step) if main else None
+    saver = ShardedSaver(dist, output_dir, cfg.keep_last_n_checkpoints, cfg.get("async_checkpoint", False),
+                         report=tqdm.write) if dist.enabled else None
 
-    def save(next_epoch: int, next_step: int) -> Path:
+    def save(next_epoch: int, next_step: int, final: bool) -> None:
+        whole = not dist.enabled  # a single process writes whole tensors, in the input's format
+        optim = optimizer_state(model, optimizer)
+        rng = dist.gather(capture_rng())
         recipe = build_recipe_state(
-            optimizer=optimizer, lr_scheduler=scheduler, global_step=global_step, epoch=next_epoch,
+            optimizer=optim if whole else None, lr_scheduler=scheduler, global_step=global_step, epoch=next_epoch,
             step_in_epoch=next_step, steps_per_epoch=steps_per_epoch, total_steps=total_steps, seed=cfg.seed,
-            epochs=cfg.epochs, rng=capture_rng(), config=config,
-            data_position={"epoch": next_epoch, "next_batch": next_step * accumulate, "batch_size": cfg.batch_size,
-                           "samples_seen_in_epoch": next_step * accumulate * cfg.batch_size, "seed": cfg.seed})
-        path = checkpointer.save_checkpoint({"model": model.state_dict(), "recipe_state": recipe}, step=global_step)
-        prune_checkpoints(output_dir, cfg.keep_last_n_checkpoints)
-        return path
+            epochs=cfg.epochs, rng=rng[0] if main else None, config=config, world_size=dist.world_size,
+            rng_per_rank=rng if dist.enabled else None, optimizer_param_groups=None if whole else optim["param_groups"],
+            data_position={"epoch": next_epoch, "samples_seen_in_epoch": next_step * global_batch,
+                           "global_batch_size": global_batch, "permutation_seed": cfg.seed})
+        if whole:
+            tqdm.write(f"saved {checkpointer.save_checkpoint({'model': model.state_dict(), 'recipe_state': recipe}, step=global_step)}")
+            prune_checkpoints(output_dir, cfg.keep_last_n_checkpoints)
+            return
+        # Sharded: DCP files of every rank (intermediate: model and optimizer; final: the optimizer, with
+        # the model in the input's format, gathered and written one file at a time).
+        model_state = model.state_dict()
+        tensors, extra = split_extra_state(model_state)
+        sharded = {"optimizer": optim["state"]} | ({} if final else {"model": dict(tensors)})
+        files = {RECIPE_STATE_FILE: recipe} | ({EXTRA_STATE_FILE: extra} if extra and not final else {})
+        saver.save(global_step, sharded, files, export=(checkpointer, model_state) if final else None,
+                   asynchronous=None if not final else False)
 
     preemption = PreemptionWatch(cfg.preemption_signals)
-    bar = tqdm(total=total_steps, initial=global_step, desc="train", dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=collate,
-                                  start_batch=first * accumulate)
+                                  start_batch=first * accumulate, rank=dist.rank, world_size=dist.world_size)
         for step_in_epoch in range(first, steps_per_epoch):
             started = time.perf_counter()
             micro_batches = [next(batches)[1] for _ in range(accumulate)]
-            n_supervised = sum(supervised_tokens(b["labels"]) for b in micro_batches)
+            # The loss of the step is the mean over the global batch's supervised tokens; FSDP averages
+            # gradients over ranks, so each rank's sum is scaled by the world size.
+            n_supervised = dist.sum(sum(supervised_tokens(b["labels"]) for b in micro_batches))
             loss_sum = 0.0
             for batch in micro_batches:
                 logits = model(batch["tokens"].to(device))
                 loss = next_token_loss_sum(logits, batch["labels"].to(device)) / max(n_supervised, 1)
-                loss.backward()
+                (loss * dist.world_size).backward()
                 loss_sum += loss.item()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or float("inf"))
             optimizer.step()
@@ -131,29 +189,38 @@ def train(cfg: DictConfig) -> int:
             optimizer.zero_grad(set_to_none=True)
             global_step += 1
 
-            tokens = sum(b["tokens"].numel() for b in micro_batches)
+            loss_sum = dist.sum(loss_sum)
+            tokens = dist.sum(sum(b["tokens"].numel() for b in micro_batches))
             record = dict(step=global_step, epoch=epoch, loss=loss_sum, lr=scheduler.get_last_lr()[0],
-                          grad_norm=float(grad_norm), tokens_per_s=tokens / (time.perf_counter() - started))
-            metrics.write(**record)
+                          grad_norm=grad_norm_value(grad_norm), tokens_per_s=tokens / (time.perf_counter() - started))
+            if main:
+                metrics.write(**record)
             bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update()
 
-            # Checkpoints at optimizer-step boundaries only.
+            # Checkpoints at optimizer-step boundaries only; a signal on any rank stops every rank here.
+            preempted = dist.any(preemption.requested)
             epoch_done = step_in_epoch + 1 == steps_per_epoch
-            due = (global_step == total_steps or preemption.requested
+            due = (global_step == total_steps or preempted
                    or (cfg.save_every_n_steps and global_step % cfg.save_every_n_steps == 0)
                    or (epoch_done and cfg.save_every_epoch))
             if due:
-                saved = save(epoch + 1, 0) if epoch_done else save(epoch, step_in_epoch + 1)
-                bar.write(f"saved {saved}")
-            if preemption.requested and global_step < total_steps:
+                save(epoch + 1, 0, global_step == total_steps) if epoch_done else save(epoch, step_in_epoch + 1, False)
+            if preempted and global_step < total_steps:
+                if saver:
+                    saver.close()
                 bar.close()
-                print(f"stopped by {preemption.received} at step {global_step}; rerun the same command to resume")
-                if cfg.requeue:
+                say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
+                    "rerun the same command to resume")
+                if cfg.requeue and main:
                     requeue_slurm_job()
                 return PREEMPTED_EXIT_CODE
+    if saver:
+        saver.close()
+        say(f"checkpoint saves blocked training for {saver.blocked_s:.2f} s in all")
     bar.close()
-    metrics.close()
+    if metrics:
+        metrics.close()
     return 0
 
 

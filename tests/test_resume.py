@@ -77,8 +77,8 @@ def copy_run(src, dst):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop_at,where,sig", [(5, "epoch 0, batch 5/8", "SIGTERM"), (8, "epoch 1, batch 0/8", "SIGTERM"),
-                                              (5, "epoch 0, batch 5/8", "SIGUSR1")], ids=["mid-epoch", "epoch-boundary", "sigusr1"])
+@pytest.mark.parametrize("stop_at,where,sig", [(5, "epoch 0, sample 40/64", "SIGTERM"), (8, "epoch 1, sample 0/64", "SIGTERM"),
+                                              (5, "epoch 0, sample 40/64", "SIGUSR1")], ids=["mid-epoch", "epoch-boundary", "sigusr1"])
 def test_signal_then_same_command_is_bit_exact(tmp_path, reference, stop_at, where, sig):
     out = tmp_path / "run"
     stopped = run(out, fault=["signal-at-step", str(stop_at), sig])
@@ -170,12 +170,28 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, interrupted):
 
 def test_incompatible_config_change_is_refused_with_the_keys(tmp_path, interrupted):
     out = copy_run(interrupted, tmp_path / "run")
-    result = run(out, "batch_size=4", "seed=7")
+    result = run(out, "max_steps_per_epoch=6", "seed=7")
     assert result.returncode == 1
-    assert "the config changed batch_size, seed;" in result.stderr
+    assert "the config changed max_steps_per_epoch, seed;" in result.stderr
+    smaller = run(out, "batch_size=4")
+    assert smaller.returncode == 1
+    assert ("its global batch is 8 samples per step, this run's is 4 (batch_size 4 x gradient_accumulation_steps 1 x "
+            "1 processes); set gradient_accumulation_steps=2 to keep it") in smaller.stderr
     harmless = run(out, "clip_grad_norm=0.5")
     assert harmless.returncode == 0, harmless.stderr[-2000:]
     assert "note: clip_grad_norm differs from the checkpoint's config; accepted" in harmless.stdout
+
+
+def test_same_global_batch_in_smaller_micro_batches_resumes(tmp_path, interrupted, reference):
+    """batch_size 8 -> 4 x 2 accumulation steps: the same samples per step, so the same run up to float
+    rounding and dropout (these runs use attention dropout 0.1, whose masks follow the batch shape)."""
+    out = copy_run(interrupted, tmp_path / "run")
+    result = run(out, "batch_size=4", "gradient_accumulation_steps=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "note: batch_size, gradient_accumulation_steps differ" not in result.stdout
+    mine, theirs = losses(out), losses(reference)
+    assert mine[:12] == theirs[:12] and len(mine) == len(theirs)
+    assert max(abs(a - b) for a, b in zip(mine, theirs)) < 1e-2
 
 
 def tiny_in_format(fmt, tmp_path):

@@ -3,6 +3,13 @@
 The order of an epoch is a function of ``(seed, epoch)`` alone, so a run resumed at
 batch ``k`` of an epoch sees exactly the batches an uninterrupted run would have
 seen from ``k`` on, and the skipped batches' items are never loaded.
+
+With several processes, batch ``k`` is the ``batch_size * world_size`` samples
+``order[k * batch_size * world_size:][:batch_size * world_size]`` and rank ``r`` takes
+its ``r``-th ``batch_size`` of them: the sample stream does not depend on the number
+of processes, so a run resumed on another world size (same global batch) continues it
+with no repeats and no gaps, and one process with ``batch_size * world_size`` sees
+the same samples per step.
 """
 
 from __future__ import annotations
@@ -29,20 +36,25 @@ def batches_per_epoch(num_samples: int, batch_size: int) -> int:
 
 
 def iterate_batches(dataset, batch_size: int, seed: int, epoch: int, collate_fn: Callable[[list], Any],
-                    start_batch: int = 0, shuffle: bool = True) -> Iterator[tuple[int, Any]]:
-    """Yield ``(batch_index, collate_fn(items))`` for the full batches of ``epoch``, from ``start_batch`` on.
+                    start_batch: int = 0, shuffle: bool = True, rank: int = 0,
+                    world_size: int = 1) -> Iterator[tuple[int, Any]]:
+    """Yield ``(batch_index, collate_fn(items))`` for this rank's part of the full batches of ``epoch``,
+    from ``start_batch`` on.
 
     Batches before ``start_batch`` are skipped without reading their items. Arguments are
     checked at the call, not at the first ``next()``.
     """
-    num_batches = batches_per_epoch(len(dataset), batch_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    num_batches = batches_per_epoch(len(dataset), batch_size * world_size)
     if not 0 <= start_batch <= num_batches:
         raise ValueError(f"start_batch must be in [0, {num_batches}] (batches per epoch), got {start_batch}")
     order = epoch_permutation(len(dataset), seed, epoch) if shuffle else list(range(len(dataset)))
-    return _batches(dataset, order, batch_size, range(start_batch, num_batches), collate_fn)
+    return _batches(dataset, order, batch_size, range(start_batch, num_batches), collate_fn, rank, world_size)
 
 
-def _batches(dataset, order: list[int], batch_size: int, indices: range,
-             collate_fn: Callable[[list], Any]) -> Iterator[tuple[int, Any]]:
+def _batches(dataset, order: list[int], batch_size: int, indices: range, collate_fn: Callable[[list], Any],
+             rank: int, world_size: int) -> Iterator[tuple[int, Any]]:
     for index in indices:
-        yield index, collate_fn([dataset[i] for i in order[index * batch_size:(index + 1) * batch_size]])
+        first = (index * world_size + rank) * batch_size
+        yield index, collate_fn([dataset[i] for i in order[first:first + batch_size]])

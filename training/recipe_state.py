@@ -25,11 +25,15 @@ def _version(package: str) -> str:
 
 def build_recipe_state(*, optimizer, lr_scheduler, global_step: int, epoch: int, step_in_epoch: int,
                        steps_per_epoch: int, total_steps: int, seed: int, epochs: int, data_position: dict,
-                       rng: dict, config: dict) -> dict[str, Any]:
-    """The state to resume from: ``epoch``/``step_in_epoch`` name the next optimizer step to take."""
+                       rng: dict, config: dict, **more: Any) -> dict[str, Any]:
+    """The state to resume from: ``epoch``/``step_in_epoch`` name the next optimizer step to take.
+
+    ``optimizer``: an optimizer, its state dict, or None when a sharded checkpoint holds its tensors;
+    ``more``: further plain entries (``rng_per_rank``, ``optimizer_param_groups``, ``world_size``).
+    """
     return {
         "format_version": FORMAT_VERSION,
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer if optimizer is None or isinstance(optimizer, dict) else optimizer.state_dict(),
         "lr_scheduler": lr_scheduler.state_dict(),
         "global_step": global_step,
         "epoch": epoch,
@@ -42,7 +46,7 @@ def build_recipe_state(*, optimizer, lr_scheduler, global_step: int, epoch: int,
         "rng": rng,
         "config": config,
         "versions": {"waypoint": _version("waypoint"), "torch": str(torch.__version__)},
-    }
+    } | more
 
 
 def load_recipe_state(checkpoint_dir: str | Path) -> dict[str, Any]:
@@ -50,7 +54,7 @@ def load_recipe_state(checkpoint_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; {checkpoint_dir} is a model checkpoint, not a resumable one")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # optimizer tensors paged in on use
     except Exception as e:  # unpickling raises many types; the message names the file
         raise CheckpointError(f"{path}: unreadable ({str(e).splitlines()[0]})") from e
     if state.get("format_version") != FORMAT_VERSION:

@@ -18,10 +18,11 @@ from converters.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-# Changing these makes the saved optimizer state, data position or model meaningless.
+# Changing these makes the saved optimizer state, data position or model meaningless. batch_size and
+# gradient_accumulation_steps may change as long as the global batch (their product times the number
+# of processes) does not: check_global_batch.
 BREAKING_KEYS = ("model", "checkpointer.checkpoint_dir", "checkpointer.checkpoint_files", "checkpointer.model_type",
-                 "tokenizer", "dataset", "seed", "batch_size", "gradient_accumulation_steps", "max_steps_per_epoch",
-                 "dtype", "optimizer._target_")
+                 "tokenizer", "dataset", "seed", "max_steps_per_epoch", "dtype", "optimizer._target_")
 
 
 def find_checkpoint(output_dir: str | Path, resume: Any) -> Verification | None:
@@ -68,6 +69,21 @@ def check_config(saved: Mapping, current: Mapping, checkpoint: Path) -> list[str
         raise CheckpointError(f"cannot resume from {checkpoint}: the config changed {', '.join(breaking)}; "
                               "restore them, or start a new run with another output_dir (or resume=false overwrite=true)")
     return harmless
+
+
+def check_global_batch(recipe_state: Mapping, global_batch: int, batch_size: int, accumulate: int, world_size: int,
+                       checkpoint: Path) -> None:
+    """The samples per optimizer step must stay what they were, whatever the number of processes."""
+    saved = recipe_state["data_position"].get("global_batch_size")
+    if saved is None:  # written before global batches were recorded: one process
+        saved_config = recipe_state["config"]
+        saved = saved_config["batch_size"] * saved_config["gradient_accumulation_steps"] * recipe_state.get("world_size", 1)
+    if saved != global_batch:
+        hint = f"gradient_accumulation_steps={saved // (batch_size * world_size)}" if saved % (batch_size * world_size) == 0 else "batch_size"
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: its global batch is {saved} samples per step, this run's is {global_batch} "
+            f"(batch_size {batch_size} x gradient_accumulation_steps {accumulate} x {world_size} processes); "
+            f"set {hint} to keep it")
 
 
 def set_aside_newer(output_dir: str | Path, chosen: Path, suffix: str) -> list[Path]:

@@ -1,0 +1,107 @@
+"""Between whole tensors and FSDP2's sharded ones (DTensors), one tensor at a time.
+
+Loading: :func:`local_shard` cuts a rank's piece out of a whole (memory-mapped) tensor,
+so only that piece is read and copied. Saving in a checkpoint format: :class:`GatheredState`
+is a read-only mapping on rank 0 whose ``state[key]`` gathers that one tensor from every
+rank while the others run :func:`serve_gathers`; a checkpointer writing file after file
+from it holds about one output file at a time, never the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+_DONE = None  # the key that ends serve_gathers
+
+
+def local_shard(full: torch.Tensor, like: DTensor, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> DTensor:
+    """A DTensor laid out as ``like`` holding ``full``'s values; only this rank's piece is read or moved."""
+    local = full
+    mesh = like.device_mesh
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            pieces = torch.chunk(local, mesh.size(mesh_dim), dim=placement.dim)
+            index = mesh.get_local_rank(mesh_dim)
+            local = pieces[index] if index < len(pieces) else local.narrow(placement.dim, 0, 0)
+        elif not placement.is_replicate():
+            raise ValueError(f"cannot load into a DTensor placed {placement}")
+    local = local.to(device=device, dtype=dtype if dtype is not None and local.is_floating_point() else None,
+                     copy=True).contiguous()
+    return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=full.shape,
+                              stride=torch.empty(full.shape, device="meta").stride())
+
+
+def whole(value: Any) -> Any:
+    """A tensor gathered from its shards (every rank takes part), on the CPU; other values as they are."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+class GatheredState(Mapping):
+    """Rank 0's view of a sharded state dict: ``state[key]`` is the whole tensor, gathered on demand.
+
+    Every access is a collective: the other ranks must be in :func:`serve_gathers` on the same
+    ``group``, and rank 0 must call :meth:`close` when done (``with`` does it) to release them.
+    """
+
+    def __init__(self, state: Mapping[str, Any], group=None) -> None:
+        self._state = state
+        self._group = group
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._state[key]
+        if not isinstance(value, DTensor):
+            return value.cpu() if isinstance(value, torch.Tensor) else value
+        dist.broadcast_object_list([key], src=0, group=self._group)
+        return whole(value)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of the whole tensor, without gathering it."""
+        value = self._state[key]
+        return value.shape, value.dtype
+
+    def close(self) -> None:
+        dist.broadcast_object_list([_DONE], src=0, group=self._group)
+
+    def __enter__(self) -> GatheredState:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve_gathers(state: Mapping[str, Any], group=None) -> int:
+    """On ranks other than 0: take part in each gather rank 0's :class:`GatheredState` asks for; the count."""
+    served = 0
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        if box[0] is _DONE:
+            return served
+        state[box[0]].full_tensor()
+        served += 1
+
+
+def spec(state: Mapping[str, Any], key: str) -> tuple[torch.Size, torch.dtype]:
+    """(shape, dtype) of ``state[key]`` without materialising it where the mapping can tell."""
+    if hasattr(state, "spec"):
+        return state.spec(key)
+    return state[key].shape, state[key].dtype
+
+
+def nbytes(state: Mapping[str, Any], key: str) -> int:
+    shape, dtype = spec(state, key)
+    return shape.numel() * dtype.itemsize

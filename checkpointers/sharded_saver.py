@@ -1,0 +1,174 @@
+"""Step directories written by every rank together, committed once by rank 0.
+
+``ShardedSaver.save`` stages ``step_N`` (rank 0 creates the hidden directory and tells
+the others its name), every rank writes its DCP shards into ``sharded/``, rank 0 adds
+``recipe_state.pt``, the extra state and, for a final checkpoint, the model in the
+input's format gathered file by file; each rank hashes the files it wrote, rank 0
+gathers the hashes, writes the manifest and renames the directory into place. A kill at
+any moment leaves a hidden directory that the next run removes, never a ``step_N``
+that is half there.
+
+With ``asynchronous`` the shards are copied to CPU memory and written by DCP in the
+background while training continues; at most one save is in flight (the next one, and
+the end of training, wait for it), and the time training was blocked is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpointers.commit import StagedDir, hash_file, prune_checkpoints
+from checkpointers.dtensor_state import GatheredState, serve_gathers
+from checkpointers.sharded_checkpoint import SHARDED_DIR, rank_files, save_sharded
+from converters.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+class ShardedSaver:
+    """Saves of a multi-process run; ``dist`` is a :class:`training.distributed.Distributed`."""
+
+    def __init__(self, dist, output_dir: str | Path, keep_last_n: int | None = None, asynchronous: bool = False,
+                 report: Callable[[str], None] = print) -> None:
+        self.dist = dist
+        self.output_dir = Path(output_dir)
+        self.keep_last_n = keep_last_n
+        self.asynchronous = asynchronous
+        self.report = report
+        self.blocked_s = 0.0  # training time spent in saves, all saves together
+        self._pending: Future | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharded-save")
+
+    def save(self, step: int, sharded: Mapping[str, Any], files: Mapping[str, Any],
+             export: tuple[Any, Mapping[str, Any]] | None = None, asynchronous: bool | None = None) -> Path:
+        """Stage and commit ``output_dir/step_{step}``; every rank calls this with its own shards.
+
+        ``sharded``: nested dicts of (D)tensors for DCP; ``files``: name -> object that rank 0 writes
+        with ``torch.save`` (the same on every rank, or only rank 0's is used); ``export``:
+        ``(checkpointer, model_state)`` to write the model in the checkpointer's format as well.
+        """
+        started = time.perf_counter()
+        self.wait()
+        target = self.output_dir / f"step_{step}"
+        stage = None
+
+        def open_stage() -> str:
+            nonlocal stage
+            stage = StagedDir(target)
+            stage.__enter__()
+            return str(stage.path)
+
+        path = Path(self.dist.run_on_main(open_stage))
+        asynchronous = self.asynchronous if asynchronous is None else asynchronous
+        try:
+            writing = save_sharded(sharded, path / SHARDED_DIR, group=self.dist.checkpoint_group, asynchronous=asynchronous)
+        except Exception as e:  # DCP fails on every rank together
+            if stage is not None:
+                stage.__exit__(RuntimeError, None, None)
+            raise CheckpointError(f"could not write {target}: {str(e).strip().splitlines()[0]}; "
+                                  "earlier checkpoints are intact") from e
+        problem = None
+        if stage is not None:  # rank 0's part; the others only serve the export's gathers
+            try:
+                for name, obj in files.items():
+                    stage.write(name, lambda f, obj=obj: torch.save(obj, f))
+                if export is not None:
+                    with GatheredState(export[1]) as gathered:
+                        export[0].writer({"model": gathered})(stage)
+            except (OSError, CheckpointError) as e:
+                problem = f"could not write {target}: {e}"
+        elif export is not None:
+            serve_gathers(export[1])
+        problem = self.dist.broadcast(problem)
+        if problem is not None:  # every rank stops here, nothing committed
+            if writing is not None:
+                writing.exception()
+            if stage is not None:
+                stage.__exit__(RuntimeError, None, None)
+            raise CheckpointError(problem + "; earlier checkpoints are intact")
+        finish = lambda: self._finish(stage, path, target, writing)  # noqa: E731
+        blocked = time.perf_counter() - started
+        if asynchronous:
+            self._pending = self._executor.submit(finish)
+            self.blocked_s += blocked
+            if self.dist.is_main:
+                self.report(f"saving {target.name} in the background; training blocked {blocked:.2f} s")
+        else:
+            finish()
+            blocked = time.perf_counter() - started
+            self.blocked_s += blocked
+            if self.dist.is_main:
+                self.report(f"saved {target} in {blocked:.2f} s")
+        return target
+
+    def _finish(self, stage: StagedDir | None, path: Path, target: Path, writing: Future | None) -> Path:
+        """Runs on every rank (in the background thread for an asynchronous save): wait for the shards,
+        hash what this rank wrote, and let rank 0 commit; every rank learns how it went."""
+        problem = None
+        try:
+            if writing is not None:
+                writing.result()
+            mine = {f"{SHARDED_DIR}/{p.name}": hash_file(p) for p in rank_files(path / SHARDED_DIR, self.dist.rank)}
+        except Exception as e:  # DCP fails on every rank together; a hashing failure is this rank's
+            mine, problem = None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        everyone = self._gather((mine, problem))
+        if stage is not None:
+            problems = [p for _, p in everyone if p]
+            try:
+                if problems:
+                    raise CheckpointError(problems[0])
+                for hashes, _ in everyone:
+                    for name, (size, digest) in hashes.items():
+                        stage.adopt(name, size, digest)
+                stage.__exit__(None, None, None)
+                prune_checkpoints(self.output_dir, self.keep_last_n)
+            except (OSError, CheckpointError) as e:
+                stage.__exit__(RuntimeError, None, None)
+                problem = f"could not write {target}: {e}"
+        problem = self._broadcast(problem)
+        if problem is not None:
+            raise CheckpointError(problem + "; earlier checkpoints are intact")
+        return target
+
+    def _gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out = [None] * self.dist.world_size if self.dist.is_main else None
+        dist.gather_object(obj, out, dst=0, group=self.dist.checkpoint_group)
+        return out or []
+
+    def _broadcast(self, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.dist.checkpoint_group)
+        return box[0]
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (if any) is committed; its errors are raised here."""
+        if self._pending is None:
+            return None
+        started = time.perf_counter()
+        pending, self._pending = self._pending, None
+        try:
+            target = pending.result()
+        except CheckpointError:
+            raise
+        waited = time.perf_counter() - started
+        self.blocked_s += waited
+        if self.dist.is_main:
+            self.report(f"saved {target} (training waited {waited:.2f} s for it)")
+        return target
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)

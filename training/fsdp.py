@@ -1,0 +1,43 @@
+"""FSDP2 for the recipes: each transformer block is one unit of sharding, and the root holds the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from models import parse_dtype
+from models.transformer import TransformerBlock
+
+
+def shard_model(model: nn.Module, mesh, mixed_precision: Mapping | None = None) -> nn.Module:
+    """``fully_shard`` every :class:`TransformerBlock` and then the root, in place (on the meta device too).
+
+    ``mixed_precision``: ``{param_dtype: bf16, reduce_dtype: fp32}`` computes in ``param_dtype`` and
+    reduces gradients in ``reduce_dtype`` while the sharded parameters keep their own dtype; None
+    computes in the parameters' dtype.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if mixed_precision:
+        unknown = set(mixed_precision) - {"param_dtype", "reduce_dtype"}
+        if unknown:
+            raise ValueError(f"mixed_precision: unknown option(s) {', '.join(sorted(unknown))} (param_dtype, reduce_dtype)")
+        policy = MixedPrecisionPolicy(param_dtype=parse_dtype(mixed_precision.get("param_dtype")),
+                                      reduce_dtype=parse_dtype(mixed_precision.get("reduce_dtype")))
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no TransformerBlock to shard")
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def grad_norm_value(norm: torch.Tensor) -> float:
+    """``clip_grad_norm_``'s result as a number (a DTensor for a sharded model)."""
+    from torch.distributed.tensor import DTensor
+
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
