@@ -37,11 +37,33 @@ def local_shard(full: torch.Tensor, like: DTensor, device: torch.device | str | 
                               stride=torch.empty(full.shape, device="meta").stride())
 
 
-def whole(value: Any) -> Any:
-    """A tensor gathered from its shards (every rank takes part), on the CPU; other values as they are."""
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    return value.cpu() if isinstance(value, torch.Tensor) else value
+def gather_to_main(value: DTensor) -> torch.Tensor | None:
+    """The whole tensor on the mesh's first rank, on the CPU (None on the others); every rank takes part.
+
+    FSDP2's row shards (``Shard(0)`` on a 1-D mesh) are received straight into their rows of one
+    buffer, so rank 0 holds the tensor once (an all-gather would hold it twice, and on every rank);
+    other layouts fall back to ``full_tensor()``.
+    """
+    mesh = value.device_mesh
+    if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+        whole = value.full_tensor()
+        return whole.cpu() if mesh.get_local_rank() == 0 else None
+    group, world, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    rows = value.shape[0]
+    chunk = -(-rows // world) if rows else 0  # torch.chunk's piece size: rank r holds rows [r*chunk, (r+1)*chunk)
+    bounds = [(min(r * chunk, rows), min((r + 1) * chunk, rows)) for r in range(world)]
+    local = value.to_local()
+    if me != 0:
+        if bounds[me][1] > bounds[me][0]:
+            dist.send(local.contiguous(), dst=dist.get_global_rank(group, 0), group=group)
+        return None
+    out = torch.empty(value.shape, dtype=value.dtype, device=local.device)
+    out[bounds[0][0]:bounds[0][1]].copy_(local)
+    for r in range(1, world):
+        start, end = bounds[r]
+        if end > start:
+            dist.recv(out[start:end], src=dist.get_global_rank(group, r), group=group)
+    return out.cpu()
 
 
 class GatheredState(Mapping):
@@ -60,7 +82,7 @@ class GatheredState(Mapping):
         if not isinstance(value, DTensor):
             return value.cpu() if isinstance(value, torch.Tensor) else value
         dist.broadcast_object_list([key], src=0, group=self._group)
-        return whole(value)
+        return gather_to_main(value)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._state)
@@ -91,7 +113,7 @@ def serve_gathers(state: Mapping[str, Any], group=None) -> int:
         dist.broadcast_object_list(box, src=0, group=group)
         if box[0] is _DONE:
             return served
-        state[box[0]].full_tensor()
+        gather_to_main(state[box[0]])
         served += 1
 
 

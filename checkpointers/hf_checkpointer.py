@@ -147,6 +147,7 @@ class HFCheckpointer(Checkpointer):
                 total_size += size
                 total_params += sum(t.numel() for t in tensors.values())
                 bar.update(size)
+                del converted, tensors  # before the next file's tensors are read: one file's worth at a time
         if layout.index_name:
             metadata = dict(layout.index_metadata, total_size=total_size)
             if "total_parameters" in metadata:

@@ -53,6 +53,8 @@ class MetaCheckpointer(Checkpointer):
         self.converter = meta_converter()
         self.split_dims: dict[str, int | None] | None = None  # meta key -> model-parallel dim (None: replicated)
         self.model_args: ModelArgs | None = None
+        self.passthrough: dict[str, torch.Tensor] = {}
+        self.key_order: list[str] = []
 
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
@@ -69,8 +71,11 @@ class MetaCheckpointer(Checkpointer):
                 raise CheckpointError(f"{self.checkpoint_dir / name}: keys differ from {self.files[0]} (e.g. {odd!r})")
         dim = self.params["dim"]
         meta, self.split_dims = {}, {}
+        self.passthrough = {}  # tensors the model does not use (``rope.freqs``): written back as they came
+        self.key_order = keys
         for key in keys:
             if self.converter.is_ignored(key):
+                self.passthrough[key] = shards[0][key]
                 continue
             parts = [shard[key] for shard in shards]
             split = self._split_dim(key, parts[0], dim)
@@ -142,7 +147,8 @@ class MetaCheckpointer(Checkpointer):
             raise CheckpointError("state dict does not match the input checkpoint: "
                                   + (f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the input does not"))
         n = len(self.files)
-        order = {key: i for i, key in enumerate(self.split_dims)}  # the input's key order
+        passthrough = self.passthrough
+        order = {key: i for i, key in enumerate(self.key_order)}  # the input's key order
 
         def write(stage: StagedDir) -> None:
             # File after file, converting as it goes: the tensors of one file are held at a time
@@ -153,6 +159,8 @@ class MetaCheckpointer(Checkpointer):
                     for key, tensor in self.converter.apply_groups([group], native, forward=False, where=None).items():
                         split = self.split_dims[key]
                         shard[key] = tensor.chunk(n, dim=split)[index].clone() if split is not None else tensor.contiguous()
+                shard.update((k, t.contiguous()) for k, t in passthrough.items())
                 shard = dict(sorted(shard.items(), key=lambda item: order[item[0]]))
                 stage.write(name, lambda f: torch.save(shard, f))
+                del shard  # one file's worth at a time
         return write

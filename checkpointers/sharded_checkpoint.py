@@ -7,9 +7,9 @@ N processes resumes on M.
 
 DCP pickles its metadata and would unpickle any non-tensor entry with
 ``weights_only=False``. A checkpoint is data, never code: only tensors are saved here
-(the rest travels in ``recipe_state.pt``), the metadata is read by an unpickler that
-knows DCP's few plain-data classes and nothing else, and a checkpoint declaring
-anything but tensors is refused.
+(the rest travels in ``recipe_state.pt``), and the metadata is read by an unpickler that
+knows DCP's few plain-data classes for tensors and nothing else: a checkpoint declaring
+a pickled non-tensor entry (``BytesStorageMetadata``) is refused with the rest.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from converters.errors import CheckpointError
 
@@ -60,9 +60,6 @@ def read_metadata(directory: str | Path) -> Metadata:
         raise CheckpointError(f"{path}: unreadable sharded checkpoint metadata ({e})") from e
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path}: not DCP metadata")
-    odd = [k for k, v in metadata.state_dict_metadata.items() if not isinstance(v, TensorStorageMetadata)]
-    if odd:
-        raise CheckpointError(f"{path}: entry {odd[0]!r} is not a tensor; only tensors load safely")
     return metadata
 
 
@@ -103,6 +100,8 @@ def save_sharded(state: Mapping[str, Any], directory: str | Path, group=None, as
     to CPU memory before this returns, and training may change them at once.
     """
     state = tensors_only(state)
+    if not state:
+        return None
     Path(directory).mkdir(parents=True, exist_ok=True)
     writer = dcp.FileSystemWriter(str(directory), sync_files=True)
     with warnings.catch_warnings():
@@ -115,6 +114,7 @@ def save_sharded(state: Mapping[str, Any], directory: str | Path, group=None, as
 
 def load_sharded(state: dict[str, Any], directory: str | Path, group=None) -> None:
     """Fill ``state``'s tensors (plain or DTensors, any sharding) in place from ``directory``."""
+    read_metadata(directory)  # refuses unsafe or odd metadata with a one-line error before DCP reads it
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")

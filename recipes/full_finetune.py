@@ -126,14 +126,15 @@ def _train(cfg: DictConfig, dist) -> int:
         scheduler.load_state_dict(recipe_state["lr_scheduler"])
         rng_states = recipe_state.get("rng_per_rank") or [recipe_state["rng"]]
         restore_rng(rng_states[dist.rank] if len(rng_states) == dist.world_size else rng_states[0])
-        if len(rng_states) != dist.world_size:
-            notes.append(f"world size ({len(rng_states)} -> {dist.world_size} processes: random states continue from rank 0's)")
         global_step, start_epoch = recipe_state["global_step"], recipe_state["epoch"]
         start_step = recipe_state["data_position"].get("samples_seen_in_epoch", recipe_state["step_in_epoch"] * global_batch) // global_batch
         say(f"resuming from {resume_from.path.name} (epoch {start_epoch}, sample {start_step * global_batch}/"
             f"{steps_per_epoch * global_batch}), {resume_from.files} files verified, {resume_from.bytes / 1e9:.2f} GB")
         for key in notes:
             say(f"note: {key} differs from the checkpoint's config; accepted")
+        if len(rng_states) != dist.world_size:
+            say(f"note: {len(rng_states)} -> {dist.world_size} processes: same samples per step; "
+                "random states continue from rank 0's")
     else:
         dist.run_on_main(lambda: start_fresh(output_dir, cfg.overwrite))  # only now: bad input above leaves output_dir as it was
     dist.run_on_main(lambda: remove_stale_staging(output_dir))

@@ -3,12 +3,15 @@
     python tests/interrupt.py signal-at-step K SIGNAL -- <recipe args>
     python tests/interrupt.py signal-twice K SIGNAL -- <recipe args>
     python tests/interrupt.py kill-in-save STEP MOMENT -- <recipe args>
+    torchrun ... tests/interrupt.py kill-group-at-step K - -- <recipe args>
 
 signal-at-step: sends SIGNAL to itself right after optimizer step K is logged (a
 preemption arriving mid-run). kill-in-save: SIGKILLs itself while step STEP's
 checkpoint is being saved, at MOMENT: ``first-file`` (one weight file written),
 ``before-manifest`` (every file written, no manifest), ``before-rename`` (manifest
 written, directory not yet renamed) or ``after-rename`` (committed, parent not fsynced).
+kill-group-at-step: SIGKILLs its own process group right after optimizer step K is logged; under
+torchrun that is rank 0 alone, and torchrun then stops the other ranks, as when a node dies.
 """
 
 from __future__ import annotations
@@ -34,6 +37,17 @@ def signal_at_step(step: int, name: str) -> None:
         write(self, **record)
         if record["step"] == step:
             os.kill(os.getpid(), getattr(signal, name))
+
+    MetricsLog.write = patched
+
+
+def kill_group_at_step(step: int, _: str) -> None:
+    write = MetricsLog.write
+
+    def patched(self, **record):
+        write(self, **record)
+        if record["step"] == step:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
 
     MetricsLog.write = patched
 
@@ -106,5 +120,6 @@ def kill_in_save(target: int, moment: str) -> None:
 if __name__ == "__main__":
     mode, a, b, sep, *recipe_args = sys.argv[1:]
     assert sep == "--", "usage: interrupt.py MODE A B -- <recipe args>"
-    {"signal-at-step": signal_at_step, "signal-twice": signal_twice, "kill-in-save": kill_in_save}[mode](int(a), b)
+    {"signal-at-step": signal_at_step, "signal-twice": signal_twice, "kill-in-save": kill_in_save,
+     "kill-group-at-step": kill_group_at_step}[mode](int(a), b)
     sys.exit(full_finetune.main(recipe_args))

@@ -1,0 +1,267 @@
+"""The recipes under torchrun on CPU (Gloo): the same losses as one process with the same global batch,
+sharded DCP checkpoints that resume on another number of processes, and the final export in the
+input's format, bitwise the single-process one, with rank 0 holding about one output file at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpointers.commit import verify
+from checkpointers.file_formats import read_tensors
+from tests.test_resume import tiny_in_format
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS_PER_EPOCH, EPOCHS = 4, 2
+FINAL = f"step_{STEPS_PER_EPOCH * EPOCHS}"
+BASE = [f"epochs={EPOCHS}", f"max_steps_per_epoch={STEPS_PER_EPOCH}", "save_every_n_steps=2", "keep_last_n_checkpoints=null",
+        f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}"]
+GLOBAL_BATCH = 8
+LOSS_TOLERANCE = 2e-6  # one process vs two: the same sums in another order (measured: 7e-7)
+WEIGHT_TOLERANCE = 2e-5  # after 8 AdamW steps at lr 3e-3 (measured: 3e-6)
+
+
+def run(out: Path, *overrides: str, processes: int = 1, fault: list[str] | None = None,
+        source: Path | None = None) -> subprocess.CompletedProcess:
+    """The full fine-tune recipe on ``processes`` CPU processes (torchrun when more than one), global batch 8."""
+    script = [str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [str(ROOT / "recipes/full_finetune.py")]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+                if processes > 1 else [sys.executable])
+    overrides = (f"checkpointer.checkpoint_dir={source or ROOT / 'assets/tiny_llama'}",
+                 f"batch_size={GLOBAL_BATCH // processes}", *overrides)
+    cmd = [*launcher, *script, "--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    merged = {}
+    for f in sorted(step_dir.glob("*.safetensors")):
+        merged.update(read_tensors(f))
+    return merged
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def weight_files(step_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(step_dir.iterdir())
+            if p.name.endswith((".safetensors", ".pth")) or p.name.endswith(".index.json")}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    result = run(out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two")
+    result = run(out, processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_with_the_same_global_batch(one_process, two_processes):
+    one, two = losses(one_process), losses(two_processes)
+    assert len(one) == len(two) == STEPS_PER_EPOCH * EPOCHS
+    assert max(abs(a - b) for a, b in zip(one, two)) < LOSS_TOLERANCE, (one, two)
+    assert max_diff(weights(one_process / FINAL), weights(two_processes / FINAL)) < WEIGHT_TOLERANCE
+    # Intermediate checkpoints are sharded (DCP, one file per rank) and verified; the final one is in the
+    # input's format, names and key -> file map, with the optimizer's shards beside it.
+    for step in (2, 4, 6):
+        step_dir = two_processes / f"step_{step}"
+        assert verify(step_dir).ok
+        manifest = json.loads((step_dir / "MANIFEST.json").read_text())["files"]
+        assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp", "sharded/.metadata", "recipe_state.pt"} <= manifest.keys()
+        assert not list(step_dir.glob("*.safetensors"))
+    final = two_processes / FINAL
+    assert verify(final).ok
+    source = ROOT / "assets/tiny_llama"
+    assert sorted(p.name for p in final.glob("*.safetensors")) == sorted(p.name for p in source.glob("*.safetensors"))
+    index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
+    assert index(final) == index(source)
+    state = torch.load(final / "recipe_state.pt", weights_only=True)
+    assert state["world_size"] == 2 and len(state["rng_per_rank"]) == 2 and state["optimizer"] is None
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_on_two_processes_and_on_one(tmp_path, one_process, two_processes):
+    """Rank 0 SIGKILLed after step 5 (async saves: step_4 may still be in flight) and torchrun stopping
+    rank 1, then the same command on 2 processes, or on 1 with the same global batch."""
+    killed = tmp_path / "killed"
+    result = run(killed, "async_checkpoint=true", processes=2, fault=["kill-group-at-step", "5", "-"])
+    assert result.returncode != 0 and "Signal 9 (SIGKILL) received" in result.stderr, result.stderr[-3000:]
+    assert (killed / "step_2").is_dir() and not (killed / "step_6").exists()
+
+    again = shutil.copytree(killed, tmp_path / "again")
+    resumed = run(again, "async_checkpoint=true", processes=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from step_" in resumed.stdout and "training blocked" in resumed.stdout
+    assert losses(again) == losses(two_processes), "the same 2 processes resumed must retrace the run exactly"
+    assert weight_files(again / FINAL) == weight_files(two_processes / FINAL)
+    assert not list(again.glob(".step_*")), "the killed save's staging directory was left behind"
+
+    alone = shutil.copytree(killed, tmp_path / "alone")
+    resumed = run(alone)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "note: 2 -> 1 processes" in resumed.stdout
+    mine, theirs = losses(alone), losses(two_processes)
+    assert len(mine) == len(theirs) and max(abs(a - b) for a, b in zip(mine, theirs)) < LOSS_TOLERANCE
+    assert max_diff(weights(alone / FINAL), weights(two_processes / FINAL)) < WEIGHT_TOLERANCE
+    assert verify(alone / FINAL).ok and not (alone / FINAL / "sharded").exists()  # one process writes whole tensors
+
+
+@pytest.mark.slow
+def test_single_process_checkpoint_resumes_on_two(tmp_path, one_process):
+    out = shutil.copytree(one_process, tmp_path / "run")
+    shutil.rmtree(out / "step_6")
+    shutil.rmtree(out / FINAL)
+    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in (one_process / "metrics.jsonl").read_text().splitlines()[:4]))
+    result = run(out, processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming from step_4" in result.stdout
+    mine, theirs = losses(out), losses(one_process)
+    assert mine[:4] == theirs[:4] and max(abs(a - b) for a, b in zip(mine, theirs)) < LOSS_TOLERANCE
+    assert max_diff(weights(out / FINAL), weights(one_process / FINAL)) < WEIGHT_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["hf", "meta"])
+def test_export_from_two_ranks_is_bitwise_the_single_process_one(tmp_path, fmt):
+    """With lr 0 the weights stay the input's: both exports must be its files, byte for byte."""
+    source = tiny_in_format(fmt, tmp_path)
+    still = ["optimizer.lr=0", "epochs=1", "max_steps_per_epoch=1", f"checkpointer={fmt}"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    for out, processes in ((one, 1), (two, 2)):
+        result = run(out, *still, processes=processes, source=source)
+        assert result.returncode == 0, result.stderr[-3000:]
+    exported = weight_files(two / "step_1")
+    assert exported and exported == weight_files(one / "step_1")
+    assert exported.keys() == weight_files(source).keys()
+    for name in exported:  # the input's files, key for key (HF: byte for byte; the test's Meta pickles differ in framing)
+        if name.endswith(".json"):
+            assert exported[name] == (source / name).read_bytes()
+            continue
+        mine, theirs = read_tensors(two / "step_1" / name), read_tensors(source / name)
+        assert list(mine) == list(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+        if fmt == "hf":
+            assert exported[name] == (source / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_rank_zero_export_memory_is_about_one_file(tmp_path):
+    """A 145 MB model in 6 files: rank 0's peak RSS while exporting rises by about one file, far below the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=8, vocab_size=8000, max_position_embeddings=256)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model", max_shard_size="32MB")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(ROOT / "tests/export_memory_probe.py"), str(tmp_path / "model"), str(tmp_path / "out")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    rise = figures["rss_peak"] - figures["rss_before"]
+    print(f"model {figures['model_bytes'] / 1e6:.0f} MB, largest file {figures['largest_file'] / 1e6:.0f} MB, "
+          f"rank 0 RSS rise during export {rise / 1e6:.0f} MB")
+    assert figures["model_bytes"] > 4 * figures["largest_file"], "the model must be several files for this to tell"
+    assert rise < figures["model_bytes"] / 2
+    assert rise < 2 * figures["largest_file"]
+    assert weight_files(tmp_path / "out/step_1") == weight_files(tmp_path / "model")
+
+
+# -- pieces, in one process ----------------------------------------------------------------------
+
+def test_sharded_checkpoint_round_trip_in_one_process(tmp_path):
+    from checkpointers.sharded_checkpoint import holds_sharded_model, load_sharded, save_sharded, sharded_keys
+
+    state = {"model": {"w": torch.randn(6, 4)}, "optimizer": {"w": {"exp_avg": torch.randn(6, 4), "step": torch.tensor(3.0)}}}
+    save_sharded(state, tmp_path / "step_1/sharded")
+    assert sharded_keys(tmp_path / "step_1/sharded") == {"model.w", "optimizer.w.exp_avg", "optimizer.w.step"}
+    assert holds_sharded_model(tmp_path / "step_1")
+    empty = {"model": {"w": torch.zeros(6, 4)}, "optimizer": {"w": {"exp_avg": torch.zeros(6, 4), "step": torch.tensor(0.0)}}}
+    load_sharded(empty, tmp_path / "step_1/sharded")
+    assert torch.equal(empty["model"]["w"], state["model"]["w"]) and empty["optimizer"]["w"]["step"].item() == 3.0
+    with pytest.raises(Exception, match="tensors only"):
+        save_sharded({"model": {"note": "text"}}, tmp_path / "other")
+
+
+def test_sharded_metadata_is_data_never_code(tmp_path):
+    """DCP unpickles .metadata with pickle.load; ours allows DCP's plain classes only."""
+    import pickle
+
+    from checkpointers.sharded_checkpoint import load_sharded, save_sharded
+    from converters.errors import CheckpointError
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    save_sharded({"model": {"w": torch.ones(2)}}, tmp_path / "ok")
+    (tmp_path / "evil").mkdir()
+    shutil.copy(tmp_path / "ok/__0_0.distcp", tmp_path / "evil/__0_0.distcp")
+    (tmp_path / "evil/.metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match=r"\.metadata: unreadable sharded checkpoint metadata .*system"):
+        load_sharded({"model": {"w": torch.zeros(2)}}, tmp_path / "evil")
+    assert not (tmp_path / "pwned").exists()
+
+    # A tensor entry declared as pickled bytes would be torch.load-ed with weights_only=False by DCP: refused.
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from checkpointers.sharded_checkpoint import read_metadata
+    metadata = read_metadata(tmp_path / "ok")
+    metadata.state_dict_metadata["model.w"] = BytesStorageMetadata()
+    (tmp_path / "evil/.metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match="BytesStorageMetadata is not part of DCP's metadata"):
+        load_sharded({"model": {"w": torch.zeros(2)}}, tmp_path / "evil")
+
+
+def test_ranks_split_each_global_batch_in_order():
+    from training.data_order import iterate_batches
+
+    dataset = list(range(50))
+    whole = [b for _, b in iterate_batches(dataset, 8, seed=3, epoch=1, collate_fn=list, start_batch=2)]
+    parts = [[b for _, b in iterate_batches(dataset, 4, seed=3, epoch=1, collate_fn=list, start_batch=2, rank=r, world_size=2)]
+             for r in range(2)]
+    assert len(whole) == len(parts[0]) == len(parts[1]) == 50 // 8 - 2
+    assert all(a + b == w for a, b, w in zip(parts[0], parts[1], whole))
+    with pytest.raises(ValueError, match="rank must be in"):
+        iterate_batches(dataset, 4, seed=3, epoch=0, collate_fn=list, rank=2, world_size=2)
+
+
+def test_manifest_entries_stay_inside_their_directory(tmp_path):
+    from checkpointers.commit import StagedDir
+    from converters.errors import CheckpointError
+
+    with StagedDir(tmp_path / "step_1") as stage:
+        (stage.path / "sharded").mkdir()
+        (stage.path / "sharded/a.distcp").write_bytes(b"abc")
+        from checkpointers.commit import hash_file
+        stage.adopt("sharded/a.distcp", *hash_file(stage.path / "sharded/a.distcp"))
+        for bad in ("../outside", "/etc/passwd", "sharded/../../x", ""):
+            with pytest.raises(CheckpointError, match="cannot stage file"):
+                stage.adopt(bad, 1, "0")
+    assert verify(tmp_path / "step_1").ok
+    manifest = json.loads((tmp_path / "step_1/MANIFEST.json").read_text())
+    manifest["files"]["../step_1/MANIFEST.json"] = manifest["files"].pop("sharded/a.distcp")
+    (tmp_path / "step_1/MANIFEST.json").write_text(json.dumps(manifest))
+    assert "outside the checkpoint" in verify(tmp_path / "step_1").problem
