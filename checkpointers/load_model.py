@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -66,7 +66,7 @@ def map_prefixes(state_keys: list[str], model_keys: list[str], key_prefix_map: M
 
 def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: torch.dtype | str | None = None,
               device: torch.device | str | None = None, strict: bool = True,
-              key_prefix_map: Mapping[str, str] | None = None) -> LoadReport:
+              key_prefix_map: Mapping[str, str] | None = None, fill_later: Iterable[str] = ()) -> LoadReport:
     """Assign ``state`` to ``model``'s parameters and return what was done.
 
     Shapes are checked first (one-line errors naming the key). ``strict`` (the default) makes
@@ -74,10 +74,13 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
     and reported. ``strict=False`` allows new heads (left as initialised, named in the report).
     Tensors keep their dtype unless ``dtype`` is given; ``*._extra_state`` entries go to the modules'
     ``set_extra_state`` (a checkpoint older than a module's extra state loads with its defaults).
+    ``fill_later``: model keys the checkpoint does not have and the caller fills itself (adapters added on
+    the meta device); they are left as they are.
     """
     dtype = parse_dtype(dtype)
     own = model.state_dict()
-    expected = {k: v for k, v in own.items() if not is_extra_state_key(k)}
+    fill_later = set(fill_later)
+    expected = {k: v for k, v in own.items() if not is_extra_state_key(k) and k not in fill_later}
     tensors = {k: v for k, v in state.items() if not is_extra_state_key(k)}
     mapping = map_prefixes(list(tensors), list(expected), key_prefix_map)
     report = LoadReport(renamed={k: v for k, v in mapping.items() if k != v})
@@ -126,7 +129,7 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
     report.retied += [k for k in tied if not after[k].is_meta]
     report.missing = sorted(missing)
     report.extra_state = sorted(extra)
-    still_meta = sorted(k for k, t in after.items() if t.is_meta)
+    still_meta = sorted(k for k, t in after.items() if t.is_meta and k not in fill_later)
     if still_meta and strict:
         raise CheckpointError(f"after loading, {_fold(fold_keys(still_meta))} still has no data")
     for line in report.lines():

@@ -169,15 +169,18 @@ def warn_vllm(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LORA_R
 
 
 def write_adapter(stage: StagedDir, model: torch.nn.Module, converter: Converter, base_model_name_or_path: str,
-                  max_lora_rank: int = DEFAULT_MAX_LORA_RANK, layout: tuple[str, Converter] | None = None) -> dict[str, Any]:
+                  max_lora_rank: int = DEFAULT_MAX_LORA_RANK, layout: tuple[str, Converter] | None = None,
+                  adapter: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Stage ``adapter_model.safetensors`` and ``adapter_config.json`` for ``model``'s LoRA layers, and with
-    ``layout=(name, converter)`` (a Meta or native input) the adapter in that format's keys as ``adapter_<name>.safetensors``."""
+    ``layout=(name, converter)`` (a Meta or native input) the adapter in that format's keys as ``adapter_<name>.safetensors``.
+    ``adapter``: the adapter tensors when already gathered (a sharded model), else ``adapter_state(model)``."""
     from models.lora import adapter_state, lora_modules
 
     modules = lora_modules(model)
     if not modules:
         raise CheckpointError("the model has no LoRA layers (apply_lora first)")
-    tensors = to_peft(adapter_state(model), converter)  # validates every target before anything is written
+    adapter = adapter_state(model) if adapter is None else adapter
+    tensors = to_peft(adapter, converter)  # validates every target before anything is written
     first = next(iter(modules.values()))
     config = adapter_config(converter, list(modules), first.rank, first.alpha, first.dropout_p, base_model_name_or_path)
     warn_vllm(config, max_lora_rank)
@@ -186,7 +189,7 @@ def write_adapter(stage: StagedDir, model: torch.nn.Module, converter: Converter
     stage.write_bytes(ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
     if layout is not None:
         name, own = layout
-        stage.write_bytes(f"adapter_{name}.safetensors", save(to_layout(adapter_state(model), own), metadata={"format": "pt"}))
+        stage.write_bytes(f"adapter_{name}.safetensors", save(to_layout(adapter, own), metadata={"format": "pt"}))
     return config
 
 

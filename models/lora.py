@@ -45,15 +45,22 @@ class LoRALinear(nn.Module):
             self.bias.requires_grad_(False)
         # fp32 adapters on a half-precision base (PEFT's autocast_adapter_dtype default): the optimizer's updates
         # to small adapter weights are not lost to bf16 rounding
-        factory = dict(device=base.weight.device, dtype=torch.float32 if base.weight.dtype in HALF else base.weight.dtype)
-        self.lora_A = nn.Linear(self.in_features, self.rank, bias=False, **factory)
-        self.lora_B = nn.Linear(self.rank, self.out_features, bias=False, **factory)
+        # Built on the meta device (drawing no random numbers), then initialised once: the same draws
+        # whether the base is already loaded or still on the meta device (see initial_lora_weights).
+        dtype = torch.float32 if base.weight.dtype in HALF else base.weight.dtype
+        self.lora_A = nn.Linear(self.in_features, self.rank, bias=False, device="meta", dtype=dtype)
+        self.lora_B = nn.Linear(self.rank, self.out_features, bias=False, device="meta", dtype=dtype)
         self.dropout = nn.Dropout(self.dropout_p) if self.dropout_p > 0 else nn.Identity()
-        self.reset_lora_parameters()
+        if not base.weight.is_meta:
+            self.lora_A.to_empty(device=base.weight.device)
+            self.lora_B.to_empty(device=base.weight.device)
+            self.reset_lora_parameters()
 
     def reset_lora_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # as peft.tuners.lora.LoraLayer
-        nn.init.zeros_(self.lora_B.weight)
+        with torch.no_grad():
+            a, b = initial_lora_weights(self.lora_A.weight, self.lora_B.weight)
+            self.lora_A.weight.copy_(a)
+            self.lora_B.weight.copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
@@ -66,6 +73,14 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}, dropout={self.dropout_p}"
+
+
+def initial_lora_weights(lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's initialisation as whole CPU tensors shaped like ``lora_a`` / ``lora_b``: A Kaiming-uniform
+    (a = sqrt(5)) from the global generator, B zeros."""
+    a = torch.empty(lora_a.shape, dtype=lora_a.dtype)
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as peft.tuners.lora.LoraLayer
+    return a, torch.zeros(lora_b.shape, dtype=lora_b.dtype)
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -90,8 +105,6 @@ def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float
     if not chosen:
         raise CheckpointError(f"no linear layer of the model is named {', '.join(targets)}")
     for name, module in chosen:
-        if module.weight.is_meta:
-            raise CheckpointError(f"{name}: apply_lora needs the base weights loaded first (load_into)")
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         setattr(owner, attr, LoRALinear(module, rank, alpha, dropout))
@@ -99,19 +112,54 @@ def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float
     return [name for name, _ in chosen]
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``<module>.lora_A.weight`` / ``<module>.lora_B.weight`` for every LoRALinear (native module paths)."""
+def adapter_state_keys(model: nn.Module) -> list[str]:
+    """The state-dict keys of the adapter weights (``adapter_state``'s keys), without reading them."""
+    return [f"{name}.lora_{ab}.weight" for name in lora_modules(model) for ab in ("A", "B")]
+
+
+def initial_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Fresh adapter weights for a model whose LoRA layers were added on the meta device (a model to shard
+    before loading), drawn as LoRALinear draws them on a loaded base: load them with the base weights."""
     out = {}
     for name, m in lora_modules(model).items():
-        out[f"{name}.lora_A.weight"] = m.lora_A.weight.detach()
-        out[f"{name}.lora_B.weight"] = m.lora_B.weight.detach()
+        out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = initial_lora_weights(m.lora_A.weight, m.lora_B.weight)
+    return out
+
+
+def init_adapters(model: nn.Module, device: torch.device | str | None = None) -> list[str]:
+    """Give LoRA layers added on the meta device (before sharding and loading) their initial weights, as
+    they would have been drawn on a loaded base; in a sharded model each rank keeps its piece. Returns the keys."""
+    from checkpointers.dtensor_state import local_shard
+
+    own = model.state_dict()
+    placed = {}
+    for key, value in initial_adapter_state(model).items():
+        like = own[key]
+        placed[key] = local_shard(value, like, device=device) if hasattr(like, "device_mesh") else value.to(device)
+    model.load_state_dict(placed, strict=False, assign=True)
+    return list(placed)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # a sharded (FSDP2) parameter: gathered
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``<module>.lora_A.weight`` / ``<module>.lora_B.weight`` for every LoRALinear (native module paths), whole
+    tensors (in a sharded model every rank must call this: the adapters are gathered)."""
+    out = {}
+    for name, m in lora_modules(model).items():
+        out[f"{name}.lora_A.weight"] = _whole(m.lora_A.weight.detach())
+        out[f"{name}.lora_B.weight"] = _whole(m.lora_B.weight.detach())
     return out
 
 
 def load_adapter_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Copy adapter tensors (``adapter_state``'s keys) into the model's LoRA layers; missing, unexpected or
     misshapen keys are one-line errors."""
-    own = adapter_state(model)
+    own = {}
+    for name, m in lora_modules(model).items():
+        own[f"{name}.lora_A.weight"], own[f"{name}.lora_B.weight"] = m.lora_A.weight, m.lora_B.weight
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
     if missing or unexpected:
         problem = f"lacks {missing[0]!r}" if missing else f"has {unexpected[0]!r}, which the model has no LoRA layer for"
@@ -120,7 +168,11 @@ def load_adapter_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> N
         for key, target in own.items():
             if state[key].shape != target.shape:
                 raise CheckpointError(f"adapter {key}: shape {tuple(state[key].shape)} does not fit the model's {tuple(target.shape)}")
-            target.copy_(state[key])
+            if hasattr(target, "device_mesh"):  # sharded: this rank's piece
+                from checkpointers.dtensor_state import local_shard
+                target.to_local().copy_(local_shard(state[key], target, dtype=target.dtype).to_local())
+            else:
+                target.copy_(state[key])
 
 
 def merge_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -143,6 +195,37 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
         else:
             out[key] = t
     return out
+
+
+class MergedState(Mapping):
+    """A lazy ``merged_state``: ``state`` (a model's state dict, or its gathered view on rank 0) with each LoRA
+    update folded into its base weight as the key is read, so a checkpointer writing file by file holds one
+    file's worth. ``scalings``: LoRA module path -> alpha / rank."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], scalings: Mapping[str, float]) -> None:
+        self._state, self._scalings = state, dict(scalings)
+
+    def _is_adapter(self, key: str) -> bool:
+        return ".lora_A." in f".{key}" or ".lora_B." in f".{key}"
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if self._is_adapter(key):
+            raise KeyError(key)
+        owner, _, leaf = key.rpartition(".")
+        if leaf == "weight" and owner in self._scalings:
+            return merge_weight(self._state[key], self._state[f"{owner}.lora_A.weight"],
+                                self._state[f"{owner}.lora_B.weight"], self._scalings[owner])
+        return self._state[key]
+
+    def __iter__(self):
+        return (k for k in self._state if not self._is_adapter(k))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def spec(self, key: str):
+        from checkpointers.dtensor_state import spec
+        return spec(self._state, key)
 
 
 def merge_state_dict(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:

@@ -17,7 +17,10 @@ LoRA differences:
   in none; ``save_adapter_weights_only: true`` also skips it. ``step_N/merged`` is staged inside
   ``step_N`` before ``step_N`` is committed, so both appear together or not at all;
 - resuming takes the base from ``checkpointer.checkpoint_dir`` and the adapter, optimizer, scheduler, RNG and
-  data position from ``step_N``: the result is bit-identical to an uninterrupted run.
+  data position from ``step_N``: the result is bit-identical to an uninterrupted run;
+- under ``torchrun`` the base is sharded (FSDP2) like the full recipe's model, the adapters and their optimizer
+  state are gathered whole into the same files as a single process writes (so a run resumes on any number of
+  processes), and the merged model is gathered and written one output file at a time.
 """
 
 from __future__ import annotations
@@ -37,15 +40,20 @@ from checkpointers import CheckpointError, detect_format, load_into
 from checkpointers.base import RECIPE_STATE_FILE
 from checkpointers.commit import StagedDir, prune_checkpoints, remove_stale_staging, step_dirs
 from checkpointers.peft_adapter import base_model_name, check_targets, hf_converter, load_adapter, write_adapter
-from models.lora import apply_lora, load_adapter_state, merged_state
+from checkpointers.dtensor_state import GatheredState, serve_gathers
+from models.lora import (MergedState, adapter_state, adapter_state_keys, apply_lora, init_adapters, load_adapter_state,
+                         lora_modules)
 from training.collate import padded_collate
+from training.data_order import iterate_batches
+from training.distributed import init_distributed
 from training.entry import run_recipe
-from training.data_order import batches_per_epoch, iterate_batches
+from training.fsdp import grad_norm_value, shard_model
 from training.loss import next_token_loss_sum, supervised_tokens
 from training.metrics import MetricsLog
+from training.optimizer_state import load_whole_optimizer_state, optimizer_state
 from training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from training.recipe_state import build_recipe_state, load_recipe_state
-from training.resume import check_config, find_checkpoint, set_aside_newer, start_fresh
+from training.resume import check_config, check_global_batch, find_checkpoint, set_aside_newer, start_fresh
 from training.rng_state import capture_rng, restore_rng
 from training.seed import seed_everything
 
@@ -61,8 +69,17 @@ def check_lora_config(saved: dict, current: dict, checkpoint: Path) -> None:
 
 
 def train(cfg: DictConfig) -> int:
+    dist = init_distributed(cfg.device)  # under torchrun: one process per GPU (or CPU), else a single process
+    try:
+        return _train(cfg, dist)
+    finally:
+        dist.close()
+
+
+def _train(cfg: DictConfig, dist) -> int:
     output_dir = Path(cfg.output_dir)
-    device = torch.device(cfg.device)
+    device, main = dist.device, dist.is_main
+    say = print if main else (lambda *a, **k: None)  # noqa: E731
     config = OmegaConf.to_container(cfg, resolve=True)
     save_merged = str(cfg.get("save_merged", "final")).lower()
     if save_merged not in ("final", "every", "never", "false", "none"):
@@ -72,30 +89,38 @@ def train(cfg: DictConfig) -> int:
     max_lora_rank = cfg.get("max_lora_rank", 16)
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
-    resume_from = find_checkpoint(output_dir, cfg.resume)
+    def choose():
+        found = find_checkpoint(output_dir, cfg.resume)
+        if found:  # later checkpoints are corrupt (auto) or unwanted (a pinned path): kept, renamed
+            set_aside_newer(output_dir, found.path, "corrupt" if cfg.resume in (True, "auto") else "superseded")
+        elif cfg.resume not in (False, "false") and step_dirs(output_dir) and not cfg.overwrite:
+            raise CheckpointError(f"output_dir {output_dir} holds checkpoints but none verifies; "
+                                  "set resume=<path> to pick one or overwrite=true to start again")
+        return found
+    resume_from = dist.run_on_main(choose)
     recipe_state = load_recipe_state(resume_from.path) if resume_from else None
     notes = check_config(recipe_state["config"], config, resume_from.path) if recipe_state else []
     if recipe_state:
         check_lora_config(recipe_state["config"], config, resume_from.path)
         notes = [k for k in notes if not k.startswith(LORA_BREAKING)]
-    if resume_from:  # later checkpoints are corrupt (auto) or unwanted (a pinned path): kept, renamed
-        set_aside_newer(output_dir, resume_from.path, "corrupt" if cfg.resume in (True, "auto") else "superseded")
-    if not resume_from and cfg.resume not in (False, "false") and step_dirs(output_dir) and not cfg.overwrite:
-        raise CheckpointError(f"output_dir {output_dir} holds checkpoints but none verifies; "
-                              "set resume=<path> to pick one or overwrite=true to start again")
     seed_everything(cfg.seed)
 
-    # Model: the base (always the input checkpoint) on the meta device, given its tensors, then the adapters.
+    # Model: the base (always the input checkpoint) on the meta device with the adapters added, sharded
+    # (FSDP2) under torchrun, given the base's tensors (each rank its piece) and fresh adapter weights.
     checkpointer = instantiate(cfg.checkpointer)
     state = checkpointer.load_checkpoint()
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
-                       key_prefix_map=cfg.key_prefix_map)
-    print("\n".join(report.lines()))
-    del state
     lora = cfg.lora
     wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
+    if dist.enabled:
+        shard_model(model, dist.mesh, cfg.get("mixed_precision"))
+    adapter_keys = list(adapter_state_keys(model))
+    report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
+                       key_prefix_map=cfg.key_prefix_map, fill_later=adapter_keys)
+    init_adapters(model, device)
+    say("\n".join(report.lines()))
+    del state
     converter = hf_converter(checkpointer, model.args)  # names the adapter's modules as HF does
     check_targets(model, converter)  # a target PEFT cannot name (Phi-3's fused qkv) fails now, not at the first save
     base_name = base_model_name(checkpointer.checkpoint_dir)
@@ -105,22 +130,23 @@ def train(cfg: DictConfig) -> int:
         adapter, _ = load_adapter(resume_from.path, converter)
         load_adapter_state(model, adapter)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    print(f"lora: {len(wrapped)} layers ({', '.join(lora.targets)}), rank {lora.rank}, alpha {lora.alpha}: "
-          f"{sum(p.numel() for p in trainable):,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters")
+    say(f"lora: {len(wrapped)} layers ({', '.join(lora.targets)}), rank {lora.rank}, alpha {lora.alpha}: "
+        f"{sum(p.numel() for p in trainable):,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters")
     model.activation_checkpointing = cfg.enable_activation_checkpointing
     model.train()
 
-    # Data.
+    # Data: a global batch of batch_size x gradient_accumulation_steps x processes samples per step.
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
     collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
-    steps_per_epoch = batches_per_epoch(len(dataset), cfg.batch_size) // accumulate
+    global_batch = cfg.batch_size * accumulate * dist.world_size
+    steps_per_epoch = len(dataset) // global_batch
     if cfg.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
     if steps_per_epoch < 1:
         raise CheckpointError(f"dataset has {len(dataset)} samples: too few for batch_size={cfg.batch_size} "
-                              f"x gradient_accumulation_steps={accumulate}")
+                              f"x gradient_accumulation_steps={accumulate} x {dist.world_size} processes")
     total_steps = cfg.epochs * steps_per_epoch
 
     # Optimizer over the adapter parameters only.
@@ -129,58 +155,82 @@ def train(cfg: DictConfig) -> int:
 
     global_step, start_epoch, start_step = 0, 0, 0
     if recipe_state:
+        check_global_batch(recipe_state, global_batch, cfg.batch_size, accumulate, dist.world_size, resume_from.path)
         if recipe_state["global_step"] >= total_steps:
-            print(f"run already finished: {resume_from.path} is step {recipe_state['global_step']} of {total_steps}; nothing to do")
+            say(f"run already finished: {resume_from.path} is step {recipe_state['global_step']} of {total_steps}; nothing to do")
             return 0
-        optimizer.load_state_dict(recipe_state["optimizer"])
+        load_whole_optimizer_state(model, optimizer, recipe_state["optimizer"])
         scheduler.load_state_dict(recipe_state["lr_scheduler"])
-        restore_rng(recipe_state["rng"])
-        global_step, start_epoch, start_step = recipe_state["global_step"], recipe_state["epoch"], recipe_state["step_in_epoch"]
-        print(f"resuming from {resume_from.path.name} (epoch {start_epoch}, batch {start_step * accumulate}/"
-              f"{steps_per_epoch * accumulate}), {resume_from.files} files verified, {resume_from.bytes / 1e9:.2f} GB")
+        rng_states = recipe_state.get("rng_per_rank") or [recipe_state["rng"]]
+        restore_rng(rng_states[dist.rank] if len(rng_states) == dist.world_size else rng_states[0])
+        global_step, start_epoch = recipe_state["global_step"], recipe_state["epoch"]
+        start_step = recipe_state["data_position"].get("samples_seen_in_epoch", recipe_state["step_in_epoch"] * global_batch) // global_batch
+        say(f"resuming from {resume_from.path.name} (epoch {start_epoch}, sample {start_step * global_batch}/"
+            f"{steps_per_epoch * global_batch}), {resume_from.files} files verified, {resume_from.bytes / 1e9:.2f} GB")
         for key in notes:
-            print(f"note: {key} differs from the checkpoint's config; accepted")
+            say(f"note: {key} differs from the checkpoint's config; accepted")
+        if len(rng_states) != dist.world_size:
+            say(f"note: {len(rng_states)} -> {dist.world_size} processes: same samples per step; "
+                "random states continue from rank 0's")
     else:
-        start_fresh(output_dir, cfg.overwrite)  # only now: bad input above must leave output_dir as it was
-    remove_stale_staging(output_dir)
-    metrics = MetricsLog(output_dir, keep_through_step=global_step)
+        dist.run_on_main(lambda: start_fresh(output_dir, cfg.overwrite))  # only now: bad input above leaves output_dir as it was
+    dist.run_on_main(lambda: remove_stale_staging(output_dir))
+    metrics = MetricsLog(output_dir, keep_through_step=global_step) if main else None
 
     def save(next_epoch: int, next_step: int) -> Path:
+        # Adapters and their optimizer state are small: gathered whole, written by rank 0, in the same
+        # files whatever the number of processes. The merged model is gathered a tensor at a time.
+        adapter = adapter_state(model)
+        optim = optimizer_state(model, optimizer, whole=True)
+        rng = dist.gather(capture_rng())
         recipe = build_recipe_state(
-            optimizer=optimizer, lr_scheduler=scheduler, global_step=global_step, epoch=next_epoch,
+            optimizer=optim, lr_scheduler=scheduler, global_step=global_step, epoch=next_epoch,
             step_in_epoch=next_step, steps_per_epoch=steps_per_epoch, total_steps=total_steps, seed=cfg.seed,
-            epochs=cfg.epochs, rng=capture_rng(), config=config,
-            data_position={"epoch": next_epoch, "next_batch": next_step * accumulate, "batch_size": cfg.batch_size,
-                           "samples_seen_in_epoch": next_step * accumulate * cfg.batch_size, "seed": cfg.seed})
+            epochs=cfg.epochs, rng=rng[0] if main else None, config=config, world_size=dist.world_size,
+            rng_per_rank=rng if dist.enabled else None,
+            data_position={"epoch": next_epoch, "samples_seen_in_epoch": next_step * global_batch,
+                           "global_batch_size": global_batch, "permutation_seed": cfg.seed})
         target = output_dir / f"step_{global_step}"
         merge = save_merged == "every" or (save_merged == "final" and global_step == total_steps)
-        try:
-            with StagedDir(target) as stage:
-                write_adapter(stage, model, converter, base_name, max_lora_rank, layout=own_layout)
-                stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe, f))
-                if merge:  # its own atomic commit, inside step_N's staging directory
-                    checkpointer.save_to({"model": merged_state(model)}, stage.path / MERGED_DIR)
-        except OSError as e:
-            raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
-                                  "nothing was committed and earlier checkpoints are intact") from e
-        prune_checkpoints(output_dir, cfg.keep_last_n_checkpoints)
-        return target
+        model_state = model.state_dict()
+        scalings = {name: m.scaling for name, m in lora_modules(model).items()}
+
+        def write() -> Path:
+            try:
+                with StagedDir(target) as stage:
+                    write_adapter(stage, model, converter, base_name, max_lora_rank, layout=own_layout, adapter=adapter)
+                    stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe, f))
+                    if merge:  # its own atomic commit, inside step_N's staging directory
+                        gathered = GatheredState(model_state) if dist.enabled else None
+                        try:
+                            merged = MergedState(gathered if gathered is not None else model_state, scalings)
+                            checkpointer.save_to({"model": merged}, stage.path / MERGED_DIR)
+                        finally:
+                            if gathered is not None:
+                                gathered.close()
+            except OSError as e:
+                raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
+                                      "nothing was committed and earlier checkpoints are intact") from e
+            prune_checkpoints(output_dir, cfg.keep_last_n_checkpoints)
+            return target
+        return dist.run_on_main(write, others=(lambda: serve_gathers(model_state)) if merge else None)
 
     preemption = PreemptionWatch(cfg.preemption_signals)
-    bar = tqdm(total=total_steps, initial=global_step, desc="train", dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=collate,
-                                  start_batch=first * accumulate)
+                                  start_batch=first * accumulate, rank=dist.rank, world_size=dist.world_size)
         for step_in_epoch in range(first, steps_per_epoch):
             started = time.perf_counter()
             micro_batches = [next(batches)[1] for _ in range(accumulate)]
-            n_supervised = sum(supervised_tokens(b["labels"]) for b in micro_batches)
+            # Mean over the global batch's supervised tokens; FSDP averages gradients over ranks.
+            n_supervised = dist.sum(sum(supervised_tokens(b["labels"]) for b in micro_batches))
             loss_sum = 0.0
             for batch in micro_batches:
                 logits = model(batch["tokens"].to(device))
                 loss = next_token_loss_sum(logits, batch["labels"].to(device)) / max(n_supervised, 1)
-                loss.backward()
+                (loss * dist.world_size).backward()
                 loss_sum += loss.item()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip_grad_norm or float("inf"))
             optimizer.step()
@@ -188,29 +238,35 @@ def train(cfg: DictConfig) -> int:
             optimizer.zero_grad(set_to_none=True)
             global_step += 1
 
-            tokens = sum(b["tokens"].numel() for b in micro_batches)
+            loss_sum = dist.sum(loss_sum)
+            tokens = dist.sum(sum(b["tokens"].numel() for b in micro_batches))
             record = dict(step=global_step, epoch=epoch, loss=loss_sum, lr=scheduler.get_last_lr()[0],
-                          grad_norm=float(grad_norm), tokens_per_s=tokens / (time.perf_counter() - started))
-            metrics.write(**record)
+                          grad_norm=grad_norm_value(grad_norm), tokens_per_s=tokens / (time.perf_counter() - started))
+            if main:
+                metrics.write(**record)
             bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update()
 
-            # Checkpoints at optimizer-step boundaries only.
+            # Checkpoints at optimizer-step boundaries only; a signal on any rank stops every rank here.
+            preempted = dist.any(preemption.requested)
             epoch_done = step_in_epoch + 1 == steps_per_epoch
-            due = (global_step == total_steps or preemption.requested
+            due = (global_step == total_steps or preempted
                    or (cfg.save_every_n_steps and global_step % cfg.save_every_n_steps == 0)
                    or (epoch_done and cfg.save_every_epoch))
             if due:
                 saved = save(epoch + 1, 0) if epoch_done else save(epoch, step_in_epoch + 1)
-                bar.write(f"saved {saved}")
-            if preemption.requested and global_step < total_steps:
+                if main:
+                    bar.write(f"saved {saved}")
+            if preempted and global_step < total_steps:
                 bar.close()
-                print(f"stopped by {preemption.received} at step {global_step}; rerun the same command to resume")
-                if cfg.requeue:
+                say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
+                    "rerun the same command to resume")
+                if cfg.requeue and main:
                     requeue_slurm_job()
                 return PREEMPTED_EXIT_CODE
     bar.close()
-    metrics.close()
+    if metrics:
+        metrics.close()
     return 0
 
 

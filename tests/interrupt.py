@@ -1,4 +1,5 @@
-"""Run recipes/full_finetune.py with a fault injected, as a cluster would inflict it.
+"""Run recipes/full_finetune.py (recipes/lora_finetune.py with INTERRUPT_RECIPE=lora) with a fault injected,
+as a cluster would inflict it.
 
     python tests/interrupt.py signal-at-step K SIGNAL -- <recipe args>
     python tests/interrupt.py signal-twice K SIGNAL -- <recipe args>
@@ -26,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import checkpointers.commit as commit  # noqa: E402
 from checkpointers import HFCheckpointer  # noqa: E402
-from recipes import full_finetune  # noqa: E402
+from recipes import full_finetune, lora_finetune  # noqa: E402
 from training.metrics import MetricsLog  # noqa: E402
 
 
@@ -122,4 +123,5 @@ if __name__ == "__main__":
     assert sep == "--", "usage: interrupt.py MODE A B -- <recipe args>"
     {"signal-at-step": signal_at_step, "signal-twice": signal_twice, "kill-in-save": kill_in_save,
      "kill-group-at-step": kill_group_at_step}[mode](int(a), b)
-    sys.exit(full_finetune.main(recipe_args))
+    recipe = lora_finetune if os.environ.get("INTERRUPT_RECIPE") == "lora" else full_finetune
+    sys.exit(recipe.main(recipe_args))

@@ -29,16 +29,18 @@ WEIGHT_TOLERANCE = 2e-5  # after 8 AdamW steps at lr 3e-3 (measured: 3e-6)
 
 
 def run(out: Path, *overrides: str, processes: int = 1, fault: list[str] | None = None,
-        source: Path | None = None) -> subprocess.CompletedProcess:
-    """The full fine-tune recipe on ``processes`` CPU processes (torchrun when more than one), global batch 8."""
-    script = [str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [str(ROOT / "recipes/full_finetune.py")]
+        source: Path | None = None, recipe: str = "full") -> subprocess.CompletedProcess:
+    """A recipe (``full`` or ``lora``) on ``processes`` CPU processes (torchrun when more than one), global batch 8."""
+    script = ([str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault
+              else [str(ROOT / f"recipes/{recipe}_finetune.py")])
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
                 if processes > 1 else [sys.executable])
     overrides = (f"checkpointer.checkpoint_dir={source or ROOT / 'assets/tiny_llama'}",
                  f"batch_size={GLOBAL_BATCH // processes}", *overrides)
-    cmd = [*launcher, *script, "--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides]
+    config = ROOT / ("configs/tiny.yaml" if recipe == "full" else "configs/tiny_lora.yaml")
+    cmd = [*launcher, *script, "--config", str(config), f"output_dir={out}", *BASE, *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_RECIPE": recipe})
 
 
 def losses(out: Path) -> list[float]:
@@ -187,6 +189,31 @@ def test_rank_zero_export_memory_is_about_one_file(tmp_path):
     assert rise < figures["model_bytes"] / 2
     assert rise < 2 * figures["largest_file"]
     assert weight_files(tmp_path / "out/step_1") == weight_files(tmp_path / "model")
+
+
+@pytest.mark.slow
+def test_lora_on_two_processes_matches_one_and_resumes_on_one(tmp_path):
+    """LoRA on a sharded base: the same losses, adapters and merged model as one process; killed on 2 and
+    resumed on 1, the adapter and merged files equal the 2-process run's within the same tolerance."""
+    one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
+    assert run(one, recipe="lora").returncode == 0
+    result = run(two, processes=2, recipe="lora")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert max(abs(a - b) for a, b in zip(losses(one), losses(two))) < LOSS_TOLERANCE
+    adapter = lambda out: read_tensors(out / FINAL / "adapter_model.safetensors")  # noqa: E731
+    assert max_diff(adapter(one), adapter(two)) < WEIGHT_TOLERANCE
+    assert max_diff(weights(one / FINAL / "merged"), weights(two / FINAL / "merged")) < WEIGHT_TOLERANCE
+    merged = two / FINAL / "merged"
+    assert verify(merged).ok and sorted(p.name for p in merged.glob("*.safetensors")) == sorted(
+        p.name for p in (ROOT / "assets/tiny_llama").glob("*.safetensors"))
+
+    result = run(killed, processes=2, recipe="lora", fault=["kill-group-at-step", "3", "-"])
+    assert result.returncode != 0 and "Signal 9 (SIGKILL) received" in result.stderr, result.stderr[-3000:]
+    resumed = run(killed, recipe="lora")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from step_2" in resumed.stdout and "note: 2 -> 1 processes" in resumed.stdout
+    assert max(abs(a - b) for a, b in zip(losses(killed), losses(two))) < LOSS_TOLERANCE
+    assert max_diff(adapter(killed), adapter(two)) < WEIGHT_TOLERANCE
 
 
 # -- pieces, in one process ----------------------------------------------------------------------

@@ -217,7 +217,7 @@ def test_stop_and_resume_is_bit_exact(tmp_path, reference):
     assert sorted(p.name for p in (out / "step_6").iterdir()) == ["MANIFEST.json", ADAPTER_CONFIG, ADAPTER_WEIGHTS, "recipe_state.pt"]
     resumed = run_lora(out, *BASE)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from step_6 (epoch 0, batch 6/8)" in resumed.stdout
+    assert "resuming from step_6 (epoch 0, sample 48/64)" in resumed.stdout
     assert losses(out) == losses(reference), "per-step losses differ from the uninterrupted run"
     for name in (ADAPTER_WEIGHTS, "merged/model-00001-of-00003.safetensors", "merged/model-00003-of-00003.safetensors"):
         mine, theirs = read_tensors(out / FINAL / name), read_tensors(reference / FINAL / name)

@@ -66,15 +66,20 @@ class Distributed:
         dist.gather_object(obj, out, dst=0)
         return out
 
-    def run_on_main(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on rank 0 (decisions about output_dir), its result on every rank; its
-        CheckpointError raised on every rank rather than leaving the others waiting."""
+    def run_on_main(self, fn: Callable[[], Any], others: Callable[[], Any] | None = None) -> Any:
+        """``fn()`` on rank 0 (decisions about output_dir, writing a checkpoint) and ``others()`` meanwhile on
+        the other ranks (serving rank 0's gathers); rank 0's result on every rank, and its CheckpointError
+        raised on every rank rather than leaving the others waiting."""
         result = error = None
         if self.is_main:
             try:
                 result = fn()
             except CheckpointError as e:
+                if not self.enabled:
+                    raise
                 error = str(e)
+        elif others is not None:
+            others()
         result, error = self.broadcast((result, error))
         if error is not None:
             raise CheckpointError(error)

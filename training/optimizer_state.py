@@ -17,8 +17,12 @@ from torch.optim import Optimizer
 from checkpointers.sharded_checkpoint import load_sharded
 
 
-def optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """``{"state": {param name: {...}}, "param_groups": [{..., "params": [names]}]}``."""
+def optimizer_state(model: nn.Module, optimizer: Optimizer, whole: bool = False) -> dict[str, Any]:
+    """``{"state": {param name: {...}}, "param_groups": [{..., "params": [names]}]}``: the shards of a sharded
+    model, or with ``whole`` whole tensors on rank 0 (every rank must call it; the others get an empty dict)."""
+    sharded = any(hasattr(p, "device_mesh") for p in model.parameters())
+    if whole and sharded:
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return get_optimizer_state_dict(model, optimizer)
 
 
