@@ -59,6 +59,9 @@ def _train(cfg: DictConfig, dist) -> int:
     device, main = dist.device, dist.is_main
     say = print if main else (lambda *a, **k: None)  # noqa: E731
     config = OmegaConf.to_container(cfg, resolve=True)
+    if not dist.enabled and (cfg.get("async_checkpoint") or cfg.get("mixed_precision")):
+        say("note: async_checkpoint and mixed_precision apply under torchrun (FSDP2); one process computes in dtype "
+            "and writes each checkpoint before going on")
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
     # Rank 0 decides about output_dir; every rank learns the decision.

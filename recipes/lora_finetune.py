@@ -81,6 +81,9 @@ def _train(cfg: DictConfig, dist) -> int:
     device, main = dist.device, dist.is_main
     say = print if main else (lambda *a, **k: None)  # noqa: E731
     config = OmegaConf.to_container(cfg, resolve=True)
+    if not dist.enabled and (cfg.get("async_checkpoint") or cfg.get("mixed_precision")):
+        say("note: async_checkpoint and mixed_precision apply under torchrun (FSDP2); one process computes in dtype "
+            "and writes each checkpoint before going on")
     save_merged = str(cfg.get("save_merged", "final")).lower()
     if save_merged not in ("final", "every", "never", "false", "none"):
         raise CheckpointError(f"save_merged must be final, every or never, got {cfg.save_merged!r}")

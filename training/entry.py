@@ -25,7 +25,8 @@ def run_recipe(train: Callable[[DictConfig], int], argv: list[str] | None, descr
         if os.environ.get("WAYPOINT_DEBUG"):
             raise
         cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
-        print(f"\nerror: {str(cause).splitlines()[0]}", file=sys.stderr)  # after any progress bar
+        rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank reports; rank 0 unprefixed
+        print(f"\n{f'[rank {rank}] ' if rank else ''}error: {str(cause).splitlines()[0]}", file=sys.stderr)  # after any progress bar
         return 1
     finally:
         for sig, handler in handlers.items():
