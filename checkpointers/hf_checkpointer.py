@@ -142,7 +142,7 @@ class HFCheckpointer(Checkpointer):
                 converted = self.converter.apply_groups(plan[name], native, forward=False, where=None)
                 tensors = {k[len(self.added_prefix):]: converted[k] for k in self.layout.weight_map if layout.weight_map[k] == name}
                 metadata = self._metadata_for(src_name, tensors) if layout.file_format == SAFETENSORS else None
-                stage.write(name, lambda f: write_tensors(f, tensors, layout.file_format, metadata))
+                stage.write(name, lambda f, tensors=tensors: write_tensors(f, tensors, layout.file_format, metadata))
                 size = sum(_tensor_bytes(t) for t in tensors.values())
                 total_size += size
                 total_params += sum(t.numel() for t in tensors.values())

@@ -161,6 +161,6 @@ class MetaCheckpointer(Checkpointer):
                         shard[key] = tensor.chunk(n, dim=split)[index].clone() if split is not None else tensor.contiguous()
                 shard.update((k, t.contiguous()) for k, t in passthrough.items())
                 shard = dict(sorted(shard.items(), key=lambda item: order[item[0]]))
-                stage.write(name, lambda f: torch.save(shard, f))
+                stage.write(name, lambda f, shard=shard: torch.save(shard, f))
                 del shard  # one file's worth at a time
         return write

@@ -26,13 +26,13 @@ from tqdm import tqdm
 
 from checkpointers import CheckpointError, load_into
 from checkpointers.base import RECIPE_STATE_FILE
-from checkpointers.commit import prune_checkpoints, remove_stale_staging, step_dirs
+from checkpointers.commit import prune_checkpoints, remove_stale_staging
 from checkpointers.extra_state import EXTRA_STATE_FILE, split_extra_state
 from checkpointers.load_model import load_sharded_into
 from checkpointers.sharded_checkpoint import SHARDED_DIR, holds_sharded_model
 from checkpointers.sharded_saver import ShardedSaver
 from training.collate import padded_collate
-from training.data_order import iterate_batches
+from training.data_order import iterate_batches, optimizer_steps_per_epoch
 from training.distributed import init_distributed
 from training.entry import run_recipe
 from training.fsdp import grad_norm_value, shard_model
@@ -41,8 +41,8 @@ from training.metrics import MetricsLog
 from training.optimizer_state import load_sharded_optimizer_state, load_whole_optimizer_state, optimizer_state
 from training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from training.recipe_state import build_recipe_state, load_recipe_state
-from training.resume import check_config, check_global_batch, find_checkpoint, set_aside_newer, start_fresh
-from training.rng_state import capture_rng, restore_rng
+from training.resume import check_config, check_global_batch, choose_checkpoint, restore_position, start_fresh
+from training.rng_state import capture_rng
 from training.seed import seed_everything
 
 
@@ -65,15 +65,7 @@ def _train(cfg: DictConfig, dist) -> int:
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
     # Rank 0 decides about output_dir; every rank learns the decision.
-    def choose():
-        found = find_checkpoint(output_dir, cfg.resume)
-        if found:  # later checkpoints are corrupt (auto) or unwanted (a pinned path): kept, renamed
-            set_aside_newer(output_dir, found.path, "corrupt" if cfg.resume in (True, "auto") else "superseded")
-        elif cfg.resume not in (False, "false") and step_dirs(output_dir) and not cfg.overwrite:
-            raise CheckpointError(f"output_dir {output_dir} holds checkpoints but none verifies; "
-                                  "set resume=<path> to pick one or overwrite=true to start again")
-        return found
-    resume_from = dist.run_on_main(choose)
+    resume_from = dist.run_on_main(lambda: choose_checkpoint(output_dir, cfg.resume, cfg.overwrite))
     recipe_state = load_recipe_state(resume_from.path) if resume_from else None
     notes = check_config(recipe_state["config"], config, resume_from.path) if recipe_state else []
     seed_everything(cfg.seed)
@@ -104,12 +96,10 @@ def _train(cfg: DictConfig, dist) -> int:
     collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
     global_batch = cfg.batch_size * accumulate * dist.world_size
-    steps_per_epoch = len(dataset) // global_batch
-    if cfg.max_steps_per_epoch:
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
-    if steps_per_epoch < 1:
-        raise CheckpointError(f"dataset has {len(dataset)} samples: too few for batch_size={cfg.batch_size} "
-                              f"x gradient_accumulation_steps={accumulate} x {dist.world_size} processes")
+    try:
+        steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size, cfg.max_steps_per_epoch)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     total_steps = cfg.epochs * steps_per_epoch
 
     # Optimizer after loading, so it holds the parameters the model really uses.
@@ -127,17 +117,13 @@ def _train(cfg: DictConfig, dist) -> int:
         else:
             load_sharded_optimizer_state(model, optimizer, resume_from.path / SHARDED_DIR, recipe_state["optimizer_param_groups"])
         scheduler.load_state_dict(recipe_state["lr_scheduler"])
-        rng_states = recipe_state.get("rng_per_rank") or [recipe_state["rng"]]
-        restore_rng(rng_states[dist.rank] if len(rng_states) == dist.world_size else rng_states[0])
-        global_step, start_epoch = recipe_state["global_step"], recipe_state["epoch"]
-        start_step = recipe_state["data_position"].get("samples_seen_in_epoch", recipe_state["step_in_epoch"] * global_batch) // global_batch
+        global_step, start_epoch, start_step, resume_lines = restore_position(recipe_state, dist.rank, dist.world_size, global_batch)
         say(f"resuming from {resume_from.path.name} (epoch {start_epoch}, sample {start_step * global_batch}/"
             f"{steps_per_epoch * global_batch}), {resume_from.files} files verified, {resume_from.bytes / 1e9:.2f} GB")
         for key in notes:
             say(f"note: {key} differs from the checkpoint's config; accepted")
-        if len(rng_states) != dist.world_size:
-            say(f"note: {len(rng_states)} -> {dist.world_size} processes: same samples per step; "
-                "random states continue from rank 0's")
+        for line in resume_lines:
+            say(line)
     else:
         dist.run_on_main(lambda: start_fresh(output_dir, cfg.overwrite))  # only now: bad input above leaves output_dir as it was
     dist.run_on_main(lambda: remove_stale_staging(output_dir))

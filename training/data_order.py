@@ -35,6 +35,18 @@ def batches_per_epoch(num_samples: int, batch_size: int) -> int:
     return num_samples // batch_size
 
 
+def optimizer_steps_per_epoch(num_samples: int, batch_size: int, accumulate: int, world_size: int,
+                    max_steps: int | None = None) -> int:
+    """Optimizer steps in an epoch of ``batch_size x accumulate x world_size`` samples each (capped by ``max_steps``)."""
+    steps = num_samples // (batch_size * accumulate * world_size)
+    if max_steps:
+        steps = min(steps, max_steps)
+    if steps < 1:
+        raise ValueError(f"dataset has {num_samples} samples: too few for batch_size={batch_size} "
+                         f"x gradient_accumulation_steps={accumulate} x {world_size} processes")
+    return steps
+
+
 def iterate_batches(dataset, batch_size: int, seed: int, epoch: int, collate_fn: Callable[[list], Any],
                     start_batch: int = 0, shuffle: bool = True, rank: int = 0,
                     world_size: int = 1) -> Iterator[tuple[int, Any]]:

@@ -25,6 +25,36 @@ BREAKING_KEYS = ("model", "checkpointer.checkpoint_dir", "checkpointer.checkpoin
                  "tokenizer", "dataset", "seed", "max_steps_per_epoch", "dtype", "optimizer._target_")
 
 
+def choose_checkpoint(output_dir: str | Path, resume: Any, overwrite: bool) -> Verification | None:
+    """``find_checkpoint``, with the checkpoints after the chosen one set aside (renamed ``.corrupt`` under
+    ``resume=auto``, ``.superseded`` when a path was pinned), and a directory whose checkpoints all fail
+    verification refused unless ``overwrite``."""
+    found = find_checkpoint(output_dir, resume)
+    if found:
+        set_aside_newer(output_dir, found.path, "corrupt" if resume in (True, "auto") else "superseded")
+    elif resume not in (False, "false") and step_dirs(output_dir) and not overwrite:
+        raise CheckpointError(f"output_dir {output_dir} holds checkpoints but none verifies; "
+                              "set resume=<path> to pick one or overwrite=true to start again")
+    return found
+
+
+def restore_position(recipe_state: Mapping, rank: int, world_size: int, global_batch: int) -> tuple[int, int, int, list[str]]:
+    """Restore this rank's random states; return (global step, epoch, step in the epoch, lines to print).
+
+    The position is kept in samples of the epoch's permutation, so it holds on another number of
+    processes with the same global batch; random states then continue from rank 0's."""
+    from training.rng_state import restore_rng
+
+    rng_states = recipe_state.get("rng_per_rank") or [recipe_state["rng"]]
+    same_world = len(rng_states) == world_size
+    restore_rng(rng_states[rank] if same_world else rng_states[0])
+    position = recipe_state["data_position"]
+    samples = position.get("samples_seen_in_epoch", recipe_state["step_in_epoch"] * global_batch)
+    lines = [] if same_world else [f"note: {len(rng_states)} -> {world_size} processes: same samples per step; "
+                                   "random states continue from rank 0's"]
+    return recipe_state["global_step"], recipe_state["epoch"], samples // global_batch, lines
+
+
 def find_checkpoint(output_dir: str | Path, resume: Any) -> Verification | None:
     """The verified checkpoint to resume from, or None to start fresh."""
     if resume in (False, None, "false", "False", "no"):
