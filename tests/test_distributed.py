@@ -131,18 +131,26 @@ def test_killed_run_resumes_on_two_processes_and_on_one(tmp_path, one_process, t
     assert verify(alone / FINAL).ok and not (alone / FINAL / "sharded").exists()  # one process writes whole tensors
 
 
-@pytest.mark.slow
-def test_single_process_checkpoint_resumes_on_two(tmp_path, one_process):
-    out = shutil.copytree(one_process, tmp_path / "run")
+def back_to_step_4(run_dir: Path, copy: Path) -> Path:
+    """A copy of a finished run as it was after step 4's checkpoint."""
+    out = shutil.copytree(run_dir, copy)
     shutil.rmtree(out / "step_6")
     shutil.rmtree(out / FINAL)
-    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in (one_process / "metrics.jsonl").read_text().splitlines()[:4]))
-    result = run(out, processes=2)
+    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in (run_dir / "metrics.jsonl").read_text().splitlines()[:4]))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before,after", [(1, 2), (2, 4)], ids=["1-to-2", "2-to-4"])
+def test_checkpoint_resumes_on_more_processes(tmp_path, one_process, two_processes, before, after):
+    reference = {1: one_process, 2: two_processes}[before]
+    out = back_to_step_4(reference, tmp_path / "run")
+    result = run(out, processes=after)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming from step_4" in result.stdout
-    mine, theirs = losses(out), losses(one_process)
+    assert "resuming from step_4" in result.stdout and f"note: {before} -> {after} processes" in result.stdout
+    mine, theirs = losses(out), losses(reference)
     assert mine[:4] == theirs[:4] and max(abs(a - b) for a, b in zip(mine, theirs)) < LOSS_TOLERANCE
-    assert max_diff(weights(out / FINAL), weights(one_process / FINAL)) < WEIGHT_TOLERANCE
+    assert max_diff(weights(out / FINAL), weights(reference / FINAL)) < WEIGHT_TOLERANCE
 
 
 @pytest.mark.slow
