@@ -21,6 +21,7 @@ from checkpointers.dtensor_state import local_shard
 from checkpointers.extra_state import is_extra_state_key
 from checkpointers.load_report import LoadReport, fold_keys
 from converters import CheckpointError
+from converters.lazy import spec_of
 from models import ModelArgs, Transformer, from_hf_config, model_args_from_hf_config, parse_dtype
 
 
@@ -81,21 +82,21 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
     own = model.state_dict()
     fill_later = set(fill_later)
     expected = {k: v for k, v in own.items() if not is_extra_state_key(k) and k not in fill_later}
-    tensors = {k: v for k, v in state.items() if not is_extra_state_key(k)}
-    mapping = map_prefixes(list(tensors), list(expected), key_prefix_map)
+    tensor_keys = [k for k in state if not is_extra_state_key(k)]
+    mapping = map_prefixes(tensor_keys, list(expected), key_prefix_map)
     report = LoadReport(renamed={k: v for k, v in mapping.items() if k != v})
-    matched: dict[str, torch.Tensor] = {}
+    matched: dict[str, str] = {}  # model key -> checkpoint key; tensors are read one at a time, when placed
     order = {k: i for i, k in enumerate(expected)}
     for key, target in sorted(mapping.items(), key=lambda item: order.get(item[1], len(order))):  # model order
         if target not in expected:
             report.unexpected.append(key)
-        elif tensors[key].shape != expected[target].shape:
+        elif spec_of(state, key)[0] != expected[target].shape:
             if strict:
-                raise CheckpointError(f"{target}: checkpoint shape {tuple(tensors[key].shape)} does not fit the model's "
+                raise CheckpointError(f"{target}: checkpoint shape {tuple(spec_of(state, key)[0])} does not fit the model's "
                                       f"{tuple(expected[target].shape)}")
             report.mismatched.append(target)
         else:
-            matched[target] = tensors[key]
+            matched[target] = key
     dropped_heads = [k for k in report.unexpected if mapping[k].endswith(HEAD_KEYS)]
     missing = sorted(expected.keys() - matched.keys())
     tied = [k for k in missing if k.endswith(HEAD_KEYS) and getattr(getattr(model, "args", None), "tie_embeddings", False)]
@@ -114,8 +115,8 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
             return local_shard(value, like, device=device, dtype=cast)
         return value.to(device=device, dtype=cast)
 
-    extra = {k: v for k, v in state.items() if is_extra_state_key(k) and k in own}
-    placed = {k: place(v, expected[k]) for k, v in matched.items()}
+    extra = {k: state[k] for k in state if is_extra_state_key(k) and k in own}
+    placed = {target: place(state[key], expected[target]) for target, key in matched.items()}
     model.load_state_dict({**placed, **extra}, strict=False, assign=True)
     refresh_derived(model)
 

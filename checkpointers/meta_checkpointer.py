@@ -20,6 +20,7 @@ from checkpointers.base import Checkpointer, read_json
 from checkpointers.commit import StagedDir
 from checkpointers.file_formats import read_tensors
 from converters import CheckpointError
+from converters.lazy import LazyState, spec_of
 from converters.meta import COLUMN_PARALLEL, ROW_PARALLEL, meta_converter
 from models import ModelArgs
 
@@ -70,7 +71,7 @@ class MetaCheckpointer(Checkpointer):
                 odd = sorted(set(shard) ^ set(keys))[0]
                 raise CheckpointError(f"{self.checkpoint_dir / name}: keys differ from {self.files[0]} (e.g. {odd!r})")
         dim = self.params["dim"]
-        meta, self.split_dims = {}, {}
+        meta, self.split_dims = LazyState({}, {}), {}
         self.passthrough = {}  # tensors the model does not use (``rope.freqs``): written back as they came
         self.key_order = keys
         for key in keys:
@@ -80,7 +81,7 @@ class MetaCheckpointer(Checkpointer):
             parts = [shard[key] for shard in shards]
             split = self._split_dim(key, parts[0], dim)
             self.split_dims[key] = split
-            meta[key] = self._join(key, parts, split)
+            self._join(meta, key, parts, split)
         self.model_args = self._model_args(meta)
         return self.converter.to_native(meta, where={k: self.files[0] for k in meta})
 
@@ -95,22 +96,26 @@ class MetaCheckpointer(Checkpointer):
             return 1
         raise CheckpointError(f"{self.checkpoint_dir}: unknown Meta key {key!r} in model-parallel files")
 
-    def _join(self, key: str, parts: list[torch.Tensor], split: int | None) -> torch.Tensor:
+    def _join(self, meta: LazyState, key: str, parts: list[torch.Tensor], split: int | None) -> None:
+        """``meta[key]``: the one tensor of the model-parallel ``parts``. Replicated parts are checked equal now;
+        split ones are checked to join (on the meta device) and joined when read, one tensor at a time."""
         if split is None:
             for name, part in zip(self.files[1:], parts[1:]):
                 if not torch.equal(part, parts[0]):
                     raise CheckpointError(f"{self.checkpoint_dir / name}: replicated {key!r} differs from {self.files[0]}")
-            return parts[0]
+            meta[key] = parts[0]
+            return
         try:
-            return torch.cat(parts, dim=split)
+            joined = torch.cat([torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts], dim=split)
         except RuntimeError as e:
             shapes = ", ".join(str(tuple(p.shape)) for p in parts)
             raise CheckpointError(f"{self.checkpoint_dir}: {key!r} does not join along dim {split}: shapes {shapes}") from e
+        meta.put(key, lambda: torch.cat(parts, dim=split), (joined.shape, joined.dtype))
 
     def _model_args(self, meta: Mapping[str, torch.Tensor]) -> ModelArgs:
         p = self.params
-        vocab, dim = meta["tok_embeddings.weight"].shape
-        hidden = meta["layers.0.feed_forward.w1.weight"].shape[0]
+        vocab, dim = spec_of(meta, "tok_embeddings.weight")[0]
+        hidden = spec_of(meta, "layers.0.feed_forward.w1.weight")[0][0]
         n_layers = 1 + max(int(k.split(".")[1]) for k in meta if k.startswith("layers."))
         problems = []
         if dim != p["dim"]:
@@ -124,8 +129,9 @@ class MetaCheckpointer(Checkpointer):
                             f"but layers.0.feed_forward.w1.weight has {hidden}")
         n_heads = p["n_heads"]
         n_kv = p.get("n_kv_heads") or n_heads
-        if meta["layers.0.attention.wk.weight"].shape[0] != n_kv * (dim // n_heads):
-            problems.append(f"n_kv_heads {n_kv} but layers.0.attention.wk.weight has {meta['layers.0.attention.wk.weight'].shape[0]} rows")
+        wk_rows = spec_of(meta, "layers.0.attention.wk.weight")[0][0]
+        if wk_rows != n_kv * (dim // n_heads):
+            problems.append(f"n_kv_heads {n_kv} but layers.0.attention.wk.weight has {wk_rows} rows")
         if problems:
             raise CheckpointError(f"{self.checkpoint_dir / PARAMS_FILE} is inconsistent with the tensors: {problems[0]}")
         # Llama 3.1+: Meta's apply_scaling (factor 8, or rope_scaling_factor; low 1, high 4, over 8192 positions)

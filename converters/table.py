@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from converters.errors import CheckpointError
+from converters.lazy import LazyState, on_meta
 from converters.ops import Identity
 
 
@@ -120,11 +121,21 @@ class Converter:
             out.update(zip(g.targets, results))
         return out
 
-    def to_native(self, hf_state: Mapping[str, torch.Tensor], where: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
-        """HF state dict -> native state dict (``where``: key -> file name, for errors)."""
-        native = self.apply_groups(self.plan(hf_state, "hf", where), hf_state, True, where)
-        if self.tied_embeddings and self.native_embedding_key in native:
-            native.setdefault(self.native_head_key, native[self.native_embedding_key])
+    def to_native(self, hf_state: Mapping[str, torch.Tensor], where: Mapping[str, str] | None = None) -> LazyState:
+        """HF state dict -> native state dict (``where``: key -> file name, for errors).
+
+        Keys and shapes are checked now (the ops run on meta-device stand-ins); each native tensor is
+        computed when it is read, so a reader taking one at a time holds one converted tensor at a time.
+        """
+        groups = self.plan(hf_state, "hf", where)
+        converted = self.apply_groups(groups, on_meta(hf_state, [k for g in groups for k in g.sources]), True, where)
+        native = LazyState({}, {})
+        for g in groups:
+            for target in g.targets:
+                native.put(target, lambda g=g, target=target: self.apply_groups([g], hf_state, True, where)[target],
+                           (converted[target].shape, converted[target].dtype))
+        if self.tied_embeddings and self.native_embedding_key in native and self.native_head_key not in native:
+            native.alias(self.native_head_key, self.native_embedding_key)
         return native
 
     def from_native(self, native_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

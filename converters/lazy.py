@@ -1,0 +1,78 @@
+"""A state dict whose tensors are computed when read.
+
+Loading converts (and, for Meta's model-parallel files, joins) tensors; done eagerly, every
+converted tensor exists at once. :class:`LazyState` keeps a recipe per key instead, with the
+shape and dtype known up front (checked on the meta device), so a reader that takes one
+tensor at a time (a sharded model keeping only its rows, a writer filling one file) holds
+one converted tensor at a time. Reading a key twice computes it twice: nothing is cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, MutableMapping
+from typing import Any
+
+import torch
+
+
+class LazyState(MutableMapping):
+    """``state[key]`` runs ``thunks[key]()``; ``state.spec(key)`` is ``(shape, dtype)`` without running it.
+    Values assigned with ``state[key] = value`` are kept as they are."""
+
+    def __init__(self, thunks: dict[str, Callable[[], torch.Tensor]], specs: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        self._thunks = dict(thunks)
+        self._specs = dict(specs)
+        self._values: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._values:
+            return self._values[key]
+        return self._thunks[key]()
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._thunks.pop(key, None)
+        self._values[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key in self._values:
+            del self._values[key]
+        else:
+            del self._thunks[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._thunks
+        yield from self._values
+
+    def __len__(self) -> int:
+        return len(self._thunks) + len(self._values)
+
+    def spec(self, key: str) -> tuple[torch.Size, torch.dtype]:
+        if key in self._values:
+            return self._values[key].shape, self._values[key].dtype
+        return self._specs[key]
+
+    def put(self, key: str, thunk: Callable[[], torch.Tensor], spec: tuple[torch.Size, torch.dtype]) -> None:
+        """``state[key]`` will run ``thunk()``, which returns a tensor of ``spec`` (shape, dtype)."""
+        self._values.pop(key, None)
+        self._thunks[key], self._specs[key] = thunk, spec
+
+    def alias(self, key: str, target: str) -> None:
+        """``state[key]`` reads ``state[target]`` (a tied head reads the embedding)."""
+        self.put(key, lambda: self[target], self.spec(target))
+
+
+def spec_of(state, key: str) -> tuple[torch.Size, torch.dtype]:
+    """(shape, dtype) of ``state[key]``, without computing it where the mapping can tell."""
+    if hasattr(state, "spec"):
+        return state.spec(key)
+    value = state[key]
+    return value.shape, value.dtype
+
+
+def on_meta(state, keys) -> dict[str, torch.Tensor]:
+    """Empty meta-device stand-ins for ``state[key]``: ops run on them check shapes without touching data."""
+    out = {}
+    for key in keys:
+        shape, dtype = spec_of(state, key)
+        out[key] = torch.empty(shape, dtype=dtype, device="meta")
+    return out
