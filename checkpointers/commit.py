@@ -115,12 +115,20 @@ class StagedDir:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            self._discard()
+            self.discard()
             return
+        self.commit()
+
+    def open(self) -> StagedDir:
+        """``with`` without the block: create the hidden directory (then :meth:`commit` or :meth:`discard`)."""
+        return self.__enter__()
+
+    def commit(self) -> None:
+        """Write the manifest and rename the directory into place (on failure it is removed and the error raised)."""
         try:
             self._commit()
         except BaseException:
-            self._discard()
+            self.discard()
             raise
         self._shutdown()
 
@@ -128,7 +136,8 @@ class StagedDir:
         self._syncer.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
-    def _discard(self) -> None:
+    def discard(self) -> None:
+        """Remove the hidden directory and everything staged in it."""
         self._shutdown()  # every staged file closed before the directory goes
         shutil.rmtree(self.path, ignore_errors=True)
 

@@ -15,7 +15,6 @@ the end of training, wait for it), and the time training was blocked is reported
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,9 +27,6 @@ from checkpointers.commit import StagedDir, hash_file, prune_checkpoints
 from checkpointers.dtensor_state import GatheredState, serve_gathers
 from checkpointers.sharded_checkpoint import SHARDED_DIR, rank_files, save_sharded
 from converters.errors import CheckpointError
-
-log = logging.getLogger(__name__)
-
 
 class ShardedSaver:
     """Saves of a multi-process run; ``dist`` is a :class:`training.distributed.Distributed`."""
@@ -61,8 +57,7 @@ class ShardedSaver:
 
         def open_stage() -> str:
             nonlocal stage
-            stage = StagedDir(target)
-            stage.__enter__()
+            stage = StagedDir(target).open()
             return str(stage.path)
 
         path = Path(self.dist.run_on_main(open_stage))
@@ -71,7 +66,7 @@ class ShardedSaver:
             writing = save_sharded(sharded, path / SHARDED_DIR, group=self.dist.checkpoint_group, asynchronous=asynchronous)
         except Exception as e:  # DCP fails on every rank together
             if stage is not None:
-                stage.__exit__(RuntimeError, None, None)
+                stage.discard()
             raise CheckpointError(f"could not write {target}: {str(e).strip().splitlines()[0]}; "
                                   "earlier checkpoints are intact") from e
         problem = None
@@ -91,21 +86,17 @@ class ShardedSaver:
             if writing is not None:
                 writing.exception()
             if stage is not None:
-                stage.__exit__(RuntimeError, None, None)
+                stage.discard()
             raise CheckpointError(problem + "; earlier checkpoints are intact")
-        finish = lambda: self._finish(stage, path, target, writing)  # noqa: E731
-        blocked = time.perf_counter() - started
         if asynchronous:
-            self._pending = self._executor.submit(finish)
-            self.blocked_s += blocked
-            if self.dist.is_main:
-                self.report(f"saving {target.name} in the background; training blocked {blocked:.2f} s")
+            self._pending = self._executor.submit(self._finish, stage, path, target, writing)
         else:
-            finish()
-            blocked = time.perf_counter() - started
-            self.blocked_s += blocked
-            if self.dist.is_main:
-                self.report(f"saved {target} in {blocked:.2f} s")
+            self._finish(stage, path, target, writing)
+        blocked = time.perf_counter() - started
+        self.blocked_s += blocked
+        if self.dist.is_main:
+            self.report(f"saving {target.name} in the background; training blocked {blocked:.2f} s" if asynchronous
+                        else f"saved {target} in {blocked:.2f} s")
         return target
 
     def _finish(self, stage: StagedDir | None, path: Path, target: Path, writing: Future | None) -> Path:
@@ -118,7 +109,7 @@ class ShardedSaver:
             mine = {f"{SHARDED_DIR}/{p.name}": hash_file(p) for p in rank_files(path / SHARDED_DIR, self.dist.rank)}
         except Exception as e:  # DCP fails on every rank together; a hashing failure is this rank's
             mine, problem = None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        everyone = self._gather((mine, problem))
+        everyone = self.dist.gather((mine, problem), group=self.dist.checkpoint_group) or []
         if stage is not None:
             problems = [p for _, p in everyone if p]
             try:
@@ -127,29 +118,15 @@ class ShardedSaver:
                 for hashes, _ in everyone:
                     for name, (size, digest) in hashes.items():
                         stage.adopt(name, size, digest)
-                stage.__exit__(None, None, None)
+                stage.commit()
                 prune_checkpoints(self.output_dir, self.keep_last_n)
             except (OSError, CheckpointError) as e:
-                stage.__exit__(RuntimeError, None, None)
+                stage.discard()
                 problem = f"could not write {target}: {e}"
-        problem = self._broadcast(problem)
+        problem = self.dist.broadcast(problem, group=self.dist.checkpoint_group)
         if problem is not None:
             raise CheckpointError(problem + "; earlier checkpoints are intact")
         return target
-
-    def _gather(self, obj: Any) -> list[Any]:
-        import torch.distributed as dist
-
-        out = [None] * self.dist.world_size if self.dist.is_main else None
-        dist.gather_object(obj, out, dst=0, group=self.dist.checkpoint_group)
-        return out or []
-
-    def _broadcast(self, obj: Any) -> Any:
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.dist.checkpoint_group)
-        return box[0]
 
     def wait(self) -> Path | None:
         """Block until the save in flight (if any) is committed; its errors are raised here."""
@@ -157,10 +134,7 @@ class ShardedSaver:
             return None
         started = time.perf_counter()
         pending, self._pending = self._pending, None
-        try:
-            target = pending.result()
-        except CheckpointError:
-            raise
+        target = pending.result()  # a failed save raises its CheckpointError here
         waited = time.perf_counter() - started
         self.blocked_s += waited
         if self.dist.is_main:

@@ -36,7 +36,7 @@ from training.data_order import iterate_batches, optimizer_steps_per_epoch
 from training.distributed import init_distributed
 from training.entry import run_recipe
 from training.fsdp import grad_norm_value, shard_model
-from training.loss import next_token_loss_sum, supervised_tokens
+from training.loss import forward_backward
 from training.metrics import MetricsLog
 from training.optimizer_state import load_sharded_optimizer_state, load_whole_optimizer_state, optimizer_state
 from training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
@@ -164,23 +164,13 @@ def _train(cfg: DictConfig, dist) -> int:
         for step_in_epoch in range(first, steps_per_epoch):
             started = time.perf_counter()
             micro_batches = [next(batches)[1] for _ in range(accumulate)]
-            # The loss of the step is the mean over the global batch's supervised tokens; FSDP averages
-            # gradients over ranks, so each rank's sum is scaled by the world size.
-            n_supervised = dist.sum(sum(supervised_tokens(b["labels"]) for b in micro_batches))
-            loss_sum = 0.0
-            for batch in micro_batches:
-                logits = model(batch["tokens"].to(device))
-                loss = next_token_loss_sum(logits, batch["labels"].to(device)) / max(n_supervised, 1)
-                (loss * dist.world_size).backward()
-                loss_sum += loss.item()
+            loss_sum, tokens = forward_backward(model, micro_batches, device, dist)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or float("inf"))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             global_step += 1
 
-            loss_sum = dist.sum(loss_sum)
-            tokens = dist.sum(sum(b["tokens"].numel() for b in micro_batches))
             record = dict(step=global_step, epoch=epoch, loss=loss_sum, lr=scheduler.get_last_lr()[0],
                           grad_norm=grad_norm_value(grad_norm), tokens_per_s=tokens / (time.perf_counter() - started))
             if main:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -48,7 +49,7 @@ from training.data_order import iterate_batches, optimizer_steps_per_epoch
 from training.distributed import init_distributed
 from training.entry import run_recipe
 from training.fsdp import grad_norm_value, shard_model
-from training.loss import next_token_loss_sum, supervised_tokens
+from training.loss import forward_backward
 from training.metrics import MetricsLog
 from training.optimizer_state import load_whole_optimizer_state, optimizer_state
 from training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
@@ -190,13 +191,8 @@ def _train(cfg: DictConfig, dist) -> int:
                     write_adapter(stage, model, converter, base_name, max_lora_rank, layout=own_layout, adapter=adapter)
                     stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe, f))
                     if merge:  # its own atomic commit, inside step_N's staging directory
-                        gathered = GatheredState(model_state) if dist.enabled else None
-                        try:
-                            merged = MergedState(gathered if gathered is not None else model_state, scalings)
-                            checkpointer.save_to({"model": merged}, stage.path / MERGED_DIR)
-                        finally:
-                            if gathered is not None:
-                                gathered.close()
+                        with GatheredState(model_state) if dist.enabled else nullcontext(model_state) as whole:
+                            checkpointer.save_to({"model": MergedState(whole, scalings)}, stage.path / MERGED_DIR)
             except OSError as e:
                 raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
                                       "nothing was committed and earlier checkpoints are intact") from e
@@ -213,22 +209,13 @@ def _train(cfg: DictConfig, dist) -> int:
         for step_in_epoch in range(first, steps_per_epoch):
             started = time.perf_counter()
             micro_batches = [next(batches)[1] for _ in range(accumulate)]
-            # Mean over the global batch's supervised tokens; FSDP averages gradients over ranks.
-            n_supervised = dist.sum(sum(supervised_tokens(b["labels"]) for b in micro_batches))
-            loss_sum = 0.0
-            for batch in micro_batches:
-                logits = model(batch["tokens"].to(device))
-                loss = next_token_loss_sum(logits, batch["labels"].to(device)) / max(n_supervised, 1)
-                (loss * dist.world_size).backward()
-                loss_sum += loss.item()
+            loss_sum, tokens = forward_backward(model, micro_batches, device, dist)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip_grad_norm or float("inf"))
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             global_step += 1
 
-            loss_sum = dist.sum(loss_sum)
-            tokens = dist.sum(sum(b["tokens"].numel() for b in micro_batches))
             record = dict(step=global_step, epoch=epoch, loss=loss_sum, lr=scheduler.get_last_lr()[0],
                           grad_norm=grad_norm_value(grad_norm), tokens_per_s=tokens / (time.perf_counter() - started))
             if main:

@@ -50,20 +50,20 @@ class Distributed:
         """True on every rank when it is True on one (a preemption signal reaches ranks at different times)."""
         return bool(self.sum(int(bool(flag)))) if self.enabled else bool(flag)
 
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
+    def broadcast(self, obj: Any, group=None) -> Any:
+        """Rank 0's ``obj`` on every rank (``group``: the default, or ``checkpoint_group`` from a save thread)."""
         if not self.enabled:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
 
-    def gather(self, obj: Any) -> list[Any] | None:
+    def gather(self, obj: Any, group=None) -> list[Any] | None:
         """Every rank's ``obj`` as a list on rank 0 (None elsewhere)."""
         if not self.enabled:
             return [obj]
         out = [None] * self.world_size if self.is_main else None
-        dist.gather_object(obj, out, dst=0)
+        dist.gather_object(obj, out, dst=0, group=group)
         return out
 
     def run_on_main(self, fn: Callable[[], Any], others: Callable[[], Any] | None = None) -> Any:

@@ -21,3 +21,20 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     """
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: torch.device, dist) -> tuple[float, int]:
+    """One optimizer step's gradients: the mean loss over the supervised tokens of the whole global batch
+    (every micro-batch of every rank), whatever the split. Returns (that loss, the step's tokens), summed over ranks.
+
+    Each micro-batch's loss sum is divided by the global token count; under FSDP, which averages gradients
+    over ranks, it is also multiplied by the number of ranks. ``dist``: a ``training.distributed.Distributed``.
+    """
+    n_supervised = max(dist.sum(sum(supervised_tokens(b["labels"]) for b in micro_batches)), 1)
+    loss_sum = 0.0
+    for batch in micro_batches:
+        logits = model(batch["tokens"].to(device))
+        loss = next_token_loss_sum(logits, batch["labels"].to(device)) / n_supervised
+        (loss * dist.world_size).backward()
+        loss_sum += loss.item()
+    return dist.sum(loss_sum), int(dist.sum(sum(b["tokens"].numel() for b in micro_batches)))
