@@ -1,6 +1,6 @@
 """Multi-process training and checkpointing: tokens/s, how long saves block training, export memory.
 
-    python scripts/bench_distributed.py [--nproc 2] [--device cpu|cuda] [--size-gb 0.5] [--shards 4] [--steps 4]
+    python scripts/bench_distributed.py [--nproc 2] [--device cpu|cuda] [--size-gb 0.25] [--shards 4] [--steps 2]
 
 Builds a Llama-shaped HF checkpoint (bf16, ``--shards`` files; the same builder as
 bench_checkpoint.py), then runs itself under torchrun: every rank loads its piece of
@@ -128,9 +128,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--size-gb", type=float, default=0.5, help="bf16 checkpoint size (fp32 in training: twice)")
+    parser.add_argument("--size-gb", type=float, default=0.25, help="bf16 checkpoint size (fp32 in training: twice)")
     parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)

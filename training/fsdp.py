@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from converters.errors import CheckpointError
 from models import parse_dtype
 from models.transformer import TransformerBlock
 
@@ -24,12 +25,15 @@ def shard_model(model: nn.Module, mesh, mixed_precision: Mapping | None = None) 
     if mixed_precision:
         unknown = set(mixed_precision) - {"param_dtype", "reduce_dtype"}
         if unknown:
-            raise ValueError(f"mixed_precision: unknown option(s) {', '.join(sorted(unknown))} (param_dtype, reduce_dtype)")
-        policy = MixedPrecisionPolicy(param_dtype=parse_dtype(mixed_precision.get("param_dtype")),
-                                      reduce_dtype=parse_dtype(mixed_precision.get("reduce_dtype")))
+            raise CheckpointError(f"mixed_precision: unknown option(s) {', '.join(sorted(unknown))} (param_dtype, reduce_dtype)")
+        try:
+            policy = MixedPrecisionPolicy(param_dtype=parse_dtype(mixed_precision.get("param_dtype")),
+                                          reduce_dtype=parse_dtype(mixed_precision.get("reduce_dtype")))
+        except ValueError as e:
+            raise CheckpointError(f"mixed_precision: {e}") from None
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     if not blocks:
-        raise ValueError(f"{type(model).__name__} has no TransformerBlock to shard")
+        raise CheckpointError(f"{type(model).__name__} has no TransformerBlock to shard")
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
