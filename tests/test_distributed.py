@@ -164,11 +164,24 @@ def test_mixed_precision_computes_in_bf16_over_fp32_shards(tmp_path, two_process
     assert json.loads((out / FINAL / "config.json").read_text())["dtype"] == "float32"
 
 
+def tied_qwen2(path: Path) -> Path:
+    """A tiny Qwen2 with tied embeddings (no lm_head in its file), sharing the tiny tokenizer."""
+    from tests.conftest import tiny_family_config, write_family_checkpoint
+
+    source = ROOT / "assets/tiny_llama"
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    write_family_checkpoint(path, tiny_family_config("qwen2", vocab_size=vocab, tie_word_embeddings=True), max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, path / name)
+    return path
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["hf", "meta"])
+@pytest.mark.parametrize("fmt", ["hf", "meta", "qwen2-tied"])
 def test_export_from_two_ranks_is_bitwise_the_single_process_one(tmp_path, fmt):
     """With lr 0 the weights stay the input's: both exports must be its files, byte for byte."""
-    source = tiny_in_format(fmt, tmp_path)
+    source = tied_qwen2(tmp_path / "qwen2") if fmt == "qwen2-tied" else tiny_in_format(fmt, tmp_path)
+    fmt = "hf" if fmt == "qwen2-tied" else fmt
     still = ["optimizer.lr=0", "epochs=1", "max_steps_per_epoch=1", f"checkpointer={fmt}"]
     one, two = tmp_path / "one", tmp_path / "two"
     for out, processes in ((one, 1), (two, 2)):
