@@ -5,6 +5,11 @@
 
 By default the output has as many files as the input (for the same format: the very
 same files and key -> file map). OUT_DIR must not exist or be empty, unless --overwrite.
+
+IN_DIR may also be a sharded step checkpoint of a torchrun run (``step_N/sharded/``): its
+model is read from the shards and written in the format, files and key -> file map of the
+run's input checkpoint (``--to`` its format), or converted further. One process holds the
+whole model for this.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from checkpointers import CheckpointError, checkpointer_for, detect_format  # no
 from checkpointers.base import SMALL_FILE_LIMIT  # noqa: E402
 from checkpointers.export import export, parse_size  # noqa: E402
 from checkpointers.load_model import model_args_for  # noqa: E402
+from checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from checkpointers.shard_layout import WEIGHT_SUFFIXES  # noqa: E402
 
 SKIPPED = {"config.json", "params.json", "waypoint_model.json", "MANIFEST.json", "model.safetensors.index.json",
@@ -37,18 +43,40 @@ def side_files(directory: Path) -> list[Path]:
             and not p.name.endswith(WEIGHT_SUFFIXES) and p.stat().st_size <= SMALL_FILE_LIMIT]
 
 
+def sharded_run_model(step_dir: Path, output_dir: Path):
+    """(checkpointer of the run's input, the run's model filled from the step's shards) for a sharded step."""
+    import torch
+    from hydra.utils import instantiate
+
+    from checkpointers.load_model import load_sharded_into
+    from training.recipe_state import load_recipe_state
+
+    config = load_recipe_state(step_dir)["config"]
+    ckpt = instantiate(config["checkpointer"], output_dir=str(output_dir))
+    ckpt.load_checkpoint()  # the input's layout, for writing the same files
+    with torch.device("meta"):
+        model = instantiate(config["model"])
+    load_sharded_into(model, step_dir, dtype=config.get("dtype"))
+    return ckpt, {"model": model.state_dict()}
+
+
 def convert(src: Path, dst: Path, to: str, source_format: str | None = None, model_type: str | None = None,
             max_shard_size: str | None = None, num_shards: int | None = None, overwrite: bool = False) -> Path:
-    fmt = detect_format(src)
-    if source_format and source_format != fmt:
+    sharded = holds_sharded_model(src)
+    fmt = None if sharded else detect_format(src)
+    if source_format and not sharded and source_format != fmt:
         raise CheckpointError(f"--from {source_format}: {src} holds a {fmt} checkpoint")
     if dst.exists() and any(dst.iterdir()):
         if not overwrite:
             raise CheckpointError(f"{dst}: not empty; choose another directory or pass --overwrite")
-    kwargs = {"model_type": model_type} if model_type and fmt != "native" else {}
+    if sharded:
+        ckpt, state = sharded_run_model(src, dst.parent)
+        fmt, src = detect_format(ckpt.checkpoint_dir), ckpt.checkpoint_dir
+    else:
+        kwargs = {"model_type": model_type} if model_type and fmt != "native" else {}
+        ckpt = checkpointer_for(src, output_dir=dst.parent, **kwargs)
+        state = ckpt.load_checkpoint()
     model_type = model_type or None
-    ckpt = checkpointer_for(src, output_dir=dst.parent, **kwargs)
-    state = ckpt.load_checkpoint()
     if dst.exists():
         shutil.rmtree(dst)  # only now: a failed load above leaves the old output as it was
     if to == fmt and not (max_shard_size or num_shards):

@@ -154,6 +154,20 @@ def test_checkpoint_resumes_on_more_processes(tmp_path, one_process, two_process
 
 
 @pytest.mark.slow
+def test_sharded_step_converts_to_the_input_format(tmp_path, one_process, two_processes):
+    """scripts/convert.py reads a sharded intermediate checkpoint into the run's input format and files."""
+    out = tmp_path / "step_6_hf"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/convert.py"), str(two_processes / "step_6"), str(out), "--to", "hf"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert verify(out).ok
+    source = ROOT / "assets/tiny_llama"
+    index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
+    assert index(out) == index(source)
+    assert max_diff(weights(out), weights(one_process / "step_6")) < WEIGHT_TOLERANCE
+
+
+@pytest.mark.slow
 def test_mixed_precision_computes_in_bf16_over_fp32_shards(tmp_path, two_processes):
     out = tmp_path / "bf16"
     result = run(out, "mixed_precision={param_dtype: bf16, reduce_dtype: fp32}", processes=2)
