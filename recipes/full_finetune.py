@@ -72,10 +72,13 @@ def _train(cfg: DictConfig, dist) -> int:
 
     # Model: built on the meta device, sharded (FSDP2) under torchrun, then given the checkpoint's
     # tensors: each rank reads only its own piece of them.
+    # The checkpointer reads the input (its files, key -> file map and side files are what every save
+    # writes); a resumed run's weights come from its step directory, which retention may delete later.
     sharded_resume = resume_from is not None and holds_sharded_model(resume_from.path)
-    checkpointer = instantiate(cfg.checkpointer, **({"checkpoint_dir": resume_from.path}
-                                                     if resume_from and not sharded_resume else {}))
-    state = checkpointer.load_checkpoint()  # memory-mapped; also tells the checkpointer the layout to write
+    checkpointer = instantiate(cfg.checkpointer)
+    state = checkpointer.load_checkpoint()  # memory-mapped and converted lazily: nothing is read yet
+    if resume_from and not sharded_resume:
+        state = instantiate(cfg.checkpointer, checkpoint_dir=resume_from.path).load_checkpoint()
     with torch.device("meta"):
         model = instantiate(cfg.model)
     if dist.enabled:

@@ -252,6 +252,19 @@ def test_checkpoint_without_extra_state_loads(caplog):
     assert "calibration._extra_state" in caplog.text
 
 
+def test_resumed_run_outlives_the_checkpoint_it_resumed_from(tmp_path):
+    """Retention deletes the step a run resumed from; later saves must not need it (its side files,
+    layout and config come from the input)."""
+    out = tmp_path / "run"
+    often = ["epochs=1", "max_steps_per_epoch=8", "save_every_n_steps=2", "keep_last_n_checkpoints=2"]
+    stopped = run(out, *often, fault=["signal-at-step", "2", "SIGTERM"])
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    resumed = run(out, *often)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from step_2" in resumed.stdout
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_6", "step_8"] and verify(out / "step_8").ok
+
+
 def test_retention_keeps_the_newest(tmp_path):
     out = tmp_path / "run"
     result = run(out, "epochs=1", "save_every_n_steps=2", "keep_last_n_checkpoints=2")
