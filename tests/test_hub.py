@@ -357,3 +357,19 @@ def test_cli_dataset_repository_and_next_command(clean_env, tmp_path, monkeypatc
     assert f"dataset.source={snapshot}/data/tiny_alpaca.jsonl" in out
     assert fetched(clean_env) == {"README.md", "data/tiny_alpaca.jsonl"}  # a dataset comes whole unless patterns say otherwise
     assert read_source(snapshot / "data/tiny_alpaca.jsonl")["repo_type"] == "dataset"
+
+
+@pytest.mark.slow
+def test_hf_uri_under_torchrun_downloads_each_file_once(hub, tmp_path):
+    """Two ranks resolve hf:// at the same time; the hub cache's locks let one download and the other reuse it."""
+    hub.clear()
+    env = sub_env(hub, tmp_path / "hf")
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(ROOT / "recipes/full_finetune.py"), "--config", str(ROOT / "configs/tiny.yaml"),
+            "checkpointer.checkpoint_dir=hf://org/tiny", "dataset.source=hf://datasets/org/alpaca/data/tiny_alpaca.jsonl",
+            "epochs=1", "max_steps_per_epoch=2", "batch_size=4", f"output_dir={tmp_path / 'run'}"]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "run/step_2/model-00002-of-00003.safetensors").is_file()
+    gets = [r.file for r in hub.downloads()]
+    assert sorted(gets) == sorted(SAFETENSORS_FILES | {"data/tiny_alpaca.jsonl"}), gets
