@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from converters.errors import CheckpointError
 
 SHARDED_DIR = "sharded"
+DCP_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
 METADATA_FILE = ".metadata"
 
 _DCP_CLASSES = {
@@ -89,6 +91,15 @@ def tensors_only(state: Mapping[str, Any], where: str = "state") -> dict[str, An
     return out
 
 
+def describe_error(e: BaseException) -> str:
+    """One line for a failed save or load; DCP's CheckpointException names each rank's failure: the first one."""
+    if isinstance(e, CheckpointException) and getattr(e, "failures", None):
+        failure = sorted(e.failures.items(), key=lambda item: item[0])[0][1]
+        e = failure[0] if isinstance(failure, tuple) else failure  # (exception, its stack) in some versions
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{text} ({type(e).__name__})" if text else type(e).__name__
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -122,8 +133,8 @@ def load_sharded(state: dict[str, Any], directory: str | Path, group=None) -> No
                      no_dist=not _distributed())
     except CheckpointError:
         raise
-    except Exception as e:  # DCP wraps per-rank failures in its own exception types
-        raise CheckpointError(f"{directory}: cannot load sharded checkpoint ({str(e).strip().splitlines()[0]})") from e
+    except DCP_ERRORS as e:  # DCP wraps per-rank failures in its own exception types
+        raise CheckpointError(f"{directory}: cannot load sharded checkpoint: {describe_error(e)}") from e
 
 
 def sharded_keys(directory: str | Path) -> set[str]:

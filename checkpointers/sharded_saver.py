@@ -25,7 +25,7 @@ import torch
 
 from checkpointers.commit import StagedDir, hash_file, prune_checkpoints
 from checkpointers.dtensor_state import GatheredState, serve_gathers
-from checkpointers.sharded_checkpoint import SHARDED_DIR, rank_files, save_sharded
+from checkpointers.sharded_checkpoint import DCP_ERRORS, SHARDED_DIR, describe_error, rank_files, save_sharded
 from converters.errors import CheckpointError
 
 class ShardedSaver:
@@ -64,11 +64,10 @@ class ShardedSaver:
         asynchronous = self.asynchronous if asynchronous is None else asynchronous
         try:
             writing = save_sharded(sharded, path / SHARDED_DIR, group=self.dist.checkpoint_group, asynchronous=asynchronous)
-        except Exception as e:  # DCP fails on every rank together
+        except DCP_ERRORS as e:  # DCP fails on every rank together
             if stage is not None:
                 stage.discard()
-            raise CheckpointError(f"could not write {target}: {str(e).strip().splitlines()[0]}; "
-                                  "earlier checkpoints are intact") from e
+            raise CheckpointError(f"could not write {target}: {describe_error(e)}; earlier checkpoints are intact") from e
         problem = None
         if stage is not None:  # rank 0's part; the others only serve the export's gathers
             try:
@@ -77,8 +76,8 @@ class ShardedSaver:
                 if export is not None:
                     with GatheredState(export[1]) as gathered:
                         export[0].writer({"model": gathered})(stage)
-            except (OSError, CheckpointError) as e:
-                problem = f"could not write {target}: {e}"
+            except Exception as e:  # reported to every rank below, so none is left waiting
+                problem = f"could not write {target}: {describe_error(e)}"
         elif export is not None:
             serve_gathers(export[1])
         problem = self.dist.broadcast(problem)
@@ -107,22 +106,24 @@ class ShardedSaver:
             if writing is not None:
                 writing.result()
             mine = {f"{SHARDED_DIR}/{p.name}": hash_file(p) for p in rank_files(path / SHARDED_DIR, self.dist.rank)}
-        except Exception as e:  # DCP fails on every rank together; a hashing failure is this rank's
-            mine, problem = None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        except DCP_ERRORS as e:  # DCP fails on every rank together; a hashing failure is this rank's
+            mine, problem = None, describe_error(e)
         everyone = self.dist.gather((mine, problem), group=self.dist.checkpoint_group) or []
         if stage is not None:
             problems = [p for _, p in everyone if p]
-            try:
-                if problems:
-                    raise CheckpointError(problems[0])
-                for hashes, _ in everyone:
-                    for name, (size, digest) in hashes.items():
-                        stage.adopt(name, size, digest)
-                stage.commit()
-                prune_checkpoints(self.output_dir, self.keep_last_n)
-            except (OSError, CheckpointError) as e:
+            if problems:
                 stage.discard()
-                problem = f"could not write {target}: {e}"
+                problem = f"could not write {target}: {problems[0]}"
+            else:
+                try:
+                    for hashes, _ in everyone:
+                        for name, (size, digest) in hashes.items():
+                            stage.adopt(name, size, digest)
+                    stage.commit()
+                except Exception as e:  # commit() has removed the staged directory
+                    problem = f"could not write {target}: {describe_error(e)}"
+                else:
+                    prune_checkpoints(self.output_dir, self.keep_last_n)
         problem = self.dist.broadcast(problem, group=self.dist.checkpoint_group)
         if problem is not None:
             raise CheckpointError(problem + "; earlier checkpoints are intact")

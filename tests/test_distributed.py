@@ -338,3 +338,27 @@ def test_manifest_entries_stay_inside_their_directory(tmp_path):
     manifest["files"]["../step_1/MANIFEST.json"] = manifest["files"].pop("sharded/a.distcp")
     (tmp_path / "step_1/MANIFEST.json").write_text(json.dumps(manifest))
     assert "outside the checkpoint" in verify(tmp_path / "step_1").problem
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asynchronous", ["true", "false"])
+def test_disk_full_during_a_sharded_save_stops_every_rank_cleanly(tmp_path, asynchronous):
+    """Writes past 1 MB fail (RLIMIT_FSIZE) on both ranks: one error line per rank, nothing committed, no
+    staging directory left, and no rank left waiting (an asynchronous save's failure surfaces at the next save)."""
+    import resource
+    import signal
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "recipes/full_finetune.py"), "--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE,
+           "batch_size=4", f"async_checkpoint={asynchronous}"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=small_disk,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error: could not write" in line]
+    assert len(errors) == 2 and all(f"{out}/step_2: " in e and "earlier checkpoints are intact" in e for e in errors), errors
+    assert not list(out.glob("step_*")) and not list(out.glob(".step_*"))
