@@ -24,7 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from checkpointers import CheckpointError, load_into
+from checkpointers import load_into
 from checkpointers.base import RECIPE_STATE_FILE
 from checkpointers.commit import prune_checkpoints, remove_stale_staging
 from checkpointers.extra_state import EXTRA_STATE_FILE, split_extra_state
@@ -71,9 +71,9 @@ def _train(cfg: DictConfig, dist) -> int:
     seed_everything(cfg.seed)
 
     # Model: built on the meta device, sharded (FSDP2) under torchrun, then given the checkpoint's
-    # tensors: each rank reads only its own piece of them.
-    # The checkpointer reads the input (its files, key -> file map and side files are what every save
-    # writes); a resumed run's weights come from its step directory, which retention may delete later.
+    # tensors, each rank reading only its own piece. The checkpointer reads the input (its files, key ->
+    # file map and side files are what every save writes); a resumed run's weights come from its step
+    # directory, which retention may delete later.
     sharded_resume = resume_from is not None and holds_sharded_model(resume_from.path)
     checkpointer = instantiate(cfg.checkpointer)
     state = checkpointer.load_checkpoint()  # memory-mapped and converted lazily: nothing is read yet
@@ -99,10 +99,7 @@ def _train(cfg: DictConfig, dist) -> int:
     collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
     global_batch = cfg.batch_size * accumulate * dist.world_size
-    try:
-        steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size, cfg.max_steps_per_epoch)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
+    steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size, cfg.max_steps_per_epoch)
     total_steps = cfg.epochs * steps_per_epoch
 
     # Optimizer after loading, so it holds the parameters the model really uses.
@@ -156,7 +153,7 @@ def _train(cfg: DictConfig, dist) -> int:
         sharded = {"optimizer": optim["state"]} | ({} if final else {"model": dict(tensors)})
         files = {RECIPE_STATE_FILE: recipe} | ({EXTRA_STATE_FILE: extra} if extra and not final else {})
         saver.save(global_step, sharded, files, export=(checkpointer, model_state) if final else None,
-                   asynchronous=None if not final else False)
+                   asynchronous=False if final else None)
 
     preemption = PreemptionWatch(cfg.preemption_signals)
     bar = tqdm(total=total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)

@@ -137,10 +137,7 @@ def _train(cfg: DictConfig, dist) -> int:
     collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
     global_batch = cfg.batch_size * accumulate * dist.world_size
-    try:
-        steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size, cfg.max_steps_per_epoch)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
+    steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size, cfg.max_steps_per_epoch)
     total_steps = cfg.epochs * steps_per_epoch
 
     # Optimizer over the adapter parameters only.

@@ -101,3 +101,16 @@ def test_load_model_errors_name_the_problem(tmp_path):
     with pytest.raises(Exception, match="state dict lacks 'model.norm.weight' that the input checkpoint has"):
         ckpt.save_checkpoint(state, step=1)
     assert not (tmp_path / "out").exists(), "a refused save writes nothing"
+
+
+def test_too_few_samples_for_the_global_batch_is_one_line(tmp_path, capsys):
+    from recipes.full_finetune import main
+
+    out = tmp_path / "out"
+    code = main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}",
+                 f"output_dir={out}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", "batch_size=300",
+                 "gradient_accumulation_steps=2"])
+    err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error" in line]
+    assert code == 1
+    assert err == ["error: dataset has 400 samples: too few for batch_size=300 x gradient_accumulation_steps=2 x 1 processes"]
+    assert not out.exists()

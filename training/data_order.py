@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from converters.errors import CheckpointError
+
 _EPOCH_STRIDE = 1_000_003  # prime: (seed, epoch) pairs map to distinct generator seeds for epochs < stride
 
 
@@ -42,7 +44,7 @@ def optimizer_steps_per_epoch(num_samples: int, batch_size: int, accumulate: int
     if max_steps:
         steps = min(steps, max_steps)
     if steps < 1:
-        raise ValueError(f"dataset has {num_samples} samples: too few for batch_size={batch_size} "
+        raise CheckpointError(f"dataset has {num_samples} samples: too few for batch_size={batch_size} "
                          f"x gradient_accumulation_steps={accumulate} x {world_size} processes")
     return steps
 
