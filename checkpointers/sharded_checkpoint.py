@@ -117,8 +117,11 @@ def save_sharded(state: Mapping[str, Any], directory: str | Path, group=None, as
     writer = dcp.FileSystemWriter(str(directory), sync_files=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        if asynchronous:
-            return dcp.async_save(state, storage_writer=writer, process_group=group, no_dist=not _distributed())
+        if asynchronous:  # (one process saves synchronously: nothing to overlap with)
+            if not _distributed():
+                dcp.save(state, storage_writer=writer, no_dist=True)
+                return None
+            return dcp.async_save(state, storage_writer=writer, process_group=group)
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=not _distributed())
     return None
 
