@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from converters.lazy import spec_of
+
 _DONE = None  # the key that ends serve_gathers
 
 
@@ -117,13 +119,7 @@ def serve_gathers(state: Mapping[str, Any], group=None) -> int:
         served += 1
 
 
-def spec(state: Mapping[str, Any], key: str) -> tuple[torch.Size, torch.dtype]:
-    """(shape, dtype) of ``state[key]`` without materialising it where the mapping can tell."""
-    if hasattr(state, "spec"):
-        return state.spec(key)
-    return state[key].shape, state[key].dtype
-
-
 def nbytes(state: Mapping[str, Any], key: str) -> int:
-    shape, dtype = spec(state, key)
+    """Bytes of ``state[key]`` without materialising it where the mapping can tell."""
+    shape, dtype = spec_of(state, key)
     return shape.numel() * dtype.itemsize

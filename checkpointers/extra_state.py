@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from converters.errors import CheckpointError
+from converters.lazy import spec_of
 from models.extra_state import EXTRA_STATE_SUFFIX
 
 EXTRA_STATE_FILE = "extra_state.pt"
@@ -52,8 +53,7 @@ class _Without(Mapping):
         return len(self._state) - len(self._dropped)
 
     def spec(self, key: str):
-        from checkpointers.dtensor_state import spec
-        return spec(self._state, key)
+        return spec_of(self._state, key)
 
 
 def _check_plain(value: Any, key: str) -> None:

@@ -17,10 +17,11 @@ from tqdm import tqdm
 
 from checkpointers.base import Checkpointer, read_json
 from checkpointers.commit import StagedDir
-from checkpointers.dtensor_state import nbytes, spec
+from checkpointers.dtensor_state import nbytes
 from checkpointers.file_formats import SAFETENSORS, TORCH, read_metadata, read_tensors, write_tensors
 from checkpointers.shard_layout import INDEX_NAMES, ShardLayout, discover
 from converters import CheckpointError, Converter, detect_model_type, get_converter
+from converters.lazy import spec_of
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -163,7 +164,7 @@ class HFCheckpointer(Checkpointer):
     def _write_config(self, native, stage: StagedDir) -> None:
         """config.json, its dtype made true to what was written."""
         config = dict(self.config)
-        dtypes = {spec(native, k)[1] for k in native}
+        dtypes = {spec_of(native, k)[1] for k in native}
         dtypes = {d for d in dtypes if d.is_floating_point}
         if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPE_NAMES:
             name = _DTYPE_NAMES[next(iter(dtypes))]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from converters.errors import CheckpointError
+from converters.lazy import spec_of
 
 HALF = (torch.bfloat16, torch.float16)
 TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
@@ -224,8 +225,7 @@ class MergedState(Mapping):
         return sum(1 for _ in self)
 
     def spec(self, key: str):
-        from checkpointers.dtensor_state import spec
-        return spec(self._state, key)
+        return spec_of(self._state, key)
 
 
 def merge_state_dict(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
