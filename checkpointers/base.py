@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from checkpointers.commit import MANIFEST, StagedDir
-from checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state, split_extra_state
-from checkpointers.shard_layout import WEIGHT_SUFFIXES
-from converters.errors import CheckpointError
+from waypoint.checkpointers.commit import MANIFEST, StagedDir
+from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state, split_extra_state
+from waypoint.checkpointers.shard_layout import WEIGHT_SUFFIXES
+from waypoint.converters.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Checkpointer:
         """Check everything about ``state_dict`` now; return what writes it into a staged directory
         (the model in the format's files, the input's side files, extra state, recipe state).
 
-        ``state_dict["model"]`` may be lazy (a sharded model's :class:`~checkpointers.dtensor_state.GatheredState`):
+        ``state_dict["model"]`` may be lazy (a sharded model's :class:`~waypoint.checkpointers.dtensor_state.GatheredState`):
         its tensors are read file by file, as each output file is written.
         """
         native, extra = split_extra_state(state_dict["model"])

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from converters.lazy import spec_of
+from waypoint.converters.lazy import spec_of
 
 _DONE = None  # the key that ends serve_gathers
 

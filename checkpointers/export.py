@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from checkpointers.commit import StagedDir
-from checkpointers.file_formats import write_tensors
-from checkpointers.meta_checkpointer import meta_hidden_dim
-from checkpointers.native_checkpointer import ALIASES_KEY, MODEL_FILE, describe, native_converter
-from converters import CheckpointError, get_converter
-from converters.meta import COLUMN_PARALLEL, ROW_PARALLEL, meta_converter
-from models import ModelArgs
+from waypoint.checkpointers.commit import StagedDir
+from waypoint.checkpointers.file_formats import write_tensors
+from waypoint.checkpointers.meta_checkpointer import meta_hidden_dim
+from waypoint.checkpointers.native_checkpointer import ALIASES_KEY, MODEL_FILE, describe, native_converter
+from waypoint.converters import CheckpointError, get_converter
+from waypoint.converters.meta import COLUMN_PARALLEL, ROW_PARALLEL, meta_converter
+from waypoint.models import ModelArgs
 
 HF_MODEL_TYPES = {"LLAMA2": "llama", "LLAMA3": "llama", "LLAMA3_2": "llama", "MISTRAL": "mistral"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from converters.errors import CheckpointError
-from converters.lazy import spec_of
-from models.extra_state import EXTRA_STATE_SUFFIX
+from waypoint.converters.errors import CheckpointError
+from waypoint.converters.lazy import spec_of
+from waypoint.models.extra_state import EXTRA_STATE_SUFFIX
 
 EXTRA_STATE_FILE = "extra_state.pt"
 _PLAIN = (type(None), bool, int, float, str, bytes, torch.Tensor)

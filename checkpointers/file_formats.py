@@ -16,9 +16,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from checkpointers.safetensors_writer import write_safetensors
+from waypoint.checkpointers.safetensors_writer import write_safetensors
 
-from converters.errors import CheckpointError
+from waypoint.converters.errors import CheckpointError
 
 SAFETENSORS = "safetensors"
 TORCH = "torch"

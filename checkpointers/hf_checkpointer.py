@@ -15,13 +15,13 @@ from collections.abc import Mapping
 import torch
 from tqdm import tqdm
 
-from checkpointers.base import Checkpointer, read_json
-from checkpointers.commit import StagedDir
-from checkpointers.dtensor_state import nbytes
-from checkpointers.file_formats import SAFETENSORS, TORCH, read_metadata, read_tensors, write_tensors
-from checkpointers.shard_layout import INDEX_NAMES, ShardLayout, discover
-from converters import CheckpointError, Converter, detect_model_type, get_converter
-from converters.lazy import spec_of
+from waypoint.checkpointers.base import Checkpointer, read_json
+from waypoint.checkpointers.commit import StagedDir
+from waypoint.checkpointers.dtensor_state import nbytes
+from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, read_metadata, read_tensors, write_tensors
+from waypoint.checkpointers.shard_layout import INDEX_NAMES, ShardLayout, discover
+from waypoint.converters import CheckpointError, Converter, detect_model_type, get_converter
+from waypoint.converters.lazy import spec_of
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

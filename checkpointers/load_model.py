@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from checkpointers.dtensor_state import local_shard
-from checkpointers.extra_state import is_extra_state_key
-from checkpointers.load_report import LoadReport, fold_keys
-from converters import CheckpointError
-from converters.lazy import spec_of
-from models import ModelArgs, Transformer, from_hf_config, model_args_from_hf_config, parse_dtype
+from waypoint.checkpointers.dtensor_state import local_shard
+from waypoint.checkpointers.extra_state import is_extra_state_key
+from waypoint.checkpointers.load_report import LoadReport, fold_keys
+from waypoint.converters import CheckpointError
+from waypoint.converters.lazy import spec_of
+from waypoint.models import ModelArgs, Transformer, from_hf_config, model_args_from_hf_config, parse_dtype
 
 
 log = logging.getLogger(__name__)
@@ -151,8 +151,8 @@ def load_sharded_into(model: torch.nn.Module, directory: str | os.PathLike, dtyp
                       device: torch.device | str | None = None) -> LoadReport:
     """Fill a meta-device model (plain or FSDP2-sharded) from a sharded checkpoint ``directory`` (a step
     directory of a multi-process run), whatever number of processes wrote it; each rank reads its shards."""
-    from checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state
-    from checkpointers.sharded_checkpoint import SHARDED_DIR, load_sharded, sharded_keys
+    from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state
+    from waypoint.checkpointers.sharded_checkpoint import SHARDED_DIR, load_sharded, sharded_keys
 
     directory = Path(directory)
     dtype = parse_dtype(dtype)
@@ -196,7 +196,7 @@ def _initialise_new(model: torch.nn.Module, key: str, device, dtype) -> None:
 
 def detect_format(path: str | os.PathLike) -> str:
     """'hf', 'meta' or 'native', from the files in a checkpoint directory."""
-    from checkpointers.native_checkpointer import MODEL_FILE
+    from waypoint.checkpointers.native_checkpointer import MODEL_FILE
 
     path = Path(path)
     if (path / MODEL_FILE).is_file():
@@ -211,9 +211,9 @@ def detect_format(path: str | os.PathLike) -> str:
 
 def checkpointer_for(path: str | os.PathLike, output_dir: str | os.PathLike | None = None, **kwargs):
     """The checkpointer that reads ``path``'s format (writing to ``output_dir``, default ``path``)."""
-    from checkpointers.hf_checkpointer import HFCheckpointer
-    from checkpointers.meta_checkpointer import MetaCheckpointer
-    from checkpointers.native_checkpointer import NativeCheckpointer
+    from waypoint.checkpointers.hf_checkpointer import HFCheckpointer
+    from waypoint.checkpointers.meta_checkpointer import MetaCheckpointer
+    from waypoint.checkpointers.native_checkpointer import NativeCheckpointer
 
     cls = {"hf": HFCheckpointer, "meta": MetaCheckpointer, "native": NativeCheckpointer}[detect_format(path)]
     return cls(path, output_dir=output_dir if output_dir is not None else path, **kwargs)
@@ -228,7 +228,7 @@ def model_args_for(checkpointer) -> ModelArgs:
 
 def build_model(checkpoint_dir: str | os.PathLike, attn_dropout: float | None = None) -> Transformer:
     """The model (on the current default device: build it under ``torch.device("meta")``) that a checkpoint
-    directory of any format describes; for configs: ``model: {_target_: checkpointers.build_model, ...}``."""
+    directory of any format describes; for configs: ``model: {_target_: waypoint.checkpointers.build_model, ...}``."""
     fmt = detect_format(checkpoint_dir)
     if fmt == "hf":
         return from_hf_config(checkpoint_dir, attn_dropout=attn_dropout)

@@ -16,13 +16,13 @@ from collections.abc import Mapping
 import torch
 from tqdm import tqdm
 
-from checkpointers.base import Checkpointer, read_json
-from checkpointers.commit import StagedDir
-from checkpointers.file_formats import read_tensors
-from converters import CheckpointError
-from converters.lazy import LazyState, spec_of
-from converters.meta import COLUMN_PARALLEL, ROW_PARALLEL, meta_converter
-from models import ModelArgs
+from waypoint.checkpointers.base import Checkpointer, read_json
+from waypoint.checkpointers.commit import StagedDir
+from waypoint.checkpointers.file_formats import read_tensors
+from waypoint.converters import CheckpointError
+from waypoint.converters.lazy import LazyState, spec_of
+from waypoint.converters.meta import COLUMN_PARALLEL, ROW_PARALLEL, meta_converter
+from waypoint.models import ModelArgs
 
 PARAMS_FILE = "params.json"
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from checkpointers.commit import StagedDir
-from checkpointers.file_formats import write_tensors
-from checkpointers.hf_checkpointer import HFCheckpointer
-from checkpointers.shard_layout import INDEX_NAMES
-from converters import CheckpointError, Converter, Rule
-from models import ModelArgs
+from waypoint.checkpointers.commit import StagedDir
+from waypoint.checkpointers.file_formats import write_tensors
+from waypoint.checkpointers.hf_checkpointer import HFCheckpointer
+from waypoint.checkpointers.shard_layout import INDEX_NAMES
+from waypoint.converters import CheckpointError, Converter, Rule
+from waypoint.models import ModelArgs
 
 MODEL_FILE = "waypoint_model.json"
 FORMAT_NAME, FORMAT_VERSION = "waypoint-native", 1

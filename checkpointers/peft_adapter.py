@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save
 
-from checkpointers.commit import StagedDir
-from converters.errors import CheckpointError
-from converters.ops import Identity, RopePermute
-from converters.table import Converter, Rule
+from waypoint.checkpointers.commit import StagedDir
+from waypoint.converters.errors import CheckpointError
+from waypoint.converters.ops import Identity, RopePermute
+from waypoint.converters.table import Converter, Rule
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -39,7 +39,7 @@ VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_ran
 
 def converter_for_args(args) -> Converter:
     """The Llama table for a native model's ModelArgs (Meta and native checkpoints have no HF converter)."""
-    from converters.llama import IGNORE, attention_rules, mlp_rules, norm_rules, outer_rules
+    from waypoint.converters.llama import IGNORE, attention_rules, mlp_rules, norm_rules, outer_rules
 
     return Converter(rules=outer_rules() + norm_rules() + attention_rules(args) + mlp_rules(), ignore=IGNORE,
                      tied_embeddings=args.tie_embeddings)
@@ -116,7 +116,7 @@ def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source:
 
 def check_targets(model: torch.nn.Module, converter: Converter) -> None:
     """Raise the one-line CheckpointError ``write_adapter`` would, before any training (fused targets)."""
-    from models.lora import lora_modules
+    from waypoint.models.lora import lora_modules
 
     for module in lora_modules(model):
         _single_rule(converter, f"{module}.weight", "native")
@@ -136,7 +136,7 @@ def adapter_config(converter: Converter, native_modules: list[str], rank: int, a
 
 def base_model_name(checkpoint_dir: str | os.PathLike) -> str:
     """The hub repo id recorded in ``waypoint_source.json`` when the base was downloaded, else its path."""
-    from training.hub import read_source
+    from waypoint.training.hub import read_source
 
     record = read_source(checkpoint_dir) if Path(checkpoint_dir).exists() else None
     return record["repo_id"] if record else str(Path(checkpoint_dir).resolve())
@@ -174,7 +174,7 @@ def write_adapter(stage: StagedDir, model: torch.nn.Module, converter: Converter
     """Stage ``adapter_model.safetensors`` and ``adapter_config.json`` for ``model``'s LoRA layers, and with
     ``layout=(name, converter)`` (a Meta or native input) the adapter in that format's keys as ``adapter_<name>.safetensors``.
     ``adapter``: the adapter tensors when already gathered (a sharded model), else ``adapter_state(model)``."""
-    from models.lora import adapter_state, lora_modules
+    from waypoint.models.lora import adapter_state, lora_modules
 
     modules = lora_modules(model)
     if not modules:
@@ -202,7 +202,7 @@ def save_adapter(directory: str | os.PathLike, model: torch.nn.Module, converter
 
 
 def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
-    from checkpointers.base import read_json
+    from waypoint.checkpointers.base import read_json
 
     config = read_json(Path(directory) / ADAPTER_CONFIG)
     if config.get("peft_type", "LORA") != "LORA":

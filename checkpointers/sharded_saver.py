@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from checkpointers.commit import StagedDir, hash_file, prune_checkpoints
-from checkpointers.dtensor_state import GatheredState, serve_gathers
-from checkpointers.sharded_checkpoint import DCP_ERRORS, SHARDED_DIR, describe_error, rank_files, save_sharded
-from converters.errors import CheckpointError
+from waypoint.checkpointers.commit import StagedDir, hash_file, prune_checkpoints
+from waypoint.checkpointers.dtensor_state import GatheredState, serve_gathers
+from waypoint.checkpointers.sharded_checkpoint import DCP_ERRORS, SHARDED_DIR, describe_error, rank_files, save_sharded
+from waypoint.converters.errors import CheckpointError
 
 class ShardedSaver:
-    """Saves of a multi-process run; ``dist`` is a :class:`training.distributed.Distributed`."""
+    """Saves of a multi-process run; ``dist`` is a :class:`waypoint.training.distributed.Distributed`."""
 
     def __init__(self, dist, output_dir: str | Path, keep_last_n: int | None = None, asynchronous: bool = False,
                  report: Callable[[str], None] = print) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from converters.errors import CheckpointError
-from converters.ops import RopePermute
-from converters.table import Converter, Rule
-from models.builders import model_args_from_hf_config
-from models.transformer import ModelArgs
+from waypoint.converters.errors import CheckpointError
+from waypoint.converters.ops import RopePermute
+from waypoint.converters.table import Converter, Rule
+from waypoint.models.builders import model_args_from_hf_config
+from waypoint.models.transformer import ModelArgs
 
 LAYER, NATIVE = "model.layers.{i}.", "layers.{i}."
 IGNORE = (r"(^|\.)rotary_emb\.inv_freq$",)

@@ -6,7 +6,7 @@ the table is renames only.
 
 from __future__ import annotations
 
-from converters.table import Converter, Rule
+from waypoint.converters.table import Converter, Rule
 
 # How model-parallel files split each weight (Meta's ColumnParallelLinear / RowParallelLinear);
 # the embedding's split dim depends on the generation and is read from the shapes.

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from converters.llama import IGNORE, LAYER, NATIVE, k_permute, model_args, norm_rules, outer_rules, q_permute
-from converters.ops import Chain, Identity, PerTensor, Split
-from converters.table import Converter, Rule
+from waypoint.converters.llama import IGNORE, LAYER, NATIVE, k_permute, model_args, norm_rules, outer_rules, q_permute
+from waypoint.converters.ops import Chain, Identity, PerTensor, Split
+from waypoint.converters.table import Converter, Rule
 
 
 def phi3_converter(config: Mapping[str, Any]) -> Converter:

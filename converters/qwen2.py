@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from converters.llama import IGNORE, LAYER, NATIVE, attention_rules, k_permute, mlp_rules, model_args, norm_rules, outer_rules, q_permute
-from converters.table import Converter, Rule
+from waypoint.converters.llama import IGNORE, LAYER, NATIVE, attention_rules, k_permute, mlp_rules, model_args, norm_rules, outer_rules, q_permute
+from waypoint.converters.table import Converter, Rule
 
 
 def qwen2_converter(config: Mapping[str, Any]) -> Converter:

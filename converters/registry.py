@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from converters.errors import CheckpointError
-from converters.llama import llama_converter
-from converters.phi3 import phi3_converter
-from converters.qwen2 import qwen2_converter
-from converters.table import Converter
+from waypoint.converters.errors import CheckpointError
+from waypoint.converters.llama import llama_converter
+from waypoint.converters.phi3 import phi3_converter
+from waypoint.converters.qwen2 import qwen2_converter
+from waypoint.converters.table import Converter
 
 CONVERTERS: dict[str, Callable[[Mapping[str, Any]], Converter]] = {
     "LLAMA2": llama_converter,

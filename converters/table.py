@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from converters.errors import CheckpointError
-from converters.lazy import LazyState, on_meta
-from converters.ops import Identity
+from waypoint.converters.errors import CheckpointError
+from waypoint.converters.lazy import LazyState, on_meta
+from waypoint.converters.ops import Identity
 
 
 def _compile(pattern: str) -> re.Pattern:

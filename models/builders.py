@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from models.transformer import ROPE_TYPES, ModelArgs, Transformer
+from waypoint.models.transformer import ROPE_TYPES, ModelArgs, Transformer
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,

@@ -4,7 +4,7 @@
 attribute name: ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj``, ``w1``, ``w2``, ``w3``, ``output``)
 with a :class:`LoRALinear` that keeps the base ``weight`` (and ``bias``) under the same key, frozen,
 and adds ``lora_A.weight`` [rank, in] and ``lora_B.weight`` [out, rank]. Call it *after* the base
-weights are loaded (``checkpointers.load_into``), so the base keys stay the native ones; every other
+weights are loaded (``waypoint.checkpointers.load_into``), so the base keys stay the native ones; every other
 parameter of the model is frozen too, so only adapter parameters reach the optimizer.
 
 On a bf16 / fp16 base the adapter weights are fp32 (as PEFT keeps them); the update is cast to the base's
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from converters.errors import CheckpointError
-from converters.lazy import spec_of
+from waypoint.converters.errors import CheckpointError
+from waypoint.converters.lazy import spec_of
 
 HALF = (torch.bfloat16, torch.float16)
 TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
@@ -130,7 +130,7 @@ def initial_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def init_adapters(model: nn.Module, device: torch.device | str | None = None) -> list[str]:
     """Give LoRA layers added on the meta device (before sharding and loading) their initial weights, as
     they would have been drawn on a loaded base; in a sharded model each rank keeps its piece. Returns the keys."""
-    from checkpointers.dtensor_state import local_shard
+    from waypoint.checkpointers.dtensor_state import local_shard
 
     own = model.state_dict()
     placed = {}
@@ -170,7 +170,7 @@ def load_adapter_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> N
             if state[key].shape != target.shape:
                 raise CheckpointError(f"adapter {key}: shape {tuple(state[key].shape)} does not fit the model's {tuple(target.shape)}")
             if hasattr(target, "device_mesh"):  # sharded: this rank's piece
-                from checkpointers.dtensor_state import local_shard
+                from waypoint.checkpointers.dtensor_state import local_shard
                 target.to_local().copy_(local_shard(state[key], target, dtype=target.dtype).to_local())
             else:
                 target.copy_(state[key])

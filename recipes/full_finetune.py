@@ -13,37 +13,39 @@ converters, model, data) live in the libraries.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+if importlib.util.find_spec("waypoint") is None:  # a checkout that is not installed: its root holds `waypoint`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from checkpointers import load_into
-from checkpointers.base import RECIPE_STATE_FILE
-from checkpointers.commit import prune_checkpoints, remove_stale_staging
-from checkpointers.extra_state import EXTRA_STATE_FILE, split_extra_state
-from checkpointers.load_model import load_sharded_into
-from checkpointers.sharded_checkpoint import SHARDED_DIR, holds_sharded_model
-from checkpointers.sharded_saver import ShardedSaver
-from training.collate import padded_collate
-from training.data_order import iterate_batches, optimizer_steps_per_epoch
-from training.distributed import init_distributed
-from training.entry import run_recipe
-from training.fsdp import grad_norm_value, shard_model
-from training.loss import forward_backward
-from training.metrics import MetricsLog
-from training.optimizer_state import load_sharded_optimizer_state, load_whole_optimizer_state, optimizer_state
-from training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
-from training.recipe_state import build_recipe_state, load_recipe_state
-from training.resume import check_config, check_global_batch, choose_checkpoint, restore_position, start_fresh
-from training.rng_state import capture_rng
-from training.seed import seed_everything
+from waypoint.checkpointers import load_into
+from waypoint.checkpointers.base import RECIPE_STATE_FILE
+from waypoint.checkpointers.commit import prune_checkpoints, remove_stale_staging
+from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, split_extra_state
+from waypoint.checkpointers.load_model import load_sharded_into
+from waypoint.checkpointers.sharded_checkpoint import SHARDED_DIR, holds_sharded_model
+from waypoint.checkpointers.sharded_saver import ShardedSaver
+from waypoint.training.collate import padded_collate
+from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
+from waypoint.training.distributed import init_distributed
+from waypoint.training.entry import run_recipe
+from waypoint.training.fsdp import grad_norm_value, shard_model
+from waypoint.training.loss import forward_backward
+from waypoint.training.metrics import MetricsLog
+from waypoint.training.optimizer_state import load_sharded_optimizer_state, load_whole_optimizer_state, optimizer_state
+from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.training.recipe_state import build_recipe_state, load_recipe_state
+from waypoint.training.resume import check_config, check_global_batch, choose_checkpoint, restore_position, start_fresh
+from waypoint.training.rng_state import capture_rng
+from waypoint.training.seed import seed_everything
 
 
 def train(cfg: DictConfig) -> int:

@@ -25,38 +25,40 @@ LoRA differences:
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+if importlib.util.find_spec("waypoint") is None:  # a checkout that is not installed: its root holds `waypoint`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from checkpointers import CheckpointError, detect_format, load_into
-from checkpointers.base import RECIPE_STATE_FILE
-from checkpointers.commit import StagedDir, prune_checkpoints, remove_stale_staging
-from checkpointers.peft_adapter import base_model_name, check_targets, hf_converter, load_adapter, write_adapter
-from checkpointers.dtensor_state import GatheredState, serve_gathers
-from models.lora import (MergedState, adapter_state, adapter_state_keys, apply_lora, init_adapters, load_adapter_state,
-                         lora_modules)
-from training.collate import padded_collate
-from training.data_order import iterate_batches, optimizer_steps_per_epoch
-from training.distributed import init_distributed
-from training.entry import run_recipe
-from training.fsdp import grad_norm_value, shard_model
-from training.loss import forward_backward
-from training.metrics import MetricsLog
-from training.optimizer_state import load_whole_optimizer_state, optimizer_state
-from training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
-from training.recipe_state import build_recipe_state, load_recipe_state
-from training.resume import check_config, check_global_batch, choose_checkpoint, restore_position, start_fresh
-from training.rng_state import capture_rng
-from training.seed import seed_everything
+from waypoint.checkpointers import CheckpointError, detect_format, load_into
+from waypoint.checkpointers.base import RECIPE_STATE_FILE
+from waypoint.checkpointers.commit import StagedDir, prune_checkpoints, remove_stale_staging
+from waypoint.checkpointers.peft_adapter import base_model_name, check_targets, hf_converter, load_adapter, write_adapter
+from waypoint.checkpointers.dtensor_state import GatheredState, serve_gathers
+from waypoint.models.lora import (MergedState, adapter_state, adapter_state_keys, apply_lora, init_adapters, load_adapter_state,
+                                  lora_modules)
+from waypoint.training.collate import padded_collate
+from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
+from waypoint.training.distributed import init_distributed
+from waypoint.training.entry import run_recipe
+from waypoint.training.fsdp import grad_norm_value, shard_model
+from waypoint.training.loss import forward_backward
+from waypoint.training.metrics import MetricsLog
+from waypoint.training.optimizer_state import load_whole_optimizer_state, optimizer_state
+from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.training.recipe_state import build_recipe_state, load_recipe_state
+from waypoint.training.resume import check_config, check_global_batch, choose_checkpoint, restore_position, start_fresh
+from waypoint.training.rng_state import capture_rng
+from waypoint.training.seed import seed_everything
 
 MERGED_DIR = "merged"
 LORA_BREAKING = ("lora",)  # beside training.resume.BREAKING_KEYS: another adapter (targets, rank, alpha, dropout)

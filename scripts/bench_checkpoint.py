@@ -24,6 +24,7 @@ reads or deletions, so every timed write follows an untimed raw write.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -36,11 +37,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, this folder is sys.path[0]; it holds inspect.py, which would shadow the standard
-# library's inspect (torch imports it): the repository root takes its place.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-else:
+# Not the scripts' own folder on the path (scripts/inspect.py would shadow the standard library's inspect);
+# a checkout that is not installed puts its root there instead, for the `waypoint` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN, INTERMEDIATE, HEADS, VOCAB = 2048, 5632, 16, 32000
@@ -128,7 +128,7 @@ def step_raw(ckpt: Path, out: Path) -> float:
 
 
 def step_save(ckpt: Path, out: Path) -> float:
-    from checkpointers import HFCheckpointer
+    from waypoint.checkpointers import HFCheckpointer
 
     checkpointer = HFCheckpointer(ckpt, output_dir=out)
     state = {"model": {k: v.clone() for k, v in checkpointer.load_checkpoint()["model"].items()}}
@@ -140,7 +140,7 @@ def step_save(ckpt: Path, out: Path) -> float:
 
 def step_save_nohash(ckpt: Path, out: Path) -> float:
     """The same save with the manifest's hashing replaced by nothing: what the manifest costs."""
-    import checkpointers.commit as commit
+    import waypoint.checkpointers.commit as commit
 
     class NoHash:
         def update(self, data) -> None:
@@ -156,8 +156,8 @@ def step_save_nohash(ckpt: Path, out: Path) -> float:
 def step_load(ckpt: Path, out: Path) -> float:
     import torch
 
-    from checkpointers import HFCheckpointer, load_into
-    from models import from_hf_config
+    from waypoint.checkpointers import HFCheckpointer, load_into
+    from waypoint.models import from_hf_config
 
     reset_peak_rss()
     start = time.perf_counter()

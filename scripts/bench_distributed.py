@@ -21,6 +21,7 @@ through /proc/self/clear_refs). On a GPU machine pass ``--device cuda --nproc <G
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -31,9 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:  # scripts/inspect.py shadows inspect
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-else:
+# Not the scripts' own folder on the path (scripts/inspect.py would shadow the standard library's inspect);
+# a checkout that is not installed puts its root there instead, for the `waypoint` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -44,11 +46,11 @@ def _status_kb(field: str) -> int:
 def worker(checkpoint: str, work: str, device: str, steps: int, seq: int, batch: int) -> None:
     import torch
 
-    from checkpointers import HFCheckpointer, build_model, load_into
-    from checkpointers.sharded_saver import ShardedSaver
-    from training.distributed import init_distributed
-    from training.fsdp import shard_model
-    from training.optimizer_state import optimizer_state
+    from waypoint.checkpointers import HFCheckpointer, build_model, load_into
+    from waypoint.checkpointers.sharded_saver import ShardedSaver
+    from waypoint.training.distributed import init_distributed
+    from waypoint.training.fsdp import shard_model
+    from waypoint.training.optimizer_state import optimizer_state
 
     dist = init_distributed(device)
     started = time.perf_counter()

@@ -15,23 +15,23 @@ whole model for this.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
 
-# Run as a script, this folder is sys.path[0]; it holds inspect.py, which would shadow the standard
-# library's inspect (torch imports it): the repository root takes its place.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-else:
+# Not the scripts' own folder on the path (scripts/inspect.py would shadow the standard library's inspect);
+# a checkout that is not installed puts its root there instead, for the `waypoint` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
-from checkpointers.base import SMALL_FILE_LIMIT  # noqa: E402
-from checkpointers.export import export, parse_size  # noqa: E402
-from checkpointers.load_model import model_args_for  # noqa: E402
-from checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
-from checkpointers.shard_layout import WEIGHT_SUFFIXES  # noqa: E402
+from waypoint.checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
+from waypoint.checkpointers.base import SMALL_FILE_LIMIT  # noqa: E402
+from waypoint.checkpointers.export import export, parse_size  # noqa: E402
+from waypoint.checkpointers.load_model import model_args_for  # noqa: E402
+from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
+from waypoint.checkpointers.shard_layout import WEIGHT_SUFFIXES  # noqa: E402
 
 SKIPPED = {"config.json", "params.json", "waypoint_model.json", "MANIFEST.json", "model.safetensors.index.json",
            "pytorch_model.bin.index.json", "recipe_state.pt", "extra_state.pt"}
@@ -48,8 +48,8 @@ def sharded_run_model(step_dir: Path, output_dir: Path):
     import torch
     from hydra.utils import instantiate
 
-    from checkpointers.load_model import load_sharded_into
-    from training.recipe_state import load_recipe_state
+    from waypoint.checkpointers.load_model import load_sharded_into
+    from waypoint.training.recipe_state import load_recipe_state
 
     config = load_recipe_state(step_dir)["config"]
     ckpt = instantiate(config["checkpointer"], output_dir=str(output_dir))

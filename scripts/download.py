@@ -20,6 +20,7 @@ to the files.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shlex
@@ -27,13 +28,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run from a checkout without installing; the repository root replaces scripts/ on the path, so that
-# a script here named like a standard module (inspect.py) cannot shadow it.
-sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# Not the scripts' own folder on the path (scripts/inspect.py would shadow the standard library's inspect);
+# a checkout that is not installed puts its root there instead, for the `waypoint` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if importlib.util.find_spec("waypoint") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from converters.errors import CheckpointError  # noqa: E402
-from training.hub import (FORMATS, REPO_TYPES, WEIGHT_CHOICES, Snapshot, download, is_hf_uri,  # noqa: E402
-                          parse_hf_uri, choose_data_file)
+from waypoint.converters.errors import CheckpointError  # noqa: E402
+from waypoint.training.hub import (FORMATS, REPO_TYPES, WEIGHT_CHOICES, Snapshot, download, is_hf_uri,  # noqa: E402
+                                   parse_hf_uri, choose_data_file)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -37,11 +37,11 @@ from collections import defaultdict  # noqa: E402
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
-from checkpointers.commit import MANIFEST, verify  # noqa: E402
-from checkpointers.file_formats import SAFETENSORS, format_of  # noqa: E402
-from checkpointers.load_report import fold_keys  # noqa: E402
-from checkpointers.native_checkpointer import ALIASES_KEY  # noqa: E402
+from waypoint.checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
+from waypoint.checkpointers.commit import MANIFEST, verify  # noqa: E402
+from waypoint.checkpointers.file_formats import SAFETENSORS, format_of  # noqa: E402
+from waypoint.checkpointers.load_report import fold_keys  # noqa: E402
+from waypoint.checkpointers.native_checkpointer import ALIASES_KEY  # noqa: E402
 
 
 def weight_files(ckpt) -> list[Path]:

@@ -8,12 +8,13 @@ tiny model learns fast) and ``<out-dir>/tiny_llama/`` (a byte-level BPE
 randomly initialised ``LlamaForCausalLM`` saved by transformers as three
 safetensors shards with an index). Every seed is fixed: two runs with the same
 library versions write the same bytes. The result is checked by loading it back
-with transformers and with ``training.tokenizer``.
+with transformers and with ``waypoint.training.tokenizer``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import random
 import shutil
@@ -21,17 +22,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, this folder is sys.path[0]; it holds inspect.py, which would shadow the standard
-# library's inspect (torch imports it): the repository root takes its place.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-else:
+# Not the scripts' own folder on the path (scripts/inspect.py would shadow the standard library's inspect);
+# a checkout that is not installed puts its root there instead, for the `waypoint` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from training.instruct_dataset import TEMPLATES, InstructDataset  # noqa: E402
-from training.tokenizer import load_tokenizer  # noqa: E402
+from waypoint.training.instruct_dataset import TEMPLATES, InstructDataset  # noqa: E402
+from waypoint.training.tokenizer import load_tokenizer  # noqa: E402
 
 NUM_RECORDS = 400
 DATA_SEED = 0

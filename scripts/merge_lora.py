@@ -10,19 +10,21 @@ dtype), committed atomically with a MANIFEST.json. OUT_DIR must not exist yet.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # scripts/inspect.py must not shadow the stdlib's
-else:
+# Not the scripts' own folder on the path (scripts/inspect.py would shadow the standard library's inspect);
+# a checkout that is not installed puts its root there instead, for the `waypoint` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpointers import CheckpointError, checkpointer_for  # noqa: E402
-from checkpointers.load_model import model_args_for  # noqa: E402
-from checkpointers.peft_adapter import hf_converter, load_adapter  # noqa: E402
-from models.lora import merge_state_dict  # noqa: E402
+from waypoint.checkpointers import CheckpointError, checkpointer_for  # noqa: E402
+from waypoint.checkpointers.load_model import model_args_for  # noqa: E402
+from waypoint.checkpointers.peft_adapter import hf_converter, load_adapter  # noqa: E402
+from waypoint.models.lora import merge_state_dict  # noqa: E402
 
 
 def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

@@ -21,10 +21,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from checkpointers import HFCheckpointer, build_model, load_into  # noqa: E402
-from checkpointers.sharded_saver import ShardedSaver  # noqa: E402
-from training.distributed import init_distributed  # noqa: E402
-from training.fsdp import shard_model  # noqa: E402
+from waypoint.checkpointers import HFCheckpointer, build_model, load_into  # noqa: E402
+from waypoint.checkpointers.sharded_saver import ShardedSaver  # noqa: E402
+from waypoint.training.distributed import init_distributed  # noqa: E402
+from waypoint.training.fsdp import shard_model  # noqa: E402
 
 
 def status_kb(field: str) -> int:

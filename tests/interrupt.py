@@ -25,10 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import checkpointers.commit as commit  # noqa: E402
-from checkpointers import HFCheckpointer  # noqa: E402
+import waypoint.checkpointers.commit as commit  # noqa: E402
+from waypoint.checkpointers import HFCheckpointer  # noqa: E402
 from recipes import full_finetune, lora_finetune  # noqa: E402
-from training.metrics import MetricsLog  # noqa: E402
+from waypoint.training.metrics import MetricsLog  # noqa: E402
 
 
 def signal_at_step(step: int, name: str) -> None:

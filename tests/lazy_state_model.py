@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from checkpointers import build_model
-from models import Transformer
-from models.extra_state import ExtraStateModule
+from waypoint.checkpointers import build_model
+from waypoint.models import Transformer
+from waypoint.models.extra_state import ExtraStateModule
 
 
 class Calibration(ExtraStateModule):

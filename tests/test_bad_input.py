@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpointers import HFCheckpointer, load_model
+from waypoint.checkpointers import HFCheckpointer, load_model
 from tests.conftest import ROOT, tiny_llama_config, write_hf_checkpoint
 
 

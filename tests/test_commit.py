@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from checkpointers.commit import MANIFEST, StagedDir, new_hasher, prune_checkpoints, remove_stale_staging, step_dirs, verify
-from checkpointers.safetensors_writer import write_safetensors
-from converters import CheckpointError
+from waypoint.checkpointers.commit import MANIFEST, StagedDir, new_hasher, prune_checkpoints, remove_stale_staging, step_dirs, verify
+from waypoint.checkpointers.safetensors_writer import write_safetensors
+from waypoint.converters import CheckpointError
 
 
 def test_streaming_writer_is_byte_identical_to_safetensors():

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
-from training.config import parse_config
+from waypoint.training.config import parse_config
 
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml"))
 
@@ -32,8 +32,8 @@ def test_config_composes_and_its_targets_import(path):
         assert hasattr(importlib.import_module(module), name), f"{path.name}: {target} does not exist"
 
 
-@pytest.mark.parametrize("group,target", [("meta", "checkpointers.MetaCheckpointer"), ("native", "checkpointers.NativeCheckpointer"),
-                                          ("hf", "checkpointers.HFCheckpointer")])
+@pytest.mark.parametrize("group,target", [("meta", "waypoint.checkpointers.MetaCheckpointer"), ("native", "waypoint.checkpointers.NativeCheckpointer"),
+                                          ("hf", "waypoint.checkpointers.HFCheckpointer")])
 def test_checkpointer_group_switches_format(group, target):
     cfg = parse_config(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer={group}", "checkpointer.checkpoint_dir=/x"])
     assert cfg.checkpointer._target_ == target and cfg.checkpointer.checkpoint_dir == "/x"

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from converters import CheckpointError, Converter, RopePermute, Rule, get_converter
+from waypoint.converters import CheckpointError, Converter, RopePermute, Rule, get_converter
 from tests.conftest import tiny_llama_config
 
 

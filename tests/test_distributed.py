@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpointers.commit import verify
-from checkpointers.file_formats import read_tensors
+from waypoint.checkpointers.commit import verify
+from waypoint.checkpointers.file_formats import read_tensors
 from tests.test_resume import tiny_in_format
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,7 +265,7 @@ def test_lora_on_two_processes_matches_one_and_resumes_on_one(tmp_path):
 # -- pieces, in one process ----------------------------------------------------------------------
 
 def test_sharded_checkpoint_round_trip_in_one_process(tmp_path):
-    from checkpointers.sharded_checkpoint import holds_sharded_model, load_sharded, save_sharded, sharded_keys
+    from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model, load_sharded, save_sharded, sharded_keys
 
     state = {"model": {"w": torch.randn(6, 4)}, "optimizer": {"w": {"exp_avg": torch.randn(6, 4), "step": torch.tensor(3.0)}}}
     save_sharded(state, tmp_path / "step_1/sharded")
@@ -282,8 +282,8 @@ def test_sharded_metadata_is_data_never_code(tmp_path):
     """DCP unpickles .metadata with pickle.load; ours allows DCP's plain classes only."""
     import pickle
 
-    from checkpointers.sharded_checkpoint import load_sharded, save_sharded
-    from converters.errors import CheckpointError
+    from waypoint.checkpointers.sharded_checkpoint import load_sharded, save_sharded
+    from waypoint.converters.errors import CheckpointError
 
     class Payload:
         def __reduce__(self):
@@ -300,7 +300,7 @@ def test_sharded_metadata_is_data_never_code(tmp_path):
     # A tensor entry declared as pickled bytes would be torch.load-ed with weights_only=False by DCP: refused.
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from checkpointers.sharded_checkpoint import read_metadata
+    from waypoint.checkpointers.sharded_checkpoint import read_metadata
     metadata = read_metadata(tmp_path / "ok")
     metadata.state_dict_metadata["model.w"] = BytesStorageMetadata()
     (tmp_path / "evil/.metadata").write_bytes(pickle.dumps(metadata))
@@ -309,7 +309,7 @@ def test_sharded_metadata_is_data_never_code(tmp_path):
 
 
 def test_ranks_split_each_global_batch_in_order():
-    from training.data_order import iterate_batches
+    from waypoint.training.data_order import iterate_batches
 
     dataset = list(range(50))
     whole = [b for _, b in iterate_batches(dataset, 8, seed=3, epoch=1, collate_fn=list, start_batch=2)]
@@ -322,13 +322,13 @@ def test_ranks_split_each_global_batch_in_order():
 
 
 def test_manifest_entries_stay_inside_their_directory(tmp_path):
-    from checkpointers.commit import StagedDir
-    from converters.errors import CheckpointError
+    from waypoint.checkpointers.commit import StagedDir
+    from waypoint.converters.errors import CheckpointError
 
     with StagedDir(tmp_path / "step_1") as stage:
         (stage.path / "sharded").mkdir()
         (stage.path / "sharded/a.distcp").write_bytes(b"abc")
-        from checkpointers.commit import hash_file
+        from waypoint.checkpointers.commit import hash_file
         stage.adopt("sharded/a.distcp", *hash_file(stage.path / "sharded/a.distcp"))
         for bad in ("../outside", "/etc/passwd", "sharded/../../x", ""):
             with pytest.raises(CheckpointError, match="cannot stage file"):

@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 
-from checkpointers import CheckpointError, HFCheckpointer, load_into, load_model
-from checkpointers.file_formats import read_tensors
-from converters import Chain, Identity, PerTensor, RopePermute, Split, detect_model_type, get_converter
-from models import ModelArgs, Transformer, from_hf_config, model_args_from_hf_config
-from models.transformer import RMSNorm, rope_frequencies
+from waypoint.checkpointers import CheckpointError, HFCheckpointer, load_into, load_model
+from waypoint.checkpointers.file_formats import read_tensors
+from waypoint.converters import Chain, Identity, PerTensor, RopePermute, Split, detect_model_type, get_converter
+from waypoint.models import ModelArgs, Transformer, from_hf_config, model_args_from_hf_config
+from waypoint.models.transformer import RMSNorm, rope_frequencies
 from tests.conftest import ROOT, tiny_family_config, write_family_checkpoint
 
 # name -> (tiny_family_config family, overrides, detected model type)
@@ -159,7 +159,7 @@ def test_norms_and_embedding_scale_match_transformers_bitwise_in_bf16():
 
 
 def test_builders_have_the_published_parameter_counts():
-    import models
+    from waypoint import models
 
     published = {"llama3_1_8b": 8_030_261_248, "mistral_7b": 7_241_732_096, "qwen2_7b": 7_615_616_512,
                  "gemma_2b": 2_506_172_416, "gemma_7b": 8_537_680_896, "phi3_mini_4k": 3_821_079_552}
@@ -169,7 +169,7 @@ def test_builders_have_the_published_parameter_counts():
 
 
 def test_meta_build_of_every_family_stays_free_of_dynamo():
-    code = ("import sys, torch, models\n"
+    code = ("import sys, torch\nfrom waypoint import models\n"
             "with torch.device('meta'):\n"
             "    for b in ('qwen2_7b', 'gemma_7b', 'phi3_mini_4k', 'llama3_1_8b'): getattr(models, b)()\n"
             "assert 'torch._dynamo' not in sys.modules, 'meta build imported torch._dynamo'\n")

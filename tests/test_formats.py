@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from checkpointers import (CheckpointError, HFCheckpointer, MetaCheckpointer, NativeCheckpointer, build_model,
-                           detect_format, load_into, load_model)
-from checkpointers.file_formats import read_tensors
-from checkpointers.native_checkpointer import write_native_checkpoint
-from converters import get_converter
+from waypoint.checkpointers import (CheckpointError, HFCheckpointer, MetaCheckpointer, NativeCheckpointer, build_model,
+                                    detect_format, load_into, load_model)
+from waypoint.checkpointers.file_formats import read_tensors
+from waypoint.checkpointers.native_checkpointer import write_native_checkpoint
+from waypoint.converters import get_converter
 from tests.conftest import tiny_llama_config, write_hf_checkpoint
 
 
@@ -175,7 +175,7 @@ def test_native_reads_torch_files(tmp_path, tokens):
 # -- extra state in every format (the resume issue) ----------------------------------------------------
 @pytest.mark.parametrize("fmt", ["hf", "meta", "native"])
 def test_extra_state_survives_every_checkpointer(tmp_path, fmt):
-    from checkpointers import checkpointer_for
+    from waypoint.checkpointers import checkpointer_for
 
     hf_model = write_hf_checkpoint(tmp_path / "hf", tiny_llama_config())
     if fmt == "hf":

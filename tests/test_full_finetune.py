@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from checkpointers import load_model
+from waypoint.checkpointers import load_model
 from tests.conftest import ROOT
 
 

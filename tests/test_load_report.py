@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from checkpointers import CheckpointError, HFCheckpointer, load_into, load_model
-from checkpointers.load_report import fold_keys
-from models import Transformer
+from waypoint.checkpointers import CheckpointError, HFCheckpointer, load_into, load_model
+from waypoint.checkpointers.load_report import fold_keys
+from waypoint.models import Transformer
 from tests.conftest import tiny_llama_config, write_hf_checkpoint
 
 
@@ -102,7 +102,7 @@ def test_declared_prefix_map(native):
 def test_headless_hf_checkpoint_round_trips_with_its_own_keys(tmp_path):
     from transformers import LlamaModel
 
-    from checkpointers.load_model import model_args_for
+    from waypoint.checkpointers.load_model import model_args_for
 
     torch.manual_seed(0)
     LlamaModel(tiny_llama_config()).save_pretrained(tmp_path / "in", max_shard_size="60KB")
@@ -110,7 +110,7 @@ def test_headless_hf_checkpoint_round_trips_with_its_own_keys(tmp_path):
     state = ckpt.load_checkpoint()
     assert "output.weight" not in state["model"] and "tok_embeddings.weight" in state["model"]
     out = ckpt.save_checkpoint(state, step=1)
-    from checkpointers.file_formats import read_tensors
+    from waypoint.checkpointers.file_formats import read_tensors
     for f in sorted((tmp_path / "in").glob("*.safetensors")):
         before, after = read_tensors(f), read_tensors(out / f.name)
         assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -12,12 +12,12 @@ import warnings
 import pytest
 import torch
 
-from checkpointers import CheckpointError, HFCheckpointer, build_model, load_into
-from checkpointers.commit import verify
-from checkpointers.file_formats import read_tensors
-from checkpointers.peft_adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, native_targets, save_adapter,
-                                        vllm_problems, warn_vllm)
-from models.lora import apply_lora, load_adapter_state, merged_state
+from waypoint.checkpointers import CheckpointError, HFCheckpointer, build_model, load_into
+from waypoint.checkpointers.commit import verify
+from waypoint.checkpointers.file_formats import read_tensors
+from waypoint.checkpointers.peft_adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_adapter, native_targets, save_adapter,
+                                                 vllm_problems, warn_vllm)
+from waypoint.models.lora import apply_lora, load_adapter_state, merged_state
 from tests.conftest import ROOT, tiny_family_config, write_family_checkpoint
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output"]
@@ -266,7 +266,7 @@ def test_resume_refuses_a_changed_lora_config(tmp_path, reference):
 
 
 def test_base_model_name_is_the_hub_repo_when_recorded(tmp_path):
-    from checkpointers.peft_adapter import base_model_name
+    from waypoint.checkpointers.peft_adapter import base_model_name
 
     base = tmp_path / "base"
     write_family_checkpoint(base, tiny_family_config("llama"))
@@ -303,7 +303,7 @@ def test_meta_and_native_inputs_give_hf_named_adapters(tmp_path, fmt):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from checkpointers import load_model
+    from waypoint.checkpointers import load_model
 
     source, base = ROOT / "assets/tiny_llama", tmp_path / "base"
     converted = subprocess.run([sys.executable, str(ROOT / "scripts/convert.py"), str(source), str(base), "--to", fmt,

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from models import ModelArgs, Transformer, from_hf_config, llama2_7b, llama3_8b, parse_dtype
-from models.builders import model_args_from_hf_config
+from waypoint.models import ModelArgs, Transformer, from_hf_config, llama2_7b, llama3_8b, parse_dtype
+from waypoint.models.builders import model_args_from_hf_config
 
 
 def tiny_args(**kw):

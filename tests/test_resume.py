@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from checkpointers.commit import verify
-from checkpointers.file_formats import read_tensors
+from waypoint.checkpointers.commit import verify
+from waypoint.checkpointers.file_formats import read_tensors
 from tests.conftest import ROOT
 
 STEPS_PER_EPOCH, EPOCHS = 8, 2
@@ -32,7 +32,7 @@ def run(out, *overrides, fault=None, preexec_fn=None, env=None):
         overrides = (f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", *overrides)
     cmd += ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})  # PYTHONPATH: targets in tests/
 
 
 def losses(out):
@@ -196,8 +196,8 @@ def test_same_global_batch_in_smaller_micro_batches_resumes(tmp_path, interrupte
 
 def tiny_in_format(fmt, tmp_path):
     """The embedded tiny checkpoint in HF, native or 2-file Meta format (tokenizer files beside it)."""
-    from checkpointers import load_model
-    from checkpointers.native_checkpointer import write_native_checkpoint
+    from waypoint.checkpointers import load_model
+    from waypoint.checkpointers.native_checkpointer import write_native_checkpoint
     from tests.test_formats import hf_to_meta_oracle, write_meta_checkpoint
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -240,7 +240,7 @@ def test_extra_state_survives_resume(tmp_path, fmt):
 
 
 def test_checkpoint_without_extra_state_loads(caplog):
-    from checkpointers import HFCheckpointer, load_into
+    from waypoint.checkpointers import HFCheckpointer, load_into
     from tests.lazy_state_model import build
 
     state = HFCheckpointer(ROOT / "assets/tiny_llama", output_dir=ROOT / "unused").load_checkpoint()["model"]

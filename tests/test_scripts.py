@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from checkpointers.file_formats import read_tensors
+from waypoint.checkpointers.file_formats import read_tensors
 from scripts import convert, inspect as inspect_script
 from tests.conftest import ROOT, tiny_llama_config, write_hf_checkpoint
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from training.collate import padded_collate
-from training.data_order import batches_per_epoch, epoch_permutation, iterate_batches
-from training.instruct_dataset import TEMPLATES, InstructDataset
-from training.tokenizer import load_tokenizer
+from waypoint.training.collate import padded_collate
+from waypoint.training.data_order import batches_per_epoch, epoch_permutation, iterate_batches
+from waypoint.training.instruct_dataset import TEMPLATES, InstructDataset
+from waypoint.training.tokenizer import load_tokenizer
 
 TINY_LLAMA = ROOT / "assets" / "tiny_llama"
 TINY_ALPACA = ROOT / "assets" / "tiny_alpaca.jsonl"
@@ -292,7 +292,7 @@ def test_parquet_records_read_like_jsonl(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from training.instruct_dataset import read_records
+    from waypoint.training.instruct_dataset import read_records
 
     rows = [{"instruction": "Add.", "input": "1 2", "output": "3"}, {"instruction": "Say hi.", "input": "", "output": "hi"}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")

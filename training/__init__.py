@@ -1,9 +1,9 @@
 """The data side of fine-tuning: tokenizers, instruction datasets, collation and batch order."""
 
-from training.collate import padded_collate
-from training.data_order import batches_per_epoch, epoch_permutation, iterate_batches
-from training.instruct_dataset import TEMPLATES, InstructDataset, PromptTemplate
-from training.tokenizer import Tokenizer, load_tokenizer
+from waypoint.training.collate import padded_collate
+from waypoint.training.data_order import batches_per_epoch, epoch_permutation, iterate_batches
+from waypoint.training.instruct_dataset import TEMPLATES, InstructDataset, PromptTemplate
+from waypoint.training.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "TEMPLATES",

@@ -6,7 +6,7 @@ The compose API runs over the config file's directory, so config groups there
 
 After composing, every string value starting with ``hf://`` (``hf://org/name[@revision]``,
 ``hf://datasets/org/name[/file]``) is replaced by the local path of a hub snapshot, downloaded
-when not cached (``training.hub``); interpolations are resolved first, so copies such as
+when not cached (``waypoint.training.hub``); interpolations are resolved first, so copies such as
 ``model.config: ${checkpointer.checkpoint_dir}`` follow.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from converters.errors import CheckpointError
+from waypoint.converters.errors import CheckpointError
 
 
 def parse_config(argv: list[str] | None = None, description: str | None = None) -> DictConfig:
@@ -34,7 +34,7 @@ def parse_config(argv: list[str] | None = None, description: str | None = None) 
         cfg = compose(config_name=path.stem, overrides=args.overrides)
     OmegaConf.resolve(cfg)
     if _has_hf_uri(cfg):
-        from training.hub import resolve_hf_uris  # imports huggingface_hub only when needed
+        from waypoint.training.hub import resolve_hf_uris  # imports huggingface_hub only when needed
 
         try:
             resolve_hf_uris(cfg)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from converters.errors import CheckpointError
+from waypoint.converters.errors import CheckpointError
 
 
 @dataclass

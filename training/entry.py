@@ -12,8 +12,8 @@ from collections.abc import Callable
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
-from converters.errors import CheckpointError
-from training.config import parse_config
+from waypoint.converters.errors import CheckpointError
+from waypoint.training.config import parse_config
 
 
 def run_recipe(train: Callable[[DictConfig], int], argv: list[str] | None, description: str) -> int:

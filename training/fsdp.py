@@ -7,9 +7,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from converters.errors import CheckpointError
-from models import parse_dtype
-from models.transformer import TransformerBlock
+from waypoint.converters.errors import CheckpointError
+from waypoint.models import parse_dtype
+from waypoint.models.transformer import TransformerBlock
 
 
 def shard_model(model: nn.Module, mesh, mixed_precision: Mapping | None = None) -> nn.Module:

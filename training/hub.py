@@ -58,7 +58,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import filter_repo_objects
 
-from converters.errors import CheckpointError
+from waypoint.converters.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

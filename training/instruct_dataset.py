@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from torch.utils.data import Dataset
 
-from training.loss import IGNORE_INDEX
+from waypoint.training.loss import IGNORE_INDEX
 
 
 class PromptTemplate(NamedTuple):
@@ -58,7 +58,7 @@ class InstructDataset(Dataset):
 
     Args:
         source: the data file.
-        tokenizer: a ``training.tokenizer.Tokenizer`` (``encode``, ``bos_id``, ``eos_id``).
+        tokenizer: a ``waypoint.training.tokenizer.Tokenizer`` (``encode``, ``bos_id``, ``eos_id``).
         max_seq_len: items are cut to this many tokens.
         template: a key of ``TEMPLATES``.
         train_on_input: supervise the prompt tokens too.

@@ -28,7 +28,7 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: 
     (every micro-batch of every rank), whatever the split. Returns (that loss, the step's tokens), summed over ranks.
 
     Each micro-batch's loss sum is divided by the global token count; under FSDP, which averages gradients
-    over ranks, it is also multiplied by the number of ranks. ``dist``: a ``training.distributed.Distributed``.
+    over ranks, it is also multiplied by the number of ranks. ``dist``: a ``waypoint.training.distributed.Distributed``.
     """
     n_supervised = max(dist.sum(sum(supervised_tokens(b["labels"]) for b in micro_batches)), 1)
     loss_sum = 0.0

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim import Optimizer
 
-from checkpointers.sharded_checkpoint import load_sharded
+from waypoint.checkpointers.sharded_checkpoint import load_sharded
 
 
 def optimizer_state(model: nn.Module, optimizer: Optimizer, whole: bool = False) -> dict[str, Any]:

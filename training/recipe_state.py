@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 
-from checkpointers.base import RECIPE_STATE_FILE
-from converters.errors import CheckpointError
+from waypoint.checkpointers.base import RECIPE_STATE_FILE
+from waypoint.converters.errors import CheckpointError
 FORMAT_VERSION = 1
+# Import names before everything moved under `waypoint` (a saved config's `_target_: checkpointers.build_model`).
+LEGACY_PACKAGES = ("checkpointers.", "converters.", "models.", "training.")
 
 
 def _version(package: str) -> str:
@@ -59,4 +61,15 @@ def load_recipe_state(checkpoint_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable ({str(e).splitlines()[0]})") from e
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {state.get('format_version')!r}, expected {FORMAT_VERSION}")
+    state["config"] = current_names(state.get("config") or {})
     return state
+
+
+def current_names(config: Any) -> Any:
+    """A saved config with each ``_target_`` under its current import name (``models.x`` -> ``waypoint.models.x``)."""
+    if isinstance(config, dict):
+        return {k: ("waypoint." + v if k == "_target_" and isinstance(v, str) and v.startswith(LEGACY_PACKAGES)
+                    else current_names(v)) for k, v in config.items()}
+    if isinstance(config, list):
+        return [current_names(v) for v in config]
+    return config

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from checkpointers.commit import STEP_DIR, Verification, step_dirs, verify
-from converters.errors import CheckpointError
+from waypoint.checkpointers.commit import STEP_DIR, Verification, step_dirs, verify
+from waypoint.converters.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def restore_position(recipe_state: Mapping, rank: int, world_size: int, global_b
 
     The position is kept in samples of the epoch's permutation, so it holds on another number of
     processes with the same global batch; random states then continue from rank 0's."""
-    from training.rng_state import restore_rng
+    from waypoint.training.rng_state import restore_rng
 
     rng_states = recipe_state.get("rng_per_rank") or [recipe_state["rng"]]
     same_world = len(rng_states) == world_size

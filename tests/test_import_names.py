@@ -1,0 +1,33 @@
+"""Every import name is under `waypoint`: nothing we install collides with other distributions' top-level
+packages (llama-models, Meta's reference code, installs a top-level `models`; the test extras install it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import metadata
+
+from tests.conftest import ROOT
+
+
+def test_the_distribution_installs_one_import_name():
+    names = sorted(name for name, dists in metadata.packages_distributions().items() if "waypoint" in dists)
+    assert names == ["waypoint"]
+
+
+def test_imports_and_a_recipe_work_beside_llama_models_outside_the_repository(tmp_path):
+    probe = ("import models, waypoint.checkpointers, waypoint.training.config\n"
+             "from waypoint.checkpointers import load_model\n"
+             f"model = load_model({str(ROOT / 'assets/tiny_llama')!r})\n"
+             "print(models.__file__)\n")
+    found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert "llama_models" in metadata.packages_distributions().get("models", []), "pip install -e '.[test]' installs llama-models"
+    assert found.stdout.strip() != str(ROOT / "models/__init__.py"), "the top-level `models` is llama-models', not ours"
+
+    run = subprocess.run([sys.executable, str(ROOT / "recipes/full_finetune.py"), "--config", str(ROOT / "configs/tiny.yaml"),
+                          f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}",
+                          f"output_dir={tmp_path / 'out'}", "epochs=1", "max_steps_per_epoch=2"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "out" / "step_2" / "MANIFEST.json").is_file()
