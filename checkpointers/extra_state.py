@@ -73,7 +73,9 @@ def _check_plain(value: Any, key: str) -> None:
 
 
 def load_extra_state(path) -> dict[str, Any]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # unpickling errors come in many types; the message names the file
-        raise CheckpointError(f"{path}: unreadable extra state ({str(e).splitlines()[0]})") from e
+    from waypoint.checkpointers.file_formats import load_pickle
+
+    state = load_pickle(path, mmap=False)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not module extra state (a {type(state).__name__})")
+    return state

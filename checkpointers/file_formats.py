@@ -9,8 +9,12 @@ fsyncs inside a temporary directory renamed into place once complete).
 
 from __future__ import annotations
 
+import pickle
+import re
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,20 +37,50 @@ def format_of(path: str | Path) -> str:
     raise CheckpointError(f"{path}: not a weight file (expected .safetensors, .bin, .pt or .pth)")
 
 
-def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of one file, memory-mapped; a damaged file is a one-line error naming it."""
+def load_pickle(path: str | Path, mmap: bool = True, unmapped: list[str] | None = None) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain data, never code. Memory-mapped unless the file has the
+    legacy (pre-zip) layout, which cannot be: then it is read into memory and its name added to ``unmapped``. A
+    pickle that references a global (a function, a class) is refused in one line naming it."""
+    path = Path(path)
+    legacy = not zipfile.is_zipfile(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and not legacy)
+    except pickle.UnpicklingError as e:
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"references {named.group(1)}, which is not allowed" if named else f"is refused ({_first_line(e)})"
+        raise CheckpointError(f"refused: pickle in {path} {what} (a checkpoint is data, never code)") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({_first_line(e)})") from e
+    if legacy and mmap and unmapped is not None:
+        unmapped.append(path.name)
+    return state
+
+
+def read_tensors(path: str | Path, unmapped: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of one file, memory-mapped; a damaged file, or one holding other than floating-point tensors,
+    is a one-line error naming it (and the key). ``unmapped``: where to name a file read into memory instead."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: weight file not found")
-    try:
-        if format_of(path) == SAFETENSORS:
-            return load_file(path)
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable weight file ({str(e).splitlines()[0]})") from e
+    if format_of(path) == SAFETENSORS:
+        try:
+            state = load_file(path)
+        except (SafetensorError, RuntimeError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: unreadable weight file ({_first_line(e)})") from e
+    else:
+        state = load_pickle(path, unmapped=unmapped)
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a flat dict of tensors")
+    for key, t in state.items():
+        if not t.is_floating_point():
+            raise CheckpointError(f"{path}: {key} is {str(t.dtype).removeprefix('torch.')}; weights must be floating point "
+                                  "(a quantized checkpoint cannot be fine-tuned as it is)")
     return dict(state)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 def read_metadata(path: str | Path) -> dict[str, str] | None:

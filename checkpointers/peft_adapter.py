@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
 from waypoint.checkpointers.commit import StagedDir
+from waypoint.checkpointers.file_formats import read_tensors
 from waypoint.converters.errors import CheckpointError
 from waypoint.converters.ops import Identity, RopePermute
 from waypoint.converters.table import Converter, Rule
@@ -214,6 +215,12 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{Path(directory) / ADAPTER_CONFIG}: bias / modules_to_save adapters are not supported")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise CheckpointError(f"{Path(directory) / ADAPTER_CONFIG}: per-module rank_pattern / alpha_pattern are not supported")
+    for key, fits, expected in (("r", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+                                ("lora_alpha", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")):
+        if key not in config:
+            raise CheckpointError(f"{Path(directory) / ADAPTER_CONFIG}: lacks {key}")
+        if not fits(config[key]):
+            raise CheckpointError(f"{Path(directory) / ADAPTER_CONFIG}: {key}={config[key]!r}, expected {expected}")
     return config
 
 
@@ -221,13 +228,10 @@ def load_adapter(directory: str | os.PathLike, converter: Converter) -> tuple[di
     """(native adapter tensors, adapter_config) of a PEFT LoRA adapter directory (ours or PEFT's)."""
     directory = Path(directory)
     config = read_adapter_config(directory)
-    weights = directory / ADAPTER_WEIGHTS
-    if weights.is_file():
-        tensors = load_file(weights)
-    elif (directory / "adapter_model.bin").is_file():
-        tensors = torch.load(directory / "adapter_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise CheckpointError(f"{weights}: missing")
+    weights = next((directory / name for name in (ADAPTER_WEIGHTS, "adapter_model.bin") if (directory / name).is_file()), None)
+    if weights is None:
+        raise CheckpointError(f"{directory / ADAPTER_WEIGHTS}: missing")
+    tensors = read_tensors(weights)
     return from_peft(tensors, converter, str(weights)), config
 
 

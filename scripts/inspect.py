@@ -4,8 +4,9 @@
 
 Prints the detected format and family, the weight files with their sizes, the keys
 folded by layer with shapes and dtypes, total parameters and bytes, tied tensors,
-and whether a Waypoint manifest verifies. Nothing is loaded beyond the headers
-(safetensors) or memory-mapped (PyTorch files).
+and whether a Waypoint manifest verifies (the exit status is 1 when it does not, or when the
+checkpoint cannot be read). Nothing is loaded beyond the headers (safetensors) or memory-mapped
+(PyTorch files).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ if __name__ == "inspect":
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
@@ -39,9 +39,10 @@ from safetensors import safe_open  # noqa: E402
 
 from waypoint.checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
 from waypoint.checkpointers.commit import MANIFEST, verify  # noqa: E402
-from waypoint.checkpointers.file_formats import SAFETENSORS, format_of  # noqa: E402
+from waypoint.checkpointers.file_formats import SAFETENSORS, format_of, load_pickle  # noqa: E402
 from waypoint.checkpointers.load_report import fold_keys  # noqa: E402
 from waypoint.checkpointers.native_checkpointer import ALIASES_KEY  # noqa: E402
+from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
 
 
 def weight_files(ckpt) -> list[Path]:
@@ -54,7 +55,7 @@ def tensor_headers(path: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], 
     if format_of(path) == SAFETENSORS:
         with safe_open(str(path), framework="pt") as f:
             return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}, f.metadata() or {}
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    state = load_pickle(path)
     return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()}, {}
 
 
@@ -107,15 +108,16 @@ def describe(directory: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Exit status 0 when the checkpoint reads (and its manifest, if any, verifies), 1 otherwise."""
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
-    try:
-        print("\n".join(describe(args.directory)))
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+
+    def run() -> int:
+        lines = describe(args.directory)
+        print("\n".join(lines))
+        return 1 if any(line.startswith("manifest: FAILS") for line in lines) else 0
+    return run_command(run)
 
 
 if __name__ == "__main__":

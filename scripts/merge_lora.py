@@ -9,7 +9,6 @@ dtype), committed atomically with a MANIFEST.json. OUT_DIR must not exist yet.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import sys
@@ -23,14 +22,18 @@ if importlib.util.find_spec("waypoint") is None:
 
 from waypoint.checkpointers import CheckpointError, checkpointer_for  # noqa: E402
 from waypoint.checkpointers.load_model import model_args_for  # noqa: E402
-from waypoint.checkpointers.peft_adapter import hf_converter, load_adapter  # noqa: E402
+from waypoint.checkpointers.overlap import refuse_overlap  # noqa: E402
+from waypoint.checkpointers.peft_adapter import hf_converter, load_adapter, read_adapter_config  # noqa: E402
 from waypoint.models.lora import merge_state_dict  # noqa: E402
+from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
 
 
 def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     out_dir = Path(out_dir)
+    refuse_overlap(out_dir, {"the base": base_dir, "the adapter": adapter_dir}, "OUT_DIR")
     if out_dir.exists():
         raise CheckpointError(f"{out_dir}: already exists; choose a new output directory")
+    read_adapter_config(adapter_dir)  # a bad adapter fails before the base is read
     checkpointer = checkpointer_for(base_dir, output_dir=out_dir.parent)
     base = checkpointer.load_checkpoint()["model"]
     converter = hf_converter(checkpointer, model_args_for(checkpointer))
@@ -42,20 +45,17 @@ def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("base_dir")
     parser.add_argument("adapter_dir")
     parser.add_argument("out_dir")
     args = parser.parse_args(argv)
-    try:
+
+    def run() -> int:
         out = merge(args.base_dir, args.adapter_dir, args.out_dir)
-    except (CheckpointError, FileNotFoundError) as e:
-        if os.environ.get("WAYPOINT_DEBUG"):
-            raise
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
-    print(f"merged {args.adapter_dir} into {out}")
-    return 0
+        print(f"merged {args.adapter_dir} into {out}")
+        return 0
+    return run_command(run)
 
 
 if __name__ == "__main__":

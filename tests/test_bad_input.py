@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -63,8 +70,25 @@ def heads_do_not_fit(path):
     return r"cannot convert model\.layers\.0\.self_attn\.q_proj\.weight \(64, 64\) in model-"
 
 
+def int32_tensor(path):
+    shard = _first_shard(path)
+    tensors = load_file(shard)
+    key = sorted(tensors)[0]
+    tensors[key] = tensors[key].to(torch.int32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return rf"{shard.name}: {re.escape(key)} is int32; weights must be floating point"
+
+
+def pickle_with_code(path):
+    """A zip-format pytorch_model.bin whose pickle calls os.system when loaded without weights_only."""
+    for f in [*path.glob("model*.safetensors"), path / "model.safetensors.index.json"]:
+        f.unlink()
+    torch.save({"model.norm.weight": os.system}, path / "pytorch_model.bin")
+    return r"refused: pickle in \S+pytorch_model\.bin references (posix|nt)\.system, which is not allowed"
+
+
 CASES = [missing_config, truncated_shard, index_names_missing_file, index_escapes_directory, unknown_key,
-         shape_does_not_fit, heads_do_not_fit]
+         shape_does_not_fit, heads_do_not_fit, int32_tensor, pickle_with_code]
 
 
 @pytest.mark.parametrize("damage", CASES, ids=lambda f: f.__name__)
@@ -86,7 +110,6 @@ def test_bad_checkpoint_one_line_error_and_output_dir_untouched(damage, tmp_path
     err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error" in line]
     assert code == 1
     assert len(err) == 1 and err[0].startswith("error: "), err
-    import re
     assert re.search(expected, err[0]), err[0]
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == snapshot
 
@@ -114,3 +137,106 @@ def test_too_few_samples_for_the_global_batch_is_one_line(tmp_path, capsys):
     assert code == 1
     assert err == ["error: dataset has 400 samples: too few for batch_size=300 x gradient_accumulation_steps=2 x 1 processes"]
     assert not out.exists()
+
+
+def test_legacy_pickle_bin_loads_without_mmap_and_says_so(tmp_path, capsys):
+    """transformers still reads pre-zip pytorch_model.bin files; they cannot be memory-mapped, so they are read whole."""
+    from recipes.full_finetune import main
+
+    reference = write_hf_checkpoint(tmp_path / "in", tiny_llama_config(vocab=512), fmt="bin", max_shard_size="60KB")
+    shards = sorted((tmp_path / "in").glob("pytorch_model-*.bin"))
+    for shard in shards:
+        torch.save(torch.load(shard, weights_only=True), shard, _use_new_zipfile_serialization=False)
+    model = load_model(tmp_path / "in")
+    assert torch.equal(model.tok_embeddings.weight, reference.model.embed_tokens.weight)
+    (tmp_path / "in" / "tokenizer.json").write_bytes((ROOT / "assets/tiny_llama/tokenizer.json").read_bytes())
+    out = tmp_path / "out"
+    assert main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={tmp_path / 'in'}",
+                 f"output_dir={out}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", "epochs=1",
+                 "max_steps_per_epoch=1"]) == 0
+    printed = capsys.readouterr().out
+    assert (f"note: read into memory, not memory-mapped: {shards[0].name}, {shards[1].name}, {shards[2].name} and "
+            f"{len(shards) - 3} more (legacy non-zip PyTorch files cannot be mapped)") in printed
+    assert sorted(p.name for p in (out / "step_1").glob("*.bin")) == [p.name for p in shards]
+
+
+def test_disk_full_while_writing_recipe_state_is_one_line(tmp_path):
+    """The model files (< 1.5 MB each) fit under the limit, recipe_state.pt (~7 MB, torch.save's zip writer) does not."""
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2_000_000, 2_000_000))
+
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, str(ROOT / "recipes/full_finetune.py"), "--config", str(ROOT / "configs/tiny.yaml"),
+                             f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"output_dir={out}",
+                             f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", "epochs=1", "max_steps_per_epoch=1"],
+                            capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
+    assert re.match(rf"error: could not write {re.escape(str(out))}/step_1: File too large \(OSError\); nothing was committed", errors[0])
+    assert not list(out.glob("step_*")) and not list(out.glob(".step_*"))
+
+
+def make_adapter(tmp_path):
+    from recipes.lora_finetune import main
+
+    out = tmp_path / "lora"
+    assert main(["--config", str(ROOT / "configs/tiny_lora.yaml"), f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}",
+                 f"output_dir={out}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", "epochs=1", "max_steps_per_epoch=1",
+                 "save_merged=never"]) == 0
+    return out / "step_1"
+
+
+def test_merge_lora_adapter_checks_are_one_line(tmp_path, capsys):
+    from scripts import merge_lora
+
+    adapter = make_adapter(tmp_path)
+
+    def damaged(name, change):
+        target = tmp_path / name
+        shutil.copytree(adapter, target)
+        change(target)
+        return target
+
+    def config_edit(**fields):
+        def change(target):
+            config = json.loads((target / "adapter_config.json").read_text())
+            config.update(fields)
+            config = {k: v for k, v in config.items() if v is not None}
+            (target / "adapter_config.json").write_text(json.dumps(config))
+        return change
+
+    def truncate(target):
+        weights = target / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-50])
+
+    cases = [(damaged("r0", config_edit(r=0)), r"adapter_config\.json: r=0, expected an integer >= 1"),
+             (damaged("noalpha", config_edit(lora_alpha=None)), r"adapter_config\.json: lacks lora_alpha"),
+             (damaged("truncated", truncate), r"adapter_model\.safetensors: unreadable weight file"),
+             (tmp_path / "nowhere", r"nowhere/adapter_config\.json: missing")]
+    capsys.readouterr()
+    for adapter_dir, expected in cases:
+        assert merge_lora.main([str(ROOT / "assets/tiny_llama"), str(adapter_dir), str(tmp_path / "merged")]) == 1
+        err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error" in line]
+        assert len(err) == 1 and re.search(expected, err[0]), err
+    assert not (tmp_path / "merged").exists()
+
+
+def test_convert_bad_shard_size_and_inspect_of_a_failing_manifest(tmp_path, capsys):
+    from scripts import convert, inspect as inspect_script
+
+    with pytest.raises(SystemExit) as usage:
+        convert.main([str(ROOT / "assets/tiny_llama"), str(tmp_path / "x"), "--to", "hf", "--max-shard-size", "abc"])
+    assert usage.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: argument --max-shard-size: invalid size value: 'abc' (see "), err
+    assert not (tmp_path / "x").exists()
+    assert convert.main([str(ROOT / "assets/tiny_llama"), str(tmp_path / "copy"), "--to", "hf"]) == 0
+    assert inspect_script.main([str(tmp_path / "copy")]) == 0
+    shard = tmp_path / "copy" / "model-00003-of-00003.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert inspect_script.main([str(tmp_path / "copy")]) == 1
+    assert "manifest: FAILS: model-00003-of-00003.safetensors does not match its hash" in capsys.readouterr().out

@@ -256,7 +256,7 @@ def test_gated_missing_repository_revision_and_file_errors_are_one_line(clean_en
     message = one_line_error(repo_id="org/gated", **common)
     assert "org/gated is a gated repository" in message and f"{hub.url}/org/gated" in message and "HF_TOKEN" in message
     message = one_line_error(repo_id="org/gated", **{**common, "token": "hf_someoneElsesToken123"})
-    assert "no access" in message and f"{hub.url}/org/gated" in message and "hf_someoneElsesToken123" not in message
+    assert "the token in use lacks access to it" in message and f"{hub.url}/org/gated" in message and "hf_someoneElsesToken123" not in message
     assert download("org/gated", **{**common, "token": TOKEN}).files  # the right token opens it
 
     assert one_line_error(repo_id="org/nope", **common) == f"repository org/nope not found on {hub.url}"
@@ -303,7 +303,8 @@ def test_recipe_config_error_is_one_line(clean_env, tmp_path, monkeypatch, capsy
         parse_config(["--config", str(ROOT / "configs/tiny.yaml"), "checkpointer.checkpoint_dir=hf://org/gated"])
     assert info.value.code == 1
     err = capsys.readouterr().err
-    assert error_line(err).startswith("error: org/gated is a gated repository: accept its licence at")
+    assert error_line(err).startswith("error: org/gated is a gated repository and no token is set (HF_TOKEN, or `hf auth login`): "
+                                      "accept its licence at")
 
 
 # -- the command line: token, offline ------------------------------------------------------
@@ -322,7 +323,7 @@ def test_cli_token_is_used_and_never_printed_or_recorded(hub, tmp_path):
 
     wrong = "hf_notTheRightOne0123456789"
     bad = run(["scripts/download.py", "org/gated-cli", "--hf-token", wrong], sub_env(hub, tmp_path / "hf"))
-    assert bad.returncode == 1 and "no access" in error_line(bad.stderr) and f"{hub.url}/org/gated-cli" in bad.stderr
+    assert bad.returncode == 1 and "lacks access" in error_line(bad.stderr) and f"{hub.url}/org/gated-cli" in bad.stderr
     typo = run(["scripts/download.py", "org/gated-cli", "--hf-tokn", TOKEN], sub_env(hub, tmp_path / "hf"))
     assert typo.returncode == 2 and "unrecognized arguments" in typo.stderr
     for result in (ok, bad, typo):

@@ -12,37 +12,112 @@ when not cached (``waypoint.training.hub``); interpolations are resolved first, 
 
 from __future__ import annotations
 
-import argparse
+import difflib
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from waypoint.converters.errors import CheckpointError
+from waypoint.training.cli import DEBUG, OneLineParser
+from waypoint.training.config_checks import COMMON, Check, check_config
 
 
-def parse_config(argv: list[str] | None = None, description: str | None = None) -> DictConfig:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", required=True, help="path to a YAML config, e.g. configs/tiny.yaml")
+def parse_config(argv: list[str] | None = None, description: str | None = None, example: str = "configs/tiny.yaml",
+                 checks: Mapping[str, tuple[bool, Check]] = COMMON) -> DictConfig:
+    """The composed, resolved and checked config; a problem with it exits with one ``error:`` line."""
+    parser = OneLineParser(description=description)
+    parser.add_argument("--config", required=True, help=f"path to a YAML config, e.g. {example}")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option, +new_key=value")
     args = parser.parse_args(argv)
     path = Path(args.config)
     if not path.is_file():
         parser.error(f"--config {path}: file not found")
-    with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
-        cfg = compose(config_name=path.stem, overrides=args.overrides)
-    OmegaConf.resolve(cfg)
-    if _has_hf_uri(cfg):
-        from waypoint.training.hub import resolve_hf_uris  # imports huggingface_hub only when needed
+    try:
+        cfg = _compose(path, args.overrides)
+        if _has_hf_uri(cfg):
+            from waypoint.training.hub import resolve_hf_uris  # imports huggingface_hub only when needed
 
-        try:
             resolve_hf_uris(cfg)
-        except (CheckpointError, FileNotFoundError) as e:  # before the recipe's own error handling
-            if os.environ.get("WAYPOINT_DEBUG"):
-                raise
-            parser.exit(1, f"error: {str(e).splitlines()[0]}\n")
+        check_config(cfg, checks)
+    except (CheckpointError, FileNotFoundError) as e:  # before the recipe's own error handling
+        if os.environ.get(DEBUG):
+            raise
+        parser.exit(1, f"error: {str(e).splitlines()[0]}\n")
     return cfg
+
+
+def _compose(path: Path, overrides: list[str]) -> DictConfig:
+    """Hydra's compose and OmegaConf's resolve, their errors as one line naming the option."""
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
+            cfg = compose(config_name=path.stem, overrides=overrides)
+        OmegaConf.resolve(cfg)
+        return cfg
+    except MissingConfigException as e:
+        found = re.search(r"Could not find '([^']+)'", str(e))
+        options = re.findall(r"^\t(\S+)$", str(e).split("Config search path")[0], flags=re.M)
+        if found and "/" in found.group(1):
+            group, option = found.group(1).rsplit("/", 1)
+            raise CheckpointError(f"{group}={option}: no such option in {path.parent / group}"
+                                  + (f" (available: {', '.join(options)})" if options else "")) from None
+        raise CheckpointError(f"{path}: {_first_line(e)}") from None
+    except OverrideParseException as e:
+        raise CheckpointError(f"cannot parse the override {_bad_override(overrides)!r}: {_first_line(e)}") from None
+    except HydraException as e:
+        unknown = re.match(r"Could not override '([^']+)'", str(e))
+        if unknown:
+            key = unknown.group(1)
+            near = difflib.get_close_matches(key, _known_keys(path), n=2, cutoff=0.6)
+            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            raise CheckpointError(f"unknown option {key}{hint}; to add a new key, write +{key}=...") from None
+        present = re.search(r"An item is already at '([^']+)'", str(e))
+        if present:
+            raise CheckpointError(f"+{present.group(1)}: {present.group(1)} is already in the config; drop the +") from None
+        raise CheckpointError(f"{path}: {_first_line(e)}") from None
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise CheckpointError(f"{path}: {key + ': ' if key else ''}{_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def _bad_override(overrides: list[str]) -> str:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException:
+            return override
+    return " ".join(overrides)
+
+
+def _known_keys(path: Path) -> list[str]:
+    """Every dotted key of a value in the config file as it is, for suggestions."""
+    with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
+        cfg = OmegaConf.to_container(compose(config_name=path.stem), resolve=False)
+    keys: list[str] = []
+
+    def walk(node: Mapping, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, Mapping):
+                walk(v, f"{prefix}{k}.")
+            elif k != "_target_":
+                keys.append(prefix + str(k))
+    walk(cfg, "")
+    return keys
 
 
 def _has_hf_uri(node) -> bool:

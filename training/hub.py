@@ -253,17 +253,17 @@ def _explain(e: BaseException, c: _Context) -> str:
     if status == 401 and "invalid credentials" in server_says.lower():
         return (f"the hub at {c.endpoint} rejected the token in use as invalid while fetching {c.label}: set HF_TOKEN to a "
                 "valid token (or log in with `hf auth login`)")
-    if isinstance(e, GatedRepoError) or (isinstance(e, HfHubHTTPError) and not isinstance(e, RepositoryNotFoundError)
-                                         and status in (401, 403)):
-        if c.token_given:
-            return (f"{c.label} is a gated repository and the token in use has no access: accept its licence at {page} "
-                    "(access may need approval) and set HF_TOKEN to a token of the account that accepted it")
-        return f"{c.label} is a gated repository: accept its licence at {page} and set HF_TOKEN to a token of that account"
+    if isinstance(e, GatedRepoError):
+        return (f"{c.label} is a gated repository and {_token_problem(c, status)}: accept its licence at {page} "
+                "(access may need approval) and set HF_TOKEN to a token of the account that accepted it")
     if isinstance(e, RepositoryNotFoundError):
-        if status == 401:
-            return (f"repository {c.label} not found on {c.endpoint}, or it is private or gated and needs a token: check the "
-                    f"name; if it is gated, accept its licence at {page} and set HF_TOKEN")
+        if status in (401, 403):
+            return (f"repository {c.label} not found on {c.endpoint}, or it is private or gated and {_token_problem(c, status)}: "
+                    f"check the name, and set HF_TOKEN to a token with access to it (a gated one's licence is at {page})")
         return f"repository {c.label} not found on {c.endpoint}"
+    if isinstance(e, HfHubHTTPError) and status in (401, 403):
+        return (f"the hub at {c.endpoint} refused {c.label} (HTTP {status}): {_token_problem(c, status)}; set HF_TOKEN "
+                f"(or run `hf auth login`) to a token with access to {c.repo_id}")
     if isinstance(e, RevisionNotFoundError):
         return f"revision {c.revision or constants.DEFAULT_REVISION!r} not found in {c.repo_id} on {c.endpoint}"
     if isinstance(e, RemoteEntryNotFoundError):
@@ -288,6 +288,15 @@ def _explain(e: BaseException, c: _Context) -> str:
     if isinstance(e, HFValidationError):
         return f"{c.label}: {_first_line(e)}"
     return f"downloading {c.label} failed: {type(e).__name__}: {_first_line(e)}"
+
+
+def _token_problem(c: _Context, status: int | None) -> str:
+    """What is wrong with the token (never the token itself) when the hub refuses with ``status``."""
+    if not c.token_given:
+        return "no token is set (HF_TOKEN, or `hf auth login`)"
+    if status == 401:
+        return "the token in use is invalid or lacks access to it"
+    return "the token in use lacks access to it"
 
 
 @contextmanager

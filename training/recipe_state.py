@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from waypoint.checkpointers.base import RECIPE_STATE_FILE
+from waypoint.checkpointers.file_formats import load_pickle
 from waypoint.converters.errors import CheckpointError
 FORMAT_VERSION = 1
 # Import names before everything moved under `waypoint` (a saved config's `_target_: checkpointers.build_model`).
@@ -55,10 +56,9 @@ def load_recipe_state(checkpoint_dir: str | Path) -> dict[str, Any]:
     path = Path(checkpoint_dir) / RECIPE_STATE_FILE
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; {checkpoint_dir} is a model checkpoint, not a resumable one")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # optimizer tensors paged in on use
-    except Exception as e:  # unpickling raises many types; the message names the file
-        raise CheckpointError(f"{path}: unreadable ({str(e).splitlines()[0]})") from e
+    state = load_pickle(path)  # memory-mapped: optimizer tensors are paged in on use
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a recipe state (a {type(state).__name__})")
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {state.get('format_version')!r}, expected {FORMAT_VERSION}")
     state["config"] = current_names(state.get("config") or {})

@@ -1,0 +1,67 @@
+"""Every bad option is one line naming it, before anything is read or written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from recipes.full_finetune import main as full_finetune
+from recipes.lora_finetune import main as lora_finetune
+from tests.conftest import ROOT
+
+CASES = [
+    ("bach_size=4", "error: unknown option bach_size (did you mean batch_size?); to add a new key, write +bach_size=..."),
+    ("checkpointer.chekpoint_dir=x", "error: unknown option checkpointer.chekpoint_dir (did you mean checkpointer.checkpoint_dir"),
+    ("batch_size=abc", "error: batch_size=abc: expected an integer >= 1"),
+    ("batch_size=0", "error: batch_size=0: expected an integer >= 1"),
+    ("gradient_accumulation_steps=1.5", "error: gradient_accumulation_steps=1.5: expected an integer >= 1"),
+    ("epochs=-1", "error: epochs=-1: expected an integer >= 1"),
+    ("max_steps_per_epoch=0", "error: max_steps_per_epoch=0: expected null or an integer >= 1"),
+    ("save_every_n_steps=0", "error: save_every_n_steps=0: expected null or an integer >= 1"),
+    ("keep_last_n_checkpoints=-2", "error: keep_last_n_checkpoints=-2: expected null or an integer >= 1"),
+    ("dtype=fp8", "error: dtype=fp8: expected one of float32, fp32, bfloat16, bf16, float16, fp16"),
+    ("output_dtype=int8", "error: output_dtype=int8: expected null or one of float32"),
+    ("device=cuda:7", "error: device=cuda:7: expected "),
+    ("device=tpu", "error: device=tpu: expected cpu, cuda or cuda:N"),
+    ("optimizer.lr=-0.1", "error: optimizer.lr=-0.1: expected a number >= 0"),
+    ("overwrite=yes", "error: overwrite=yes: expected true or false"),
+    ("on_nonfinite=ignore", "error: on_nonfinite=ignore: expected one of stop, skip_step"),
+    ("preemption_signals=[SIGFOO]", "error: preemption_signals=['SIGFOO']: expected a list of signal names"),
+    ("checkpointer=foo", "error: checkpointer=foo: no such option in "),
+    ("batch_size=[", "error: cannot parse the override 'batch_size=['"),
+    ("+batch_size=4", "error: +batch_size: batch_size is already in the config; drop the +"),
+    ("dataset.max_seq_len=${nope}", "error: "),
+]
+
+
+@pytest.mark.parametrize("override,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_option_is_one_line_and_touches_nothing(override, expected, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stop:
+        full_finetune(["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", override])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(expected), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("override,expected", [("lora.rank=0", "error: lora.rank=0: expected an integer >= 1"),
+                                               ("lora.dropout=1", "error: lora.dropout=1: expected a number >= 0 and < 1"),
+                                               ("save_merged=sometimes", "error: save_merged=sometimes: expected one of final, every, never")])
+def test_bad_lora_option_is_one_line(override, expected, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        lora_finetune(["--config", str(ROOT / "configs/tiny_lora.yaml"), f"output_dir={tmp_path / 'out'}", override])
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith(expected), err
+
+
+def test_help_names_each_recipes_own_config():
+    for recipe, config in (("full_finetune", "configs/tiny.yaml"), ("lora_finetune", "configs/tiny_lora.yaml")):
+        shown = subprocess.run([sys.executable, str(ROOT / f"recipes/{recipe}.py"), "--help"], capture_output=True, text=True,
+                               timeout=120)
+        assert shown.returncode == 0 and f"e.g. {config}" in " ".join(shown.stdout.split()), shown.stdout
+    missing = subprocess.run([sys.executable, str(ROOT / "recipes/full_finetune.py")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        "error: the following arguments are required: --config (see full_finetune.py --help)"]

@@ -1,0 +1,62 @@
+"""What every command (recipe or script) does with bad input: one line, ``error: ...``, naming the file, key
+or option, and exit status 1 (2 for a malformed command line). ``WAYPOINT_DEBUG=1`` shows the traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from waypoint.converters.errors import CheckpointError
+
+DEBUG = "WAYPOINT_DEBUG"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, without the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def describe(e: BaseException) -> str:
+    """The first line of what went wrong; an OSError as ``FILE: reason``; an error raised by a constructor that
+    Hydra instantiated as the constructor's own."""
+    from hydra.errors import InstantiationException
+
+    if isinstance(e, InstantiationException) and e.__cause__ is not None:
+        e = e.__cause__
+    if isinstance(e, OSError) and not isinstance(e, CheckpointError) and e.strerror:
+        where = e.filename if e.filename is not None else ""
+        return f"{where}: {e.strerror}" if where else e.strerror
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    from hydra.errors import InstantiationException
+
+    return CheckpointError, OSError, InstantiationException
+
+
+def report(e: BaseException) -> int:
+    """Print ``e`` as one ``error:`` line (under torchrun, ranks other than 0 prefix theirs); exit status 1."""
+    rank = int(os.environ.get("RANK", "0"))
+    print(f"\n{f'[rank {rank}] ' if rank else ''}error: {describe(e)}", file=sys.stderr)  # after any progress bar
+    return 1
+
+
+def run_command(fn: Callable[[], int]) -> int:
+    """``fn()``, with bad input (and Ctrl-C) reported in one line."""
+    try:
+        return fn()
+    except user_errors() as e:
+        if os.environ.get(DEBUG):
+            raise
+        return report(e)
+    except KeyboardInterrupt:
+        if os.environ.get(DEBUG):
+            raise
+        print("\nerror: interrupted", file=sys.stderr)
+        return 130

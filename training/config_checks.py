@@ -1,0 +1,160 @@
+"""Every numeric and enum option checked before anything is read or written: one line naming the key,
+the value and what it should be.
+
+A table: dotted key -> (required, check). A check returns None when the value is fine, or what was
+expected (``"an integer >= 1"``). Options the table does not name belong to instantiated objects
+(``optimizer.betas``, ``dataset.template``...), whose own errors name them.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from waypoint.converters.errors import CheckpointError
+from waypoint.models.builders import _DTYPES
+
+Check = Callable[[Any], "str | None"]
+
+
+def integer(minimum: int) -> Check:
+    def check(v):
+        return None if isinstance(v, int) and not isinstance(v, bool) and v >= minimum else f"an integer >= {minimum}"
+    return check
+
+
+def number(minimum: float, inclusive: bool = True, below: float | None = None) -> Check:
+    def check(v):
+        fits = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= minimum if inclusive else v > minimum)
+        if fits and (below is None or v < below):
+            return None
+        return f"a number {'>=' if inclusive else '>'} {minimum}" + (f" and < {below}" if below is not None else "")
+    return check
+
+
+def optional(check: Check) -> Check:
+    def optional_check(v):
+        return None if v is None else (None if check(v) is None else f"null or {check(v)}")
+    return optional_check
+
+
+def one_of(*choices: str) -> Check:
+    def check(v):
+        return None if isinstance(v, str) and v in choices else f"one of {', '.join(choices)}"
+    return check
+
+
+def boolean(v) -> str | None:
+    return None if isinstance(v, bool) else "true or false"
+
+
+def resume(v) -> str | None:
+    return None if isinstance(v, bool) or (isinstance(v, str) and v) else "auto, true, false or the path of a step_N checkpoint"
+
+
+def signals(v) -> str | None:
+    names = v if isinstance(v, (list, tuple)) else None
+    if names is not None and all(isinstance(n, str) and isinstance(getattr(signal, n, None), signal.Signals) for n in names):
+        return None
+    return "a list of signal names such as [SIGTERM, SIGUSR1]"
+
+
+def device(v) -> str | None:
+    import torch
+
+    try:
+        dev = torch.device(v) if isinstance(v, str) else None
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        return "cpu, cuda or cuda:N"
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            return "cpu (this machine has no CUDA device)"
+        if dev.index is not None and dev.index >= count:
+            return f"cuda:0 .. cuda:{count - 1} (this machine has {count} CUDA device{'s' if count > 1 else ''}) or cpu"
+    return None
+
+
+def strings(v) -> str | None:
+    return None if isinstance(v, (list, tuple)) and v and all(isinstance(s, str) for s in v) else "a non-empty list of names"
+
+
+DTYPES = one_of(*_DTYPES)
+
+COMMON: dict[str, tuple[bool, Check]] = {
+    "output_dir": (True, lambda v: None if isinstance(v, str) and v else "a directory path"),
+    "resume": (True, resume),
+    "overwrite": (True, boolean),
+    "seed": (True, integer(0)),
+    "device": (True, device),
+    "dtype": (True, DTYPES),
+    "output_dtype": (False, optional(DTYPES)),
+    "strict": (True, boolean),
+    "epochs": (True, integer(1)),
+    "max_steps_per_epoch": (True, optional(integer(1))),
+    "batch_size": (True, integer(1)),
+    "gradient_accumulation_steps": (True, integer(1)),
+    "clip_grad_norm": (True, optional(number(0, inclusive=False))),
+    "enable_activation_checkpointing": (True, boolean),
+    "save_every_n_steps": (True, optional(integer(1))),
+    "save_every_epoch": (True, boolean),
+    "keep_last_n_checkpoints": (True, optional(integer(1))),
+    "preemption_signals": (True, signals),
+    "requeue": (True, boolean),
+    "async_checkpoint": (False, boolean),
+    "on_nonfinite": (False, one_of("stop", "skip_step")),
+    "optimizer.lr": (False, number(0)),
+    "optimizer.weight_decay": (False, number(0)),
+    "lr_scheduler.num_warmup_steps": (False, integer(0)),
+    "dataset.max_seq_len": (False, integer(1)),
+    **{key: (True, lambda v: None if isinstance(v, Mapping) and v.get("_target_") else "a section with a _target_")
+       for key in ("checkpointer", "model", "tokenizer", "dataset", "optimizer", "lr_scheduler")},
+}
+
+LORA: dict[str, tuple[bool, Check]] = {
+    "lora.targets": (True, strings),
+    "lora.rank": (True, integer(1)),
+    "lora.alpha": (True, number(0, inclusive=False)),
+    "lora.dropout": (True, number(0, below=1)),
+    "max_lora_rank": (False, integer(1)),
+    "save_merged": (False, one_of("final", "every", "never")),
+    "save_adapter_weights_only": (False, boolean),
+}
+
+_MISSING = object()
+
+
+def check_config(cfg: DictConfig, table: Mapping[str, tuple[bool, Check]] = COMMON) -> None:
+    """Raise a one-line CheckpointError for the first option that is missing or out of range."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for key, (required, check) in table.items():
+        value = _lookup(config, key)
+        if value is _MISSING:
+            if required:
+                raise CheckpointError(f"the config lacks {key}: add it to the config file, or pass +{key}=VALUE")
+            continue
+        expected = check(value)
+        if expected is not None:
+            raise CheckpointError(f"{key}={_show(value)}: expected {expected}")
+
+
+def _lookup(config: Mapping, dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if not isinstance(value, (dict, list)) else repr(value)
