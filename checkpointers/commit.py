@@ -55,6 +55,7 @@ class HashingFile:
         self._pool = hasher_pool
         self._pending = []
         self.size = 0
+        self.error: OSError | None = None  # the failed write, which torch.save reports as a RuntimeError of its own
 
     def write(self, data) -> int:
         """Write ``data``; a buffer that may change after this call (torch.save reuses its own) is
@@ -69,7 +70,11 @@ class HashingFile:
         view = memoryview(data).cast("B")
         for offset in range(0, len(view), CHUNK):
             piece = view[offset: offset + CHUNK]
-            self._file.write(piece)
+            try:
+                self._file.write(piece)
+            except OSError as e:
+                self.error = e
+                raise
             self._pending.append(self._pool.submit(self._hash.update, piece if stable else bytes(piece)))
             while len(self._pending) > MAX_PENDING:  # bound the memory held for hashing
                 self._pending.pop(0).result()
@@ -77,7 +82,11 @@ class HashingFile:
         return len(view)
 
     def flush(self) -> None:
-        self._file.flush()
+        try:
+            self._file.flush()
+        except OSError as e:
+            self.error = e
+            raise
 
     def close_durably(self) -> tuple[int, str]:
         """Flush, fsync and close; the (size, hex digest) of what was written."""
@@ -89,7 +98,10 @@ class HashingFile:
         return self.size, self._hash.hexdigest()
 
     def abandon(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:  # flushing what is buffered can fail as the write did; the file is discarded anyway
+            pass
         for future in self._pending:
             future.cancel()
 
@@ -150,8 +162,10 @@ class StagedDir:
         try:
             produce(handle)
             handle.flush()
-        except BaseException:
+        except BaseException as e:
             handle.abandon()
+            if handle.error is not None and e is not handle.error:  # a full disk, as torch.save's zip writer words it
+                raise handle.error from None
             raise
         self._closing[name] = self._syncer.submit(handle.close_durably)
 
@@ -248,23 +262,6 @@ def step_dirs(output_dir: str | os.PathLike) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in output_dir.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
-
-
-def prune_checkpoints(output_dir: str | os.PathLike, keep_last_n: int | None) -> list[Path]:
-    """Delete all but the newest ``keep_last_n`` verified checkpoints (None keeps all).
-
-    Called after a commit, so the newest verified checkpoint is never among the deleted;
-    directories that do not verify are left alone.
-    """
-    if not keep_last_n:
-        return []
-    if keep_last_n < 1:
-        raise CheckpointError(f"keep_last_n_checkpoints must be at least 1, got {keep_last_n}")
-    verified = [p for p in step_dirs(output_dir) if verify(p, hash_contents=False).ok]
-    doomed = verified[keep_last_n:]
-    for path in doomed:
-        shutil.rmtree(path)
-    return doomed
 
 
 def remove_stale_staging(output_dir: str | os.PathLike) -> list[Path]:

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from waypoint.checkpointers.commit import StagedDir, hash_file, prune_checkpoints
+from waypoint.checkpointers.commit import StagedDir, hash_file
+from waypoint.checkpointers.retention import prune_checkpoints
 from waypoint.checkpointers.dtensor_state import GatheredState, serve_gathers
 from waypoint.checkpointers.sharded_checkpoint import DCP_ERRORS, SHARDED_DIR, describe_error, rank_files, save_sharded
 from waypoint.converters.errors import CheckpointError

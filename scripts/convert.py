@@ -4,7 +4,9 @@
                               [--max-shard-size 5GB | --num-shards N] [--overwrite]
 
 By default the output has as many files as the input (for the same format: the very
-same files and key -> file map). OUT_DIR must not exist or be empty, unless --overwrite.
+same files and key -> file map). OUT_DIR must not exist or be empty, unless --overwrite, which
+replaces it only once the new output is complete. OUT_DIR may not be IN_DIR, lie inside it or
+contain it (real paths: symlinks are followed).
 
 IN_DIR may also be a sharded step checkpoint of a torchrun run (``step_N/sharded/``): its
 model is read from the shards and written in the format, files and key -> file map of the
@@ -14,8 +16,8 @@ whole model for this.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -30,8 +32,10 @@ from waypoint.checkpointers import CheckpointError, checkpointer_for, detect_for
 from waypoint.checkpointers.base import SMALL_FILE_LIMIT  # noqa: E402
 from waypoint.checkpointers.export import export, parse_size  # noqa: E402
 from waypoint.checkpointers.load_model import model_args_for  # noqa: E402
+from waypoint.checkpointers.overlap import refuse_overlap  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from waypoint.checkpointers.shard_layout import WEIGHT_SUFFIXES  # noqa: E402
+from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
 
 SKIPPED = {"config.json", "params.json", "waypoint_model.json", "MANIFEST.json", "model.safetensors.index.json",
            "pytorch_model.bin.index.json", "recipe_state.pt", "extra_state.pt"}
@@ -62,52 +66,81 @@ def sharded_run_model(step_dir: Path, output_dir: Path):
 
 def convert(src: Path, dst: Path, to: str, source_format: str | None = None, model_type: str | None = None,
             max_shard_size: str | None = None, num_shards: int | None = None, overwrite: bool = False) -> Path:
+    refuse_overlap(dst, {"the input": src}, "the output")  # before anything is read or written
     sharded = holds_sharded_model(src)
     fmt = None if sharded else detect_format(src)
     if source_format and not sharded and source_format != fmt:
         raise CheckpointError(f"--from {source_format}: {src} holds a {fmt} checkpoint")
-    if dst.exists() and any(dst.iterdir()):
-        if not overwrite:
-            raise CheckpointError(f"{dst}: not empty; choose another directory or pass --overwrite")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
+        raise CheckpointError(f"{dst}: not empty; choose another directory or pass --overwrite")
     if sharded:
         ckpt, state = sharded_run_model(src, dst.parent)
         fmt, src = detect_format(ckpt.checkpoint_dir), ckpt.checkpoint_dir
+        refuse_overlap(dst, {"the run's input": src}, "the output")
     else:
         kwargs = {"model_type": model_type} if model_type and fmt != "native" else {}
         ckpt = checkpointer_for(src, output_dir=dst.parent, **kwargs)
         state = ckpt.load_checkpoint()
-    model_type = model_type or None
-    if dst.exists():
-        shutil.rmtree(dst)  # only now: a failed load above leaves the old output as it was
-    if to == fmt and not (max_shard_size or num_shards):
-        return ckpt.save_to(state, dst)  # the same files, keys and split as the input
-    files = getattr(ckpt, "files", None) or ckpt.layout.files
-    source_hf_config = ckpt.config.get("hf_config") if fmt == "native" else ckpt.config if fmt == "hf" else None
-    return export(state["model"], model_args_for(ckpt), model_type or ckpt.model_type, to, dst, source_hf_config=source_hf_config,
-                  side_files=side_files(src), num_shards=num_shards or (None if max_shard_size else len(files)),
-                  max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None)
+
+    def write(target: Path) -> Path:
+        if to == fmt and not (max_shard_size or num_shards):
+            return ckpt.save_to(state, target)  # the same files, keys and split as the input
+        files = getattr(ckpt, "files", None) or ckpt.layout.files
+        source_hf_config = ckpt.config.get("hf_config") if fmt == "native" else ckpt.config if fmt == "hf" else None
+        return export(state["model"], model_args_for(ckpt), model_type or ckpt.model_type, to, target,
+                      source_hf_config=source_hf_config, side_files=side_files(src),
+                      num_shards=num_shards or (None if max_shard_size else len(files)),
+                      max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None)
+    return replace_dir(dst, write) if dst.exists() else write(dst)
+
+
+def replace_dir(dst: Path, write) -> Path:
+    """``write`` a new directory beside ``dst`` and swap it in: the old ``dst`` is deleted only once the new one is
+    complete, so a failure (or a kill) at any moment leaves it as it was."""
+    new, old = (dst.with_name(f".{dst.name}.{kind}-{os.getpid()}") for kind in ("new", "old"))
+    write(new)
+    try:
+        dst.rename(old)
+        new.rename(dst)
+    except OSError:
+        if old.exists() and not dst.exists():
+            old.rename(dst)
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+    return dst
+
+
+def size(text: str) -> str:
+    """--max-shard-size's check: argparse turns its ValueError into a one-line usage error."""
+    if parse_size(text) <= 0:
+        raise ValueError(text)
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("input", type=Path)
     parser.add_argument("output", type=Path)
     parser.add_argument("--to", required=True, choices=["hf", "meta", "native"])
     parser.add_argument("--from", dest="source_format", choices=["hf", "meta", "native"], help="default: detected")
     parser.add_argument("--model-type", help="LLAMA2, LLAMA3, MISTRAL, ... (default: detected)")
     shard = parser.add_mutually_exclusive_group()
-    shard.add_argument("--max-shard-size", help="e.g. 5GB (HF and native outputs)")
+    shard.add_argument("--max-shard-size", type=size, help="e.g. 5GB (HF and native outputs)")
     shard.add_argument("--num-shards", type=int, help="number of output files (Meta: model-parallel files)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty output directory (only once the new one is complete)")
     args = parser.parse_args(argv)
-    try:
+
+    def run() -> int:
         out = convert(args.input, args.output, args.to, args.source_format, args.model_type, args.max_shard_size,
                       args.num_shards, args.overwrite)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {out}")
-    return 0
+        print(f"wrote {out}")
+        return 0
+    return run_command(run)
 
 
 if __name__ == "__main__":

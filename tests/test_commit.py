@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from waypoint.checkpointers.commit import MANIFEST, StagedDir, new_hasher, prune_checkpoints, remove_stale_staging, step_dirs, verify
+from waypoint.checkpointers.commit import MANIFEST, StagedDir, new_hasher, remove_stale_staging, step_dirs, verify
+from waypoint.checkpointers.retention import prune_checkpoints
 from waypoint.checkpointers.safetensors_writer import write_safetensors
 from waypoint.converters import CheckpointError
 

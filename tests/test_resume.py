@@ -179,7 +179,60 @@ def test_incompatible_config_change_is_refused_with_the_keys(tmp_path, interrupt
             "1 processes); set gradient_accumulation_steps=2 to keep it") in smaller.stderr
     harmless = run(out, "clip_grad_norm=0.5")
     assert harmless.returncode == 0, harmless.stderr[-2000:]
-    assert "note: clip_grad_norm differs from the checkpoint's config; accepted" in harmless.stdout
+    assert "note: clip_grad_norm: 1.0 -> 0.5 (takes effect from step 13)" in harmless.stdout
+
+
+def lrs(out):
+    return [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_changed_optimizer_settings_take_effect_on_resume(tmp_path, interrupted, reference):
+    """Not accepted and ignored (the restored param groups and scheduler would bring the old values back)."""
+    out = copy_run(interrupted, tmp_path / "run")
+    result = run(out, "optimizer.lr=1.0e-3", "optimizer.weight_decay=0.1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "note: optimizer.lr: 0.003 -> 0.001 (takes effect from step 13)" in result.stdout
+    assert "note: optimizer.weight_decay: 0.0 -> 0.1 (takes effect from step 13)" in result.stdout
+    mine, theirs = lrs(out), lrs(reference)
+    assert mine[:12] == theirs[:12] and len(mine) == len(theirs)
+    assert all(abs(a - b / 3) <= 1e-12 for a, b in zip(mine[12:], theirs[12:])), "the schedule follows the new lr"
+    final_mine, final_theirs = weights(out / FINAL), weights(reference / FINAL)
+    assert any(not torch.equal(final_mine[k], final_theirs[k]) for k in final_mine)
+
+
+def test_apply_changes_sets_the_resumed_steps_learning_rate():
+    from waypoint.training.lr_schedule import warmup_cosine
+    from waypoint.training.resume import apply_changes
+
+    def make(lr):
+        param = torch.nn.Parameter(torch.ones(3))
+        optimizer = torch.optim.AdamW([param], lr=lr, weight_decay=0.0)
+        return param, optimizer, warmup_cosine(optimizer, num_training_steps=20, num_warmup_steps=4)
+
+    param, optimizer, scheduler = make(3e-3)
+    for _ in range(6):
+        param.grad = torch.ones(3)
+        optimizer.step()
+        scheduler.step()
+    saved = optimizer.state_dict(), scheduler.state_dict()
+    _, resumed_optimizer, resumed_scheduler = make(1e-3)
+    resumed_optimizer.load_state_dict(saved[0])
+    resumed_scheduler.load_state_dict(saved[1])
+    assert resumed_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"], "restored: the old value is back"
+    apply_changes(resumed_optimizer, resumed_scheduler, [("optimizer.lr", 3e-3, 1e-3), ("optimizer.weight_decay", 0.0, 0.1)])
+    group = resumed_optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(optimizer.param_groups[0]["lr"] / 3) and group["weight_decay"] == 0.1
+    assert resumed_scheduler.get_last_lr() == [group["lr"]]
+
+
+def test_torn_metrics_line_does_not_block_resume(tmp_path, interrupted, reference):
+    out = copy_run(interrupted, tmp_path / "run")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 13, "lo')  # a kill in the middle of a write
+    result = run(out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "note: metrics.jsonl: dropped a torn last line (the run was killed while writing it)" in result.stdout
+    assert_same_run(out, reference)
 
 
 def test_same_global_batch_in_smaller_micro_batches_resumes(tmp_path, interrupted, reference):

@@ -1,33 +1,38 @@
-"""What every recipe's ``main`` does around its ``train``: compose the config, turn bad input into a
-one-line ``error: ...`` (exit 1; ``WAYPOINT_DEBUG=1`` shows the traceback), and give back the
-signal handlers it installed, since ``main`` may run inside another program (tests, notebooks)."""
+"""What every recipe's ``main`` does around its ``train(cfg, dist)``: compose and check the config before
+anything is read or written, start the process group, hold ``output_dir`` for the run's life
+(``waypoint.training.run_dir``), turn bad input into a one-line ``error: ...`` (exit 1;
+``WAYPOINT_DEBUG=1`` shows the traceback), and give back the signal handlers it installed, since
+``main`` may run inside another program (tests, notebooks)."""
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.training.cli import run_command
 from waypoint.training.config import parse_config
+from waypoint.training.config_checks import COMMON, Check
+from waypoint.training.distributed import Distributed, init_distributed
+from waypoint.training.run_dir import hold_output_dir
 
 
-def run_recipe(train: Callable[[DictConfig], int], argv: list[str] | None, description: str) -> int:
-    cfg = parse_config(argv, description=description)
+def run_recipe(train: Callable[[DictConfig, Distributed], int], argv: list[str] | None, description: str,
+               example: str = "configs/tiny.yaml", checks: Mapping[str, tuple[bool, Check]] = COMMON) -> int:
+    cfg = parse_config(argv, description=description, example=example, checks=checks)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def run() -> int:
+        dist = init_distributed(cfg.device)  # under torchrun: one process per GPU (or CPU), else a single process
+        try:
+            with hold_output_dir(cfg, dist):  # one run per output_dir, apart from everything it reads
+                return train(cfg, dist)
+        finally:
+            dist.close()
+
     try:
-        return train(cfg)
-    except (CheckpointError, FileNotFoundError, InstantiationException) as e:
-        if os.environ.get("WAYPOINT_DEBUG"):
-            raise
-        cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
-        rank = int(os.environ.get("RANK", "0"))  # under torchrun every rank reports; rank 0 unprefixed
-        print(f"\n{f'[rank {rank}] ' if rank else ''}error: {str(cause).splitlines()[0]}", file=sys.stderr)  # after any progress bar
-        return 1
+        return run_command(run)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -1,26 +1,54 @@
-"""Training metrics: one JSON object per optimizer step in ``output_dir/metrics.jsonl``."""
+"""Training metrics: one JSON object per optimizer step in ``output_dir/metrics.jsonl``.
+
+The file is only ever appended to, never rewritten. When a run starts, a torn last line (a kill in
+the middle of a write) is dropped with a note, and on resume the lines past the resumed step (written
+after the checkpoint the run continues from) are cut off with one ``truncate``, so the log reads like
+an uninterrupted run's and no moment exists at which it is half written.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+from waypoint.converters.errors import CheckpointError
 
 
 class MetricsLog:
-    """Appends to ``output_dir/metrics.jsonl``; records past ``keep_through_step`` (written after the
-    checkpoint a run resumes from) are dropped first, so the log reads like an uninterrupted run's."""
-
-    def __init__(self, output_dir: str | Path, name: str = "metrics.jsonl", keep_through_step: int | None = None) -> None:
+    def __init__(self, output_dir: str | os.PathLike, name: str = "metrics.jsonl", keep_through_step: int | None = None,
+                 report: Callable[[str], None] = print) -> None:
         self.path = Path(output_dir) / name
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if keep_through_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= keep_through_step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
-        self._file = open(self.path, "a", buffering=1)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                self._cut(keep_through_step, report)
+            self._file = open(self.path, "a", buffering=1)
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot write ({e.strerror or e}); output_dir must be writable") from None
+
+    def _cut(self, keep_through_step: int | None, report: Callable[[str], None]) -> None:
+        """Truncate after the last line to keep: before a torn last line, or the first past ``keep_through_step``."""
+        with open(self.path, "r+b") as f:
+            lines = f.read().splitlines(keepends=True)
+            offset = 0
+            for i, line in enumerate(lines):
+                last = i == len(lines) - 1
+                try:
+                    record = json.loads(line) if line.endswith(b"\n") else None
+                except ValueError:
+                    record = None
+                step = record.get("step", 0) if isinstance(record, dict) else None
+                if step is None and last:
+                    report(f"note: {self.path.name}: dropped a torn last line (the run was killed while writing it)")
+                    break
+                if keep_through_step is not None and isinstance(step, int) and step > keep_through_step:
+                    break
+                offset += len(line)  # an unreadable line that is not the last one stays, as it was
+            if offset < sum(len(line) for line in lines):
+                f.truncate(offset)
+                os.fsync(f.fileno())
 
     def write(self, **record) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -8,12 +8,15 @@ fresh; ``resume: <path>`` pins one checkpoint directory.
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
 from waypoint.checkpointers.commit import STEP_DIR, Verification, step_dirs, verify
+from waypoint.checkpointers.retention import set_aside_earlier_run
 from waypoint.converters.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -22,7 +25,8 @@ log = logging.getLogger(__name__)
 # gradient_accumulation_steps may change as long as the global batch (their product times the number
 # of processes) does not: check_global_batch.
 BREAKING_KEYS = ("model", "checkpointer.checkpoint_dir", "checkpointer.checkpoint_files", "checkpointer.model_type",
-                 "tokenizer", "dataset", "seed", "max_steps_per_epoch", "dtype", "optimizer._target_")
+                 "tokenizer", "dataset", "seed", "max_steps_per_epoch", "dtype", "optimizer._target_", "lr_scheduler._target_")
+SCHEDULE_KEYS = ("optimizer.lr", "epochs")  # beside lr_scheduler.*: what a learning-rate schedule follows
 
 
 def choose_checkpoint(output_dir: str | Path, resume: Any, overwrite: bool) -> Verification | None:
@@ -91,14 +95,45 @@ def config_changes(saved: Mapping, current: Mapping) -> tuple[list[str], list[st
     return breaking, [k for k in changed if k not in breaking]
 
 
-def check_config(saved: Mapping, current: Mapping, checkpoint: Path) -> list[str]:
-    """Raise on changes that break resuming from ``checkpoint``; return the harmless ones."""
+def check_config(saved: Mapping, current: Mapping, checkpoint: Path) -> list[tuple[str, Any, Any]]:
+    """Raise on changes that break resuming from ``checkpoint``; return the others as (key, old, new). They all
+    take effect from the resumed step on: optimizer and scheduler settings through :func:`apply_changes`."""
     breaking, harmless = config_changes(saved, current)
-    harmless = [k for k in harmless if k not in ("resume", "overwrite")]
     if breaking:
         raise CheckpointError(f"cannot resume from {checkpoint}: the config changed {', '.join(breaking)}; "
                               "restore them, or start a new run with another output_dir (or resume=false overwrite=true)")
-    return harmless
+    before, after = _flatten(saved), _flatten(current)
+    return [(k, before.get(k, "<unset>"), after.get(k, "<unset>")) for k in harmless if k not in ("resume", "overwrite")]
+
+
+def apply_changes(optimizer: Optimizer, scheduler: LRScheduler, changes: list[tuple[str, Any, Any]]) -> None:
+    """After the optimizer and scheduler states are restored (which brings back the checkpoint's settings): the
+    changed ``optimizer.*`` settings go into every param group, and a LambdaLR-family scheduler (``warmup_cosine``)
+    recomputes the learning rate for the resumed step from the new ``lr`` and schedule. A change that cannot
+    take effect is refused in one line, never accepted and ignored."""
+    for key, old, new in changes:
+        name = key.removeprefix("optimizer.")
+        if name == key:
+            continue
+        if any(name not in group for group in optimizer.param_groups):
+            raise CheckpointError(f"{key}: {old} -> {new} has no place in the restored {type(optimizer).__name__} state; "
+                                  "restore it, or start a new run with another output_dir")
+        for group in optimizer.param_groups:
+            group[name] = tuple(new) if isinstance(group[name], tuple) else new
+            if name == "lr":
+                group["initial_lr"] = new
+    if not changes:
+        return
+    if isinstance(scheduler, LambdaLR):
+        scheduler.base_lrs = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+        lrs = [base * factor(scheduler.last_epoch) for factor, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
+    elif any(k in SCHEDULE_KEYS or k.startswith("lr_scheduler.") for k, _, _ in changes):
+        changed = ", ".join(k for k, _, _ in changes if k in SCHEDULE_KEYS or k.startswith("lr_scheduler."))
+        raise CheckpointError(f"{changed} changed, which {type(scheduler).__name__} cannot take up on resume; restore "
+                              "it, or start a new run with another output_dir")
 
 
 def check_global_batch(recipe_state: Mapping, global_batch: int, batch_size: int, accumulate: int, world_size: int,
@@ -133,12 +168,12 @@ def set_aside_newer(output_dir: str | Path, chosen: Path, suffix: str) -> list[P
 
 
 def start_fresh(output_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix a new run into a directory that holds an earlier run, unless told to replace it."""
+    """Refuse to mix a new run into a directory that holds an earlier run, unless told to replace it. What it
+    replaces is set aside until this run commits a checkpoint of its own, and put back if it never does
+    (``checkpointers.retention``)."""
     earlier = [p.name for p in step_dirs(output_dir)]
     if earlier and not overwrite:
         raise CheckpointError(f"output_dir {output_dir} already holds checkpoints ({', '.join(earlier)}); "
                               "resume=auto continues them; choose another output_dir or set overwrite=true to replace them")
-    for name in earlier:
-        shutil.rmtree(output_dir / name)
-    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     output_dir.mkdir(parents=True, exist_ok=True)
+    set_aside_earlier_run(output_dir)
