@@ -21,6 +21,8 @@ from waypoint.checkpointers.commit import MANIFEST, StagedDir
 from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state, split_extra_state
 from waypoint.checkpointers.shard_layout import WEIGHT_SUFFIXES
 from waypoint.converters.errors import CheckpointError
+from waypoint.converters.lazy import spec_of
+from waypoint.models.builders import parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +44,21 @@ class Checkpointer:
     """Base of the HF, Meta and native checkpointers (``load_checkpoint`` / ``save_checkpoint``)."""
 
     own_files: frozenset[str] = frozenset()  # files the format writes itself, never copied from the input
+    format_label = ""  # "Hugging Face", "Meta", "native": for messages
+    loads_with = "waypoint.checkpointers.load_model('{path}')"  # what else reads the format, for messages
 
-    def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike) -> None:
+    def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                 output_dtype: str | torch.dtype | None = None) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.output_dir = Path(output_dir)
         if not self.checkpoint_dir.is_dir():
             raise CheckpointError(f"{self.checkpoint_dir}: checkpoint directory not found")
+        try:
+            self.output_dtype = parse_dtype(output_dtype)  # None: each tensor in its input twin's dtype
+        except ValueError as e:
+            raise CheckpointError(f"output_dtype: {e}") from None
+        self.input_dtypes: dict[str, torch.dtype] = {}  # the format's key -> dtype in the input, filled on load
+        self.unmapped: list[str] = []  # weight files read into memory on load (legacy pickles cannot be mapped)
 
     # -- to implement -------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
@@ -57,6 +68,43 @@ class Checkpointer:
         raise NotImplementedError
 
     # -- shared ---------------------------------------------------------------------
+    @property
+    def notes(self) -> list[str]:
+        """What the load report adds about how the files were read."""
+        if not self.unmapped:
+            return []
+        names = ", ".join(sorted(self.unmapped)[:3]) + (f" and {len(self.unmapped) - 3} more" if len(self.unmapped) > 3 else "")
+        return [f"note: read into memory, not memory-mapped: {names} (legacy non-zip PyTorch files cannot be mapped)"]
+
+    def cast_for_output(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (the format's ``key``) in the dtype its input twin had, or in ``output_dtype``."""
+        if not tensor.is_floating_point():
+            return tensor
+        dtype = self.output_dtype or self.input_dtypes.get(key, tensor.dtype)
+        return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+    def output_dtypes(self) -> set[torch.dtype]:
+        """The floating-point dtypes the model files are written in."""
+        return {self.output_dtype} if self.output_dtype else {d for d in self.input_dtypes.values() if d.is_floating_point}
+
+    def output_dtype_note(self) -> str:
+        """What the model files are written in, and why, for the log."""
+        names = "/".join(sorted(_dtype_name(d) for d in self.output_dtypes())) or "the input's dtype"
+        return f"{names} (output_dtype)" if self.output_dtype else f"{names} like the input (output_dtype changes it)"
+
+    def narrows(self, native: Mapping[str, Any]) -> bool:
+        """Whether writing ``native`` in the output dtypes can lose precision: a run resuming from it then needs the
+        model as it trained, which ``recipe_state.pt`` (or a sharded checkpoint's shards) then carries."""
+        targets = self.output_dtypes()
+        sources = {spec_of(native, k)[1] for k in native}
+        return any(narrows(s, t) for s in sources if s.is_floating_point for t in targets)
+
+    def describe_output(self, path: str | os.PathLike) -> str:
+        """What a checkpoint written at ``path`` is and how to use it, for the last line of a run."""
+        dtypes = "/".join(sorted(_dtype_name(d) for d in self.output_dtypes()))
+        return (f"{path} ({self.format_label} format{', ' + dtypes if dtypes else ''}): {self.loads_with.format(path=path)} "
+                f"loads it; python scripts/convert.py {path} OUT --to hf|meta|native converts it")
+
     def load_checkpoint(self) -> dict[str, Any]:
         """``{"model": native state dict}``: tensors memory-mapped where the format allows, in the file's dtype,
         with the modules' extra state (``*._extra_state``) when the checkpoint has it."""
@@ -102,8 +150,11 @@ class Checkpointer:
             self._copy_side_files(stage)
             if extra:
                 stage.write(EXTRA_STATE_FILE, lambda f: torch.save(extra, f))
-            if state_dict.get("recipe_state") is not None:
-                stage.write(RECIPE_STATE_FILE, lambda f: torch.save(state_dict["recipe_state"], f))
+            recipe_state = state_dict.get("recipe_state")
+            if recipe_state is not None:
+                if self.narrows(native):  # the files hold less than the model: resuming needs the model as it trained
+                    recipe_state = recipe_state | {"model": dict(native)}
+                stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe_state, f))
         return write
 
     def _copy_side_files(self, stage: StagedDir) -> None:
@@ -113,3 +164,14 @@ class Checkpointer:
             if (src.is_file() and src.name not in skip and not src.name.startswith(".")
                     and not src.name.endswith(WEIGHT_SUFFIXES) and src.stat().st_size <= SMALL_FILE_LIMIT):
                 stage.copy_file(src)
+
+
+def narrows(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether casting ``source`` to ``target`` can lose information (fp32 -> bf16 does, bf16 -> fp32 does not)."""
+    widening = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.float64),
+                (torch.bfloat16, torch.float64), (torch.float16, torch.float64)}
+    return source != target and (source, target) not in widening
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

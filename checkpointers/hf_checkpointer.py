@@ -21,7 +21,6 @@ from waypoint.checkpointers.dtensor_state import nbytes
 from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, read_metadata, read_tensors, write_tensors
 from waypoint.checkpointers.shard_layout import INDEX_NAMES, ShardLayout, discover
 from waypoint.converters import CheckpointError, Converter, detect_model_type, get_converter
-from waypoint.converters.lazy import spec_of
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -41,16 +40,20 @@ class HFCheckpointer(Checkpointer):
         model_type: ``LLAMA2``, ``LLAMA3``, ``MISTRAL``, ``QWEN2``, ``GEMMA``, ``PHI3``; ``None`` detects it from config.json.
         safe_serialization: ``None`` keeps the input's format; ``True`` writes safetensors,
             ``False`` PyTorch ``.bin`` files (file names follow the format).
+        output_dtype: ``None`` writes each tensor in the dtype its input twin had (config.json and the index
+            say so); ``fp32``/``bf16``/``fp16`` writes every floating-point tensor in that dtype.
     """
 
     own_files = frozenset({"config.json", *INDEX_NAMES.values()})
+    format_label = "Hugging Face"
+    loads_with = "transformers' AutoModelForCausalLM.from_pretrained('{path}')"
     config_file = "config.json"
     base_model_prefix = "model."  # transformers' name of the backbone inside *ForCausalLM
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
-                 safe_serialization: bool | None = None) -> None:
-        super().__init__(checkpoint_dir, output_dir)
+                 safe_serialization: bool | None = None, output_dtype: str | torch.dtype | None = None) -> None:
+        super().__init__(checkpoint_dir, output_dir, output_dtype)
         self.config = read_json(self.checkpoint_dir / self.config_file)
         self.converter: Converter = self._make_converter(model_type)
         self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
@@ -71,7 +74,7 @@ class HFCheckpointer(Checkpointer):
         with tqdm(total=total, unit="B", unit_scale=True, desc="load", leave=False) as bar:
             for name in self.layout.files:
                 path = self.checkpoint_dir / name
-                tensors = read_tensors(path)
+                tensors = read_tensors(path, self.unmapped)
                 self._file_metadata[name] = read_metadata(path)
                 self._check_against_index(name, tensors)
                 for key, t in tensors.items():
@@ -90,6 +93,7 @@ class HFCheckpointer(Checkpointer):
             where = {self.added_prefix + k: v for k, v in where.items()}
             keys_by_file = {f: [self.added_prefix + k for k in keys] for f, keys in keys_by_file.items()}
         self.layout = self.layout.with_keys(keys_by_file)
+        self.input_dtypes = {k: t.dtype for k, t in hf_state.items()}
         return self.converter.to_native(hf_state, where)
 
     def _check_against_index(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -114,8 +118,8 @@ class HFCheckpointer(Checkpointer):
         plan = self._plan_files(native, layout)
 
         def write(stage: StagedDir) -> None:
-            self._write_weights(native, layout, plan, stage)
-            self._write_config(native, stage)
+            written = self._write_weights(native, layout, plan, stage)
+            self._write_config(written, stage)
         return write
 
     def _plan_files(self, native: Mapping[str, torch.Tensor], layout: ShardLayout) -> dict[str, list]:
@@ -136,12 +140,16 @@ class HFCheckpointer(Checkpointer):
                                   + " that the input checkpoint has")
         return plan
 
-    def _write_weights(self, native, layout: ShardLayout, plan, stage: StagedDir) -> None:
+    def _write_weights(self, native, layout: ShardLayout, plan, stage: StagedDir) -> set[torch.dtype]:
+        """Write the weight files (and the index); the dtypes written."""
         total_size = total_params = 0
+        dtypes: set[torch.dtype] = set()
         with tqdm(total=sum(nbytes(native, k) for k in native), unit="B", unit_scale=True, desc="save", leave=False) as bar:
             for src_name, name in zip(self.layout.files, layout.files):
                 converted = self.converter.apply_groups(plan[name], native, forward=False, where=None)
-                tensors = {k[len(self.added_prefix):]: converted[k] for k in self.layout.weight_map if layout.weight_map[k] == name}
+                tensors = {k[len(self.added_prefix):]: self.cast_for_output(k, converted[k])
+                           for k in self.layout.weight_map if layout.weight_map[k] == name}
+                dtypes.update(t.dtype for t in tensors.values())
                 metadata = self._metadata_for(src_name, tensors) if layout.file_format == SAFETENSORS else None
                 stage.write(name, lambda f, tensors=tensors: write_tensors(f, tensors, layout.file_format, metadata))
                 size = sum(_tensor_bytes(t) for t in tensors.values())
@@ -156,16 +164,16 @@ class HFCheckpointer(Checkpointer):
             weight_map = {k[len(self.added_prefix):]: f for k, f in sorted(layout.weight_map.items())}
             index = {"metadata": metadata, "weight_map": weight_map}
             stage.write_bytes(layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
+        return dtypes
 
     def _metadata_for(self, source_file: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
         """The safetensors header metadata of an output file: its input twin's (HF writes {"format": "pt"})."""
         return self._file_metadata.get(source_file) or {"format": "pt"}
 
-    def _write_config(self, native, stage: StagedDir) -> None:
+    def _write_config(self, written: set[torch.dtype], stage: StagedDir) -> None:
         """config.json, its dtype made true to what was written."""
         config = dict(self.config)
-        dtypes = {spec_of(native, k)[1] for k in native}
-        dtypes = {d for d in dtypes if d.is_floating_point}
+        dtypes = {d for d in written if d.is_floating_point}
         if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPE_NAMES:
             name = _DTYPE_NAMES[next(iter(dtypes))]
             for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:

@@ -39,10 +39,13 @@ class MetaCheckpointer(Checkpointer):
     """Load and save Meta-format checkpoints, single- or multi-file (model parallel)."""
 
     own_files = frozenset()  # params.json and tokenizer.model are copied as they are
+    format_label = "Meta"
+    loads_with = "Meta's reference code (llama-models)"
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
-                 checkpoint_files: list[str] | str = "auto", model_type: str | None = None) -> None:
-        super().__init__(checkpoint_dir, output_dir)
+                 checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
+                 output_dtype: str | torch.dtype | None = None) -> None:
+        super().__init__(checkpoint_dir, output_dir, output_dtype)
         self.params = read_json(self.checkpoint_dir / PARAMS_FILE)
         self.model_type = model_type or ("LLAMA3" if self.params.get("vocab_size", 0) >= 128000 else "LLAMA2")
         if checkpoint_files in (None, "auto"):
@@ -63,7 +66,7 @@ class MetaCheckpointer(Checkpointer):
         with tqdm(total=sum((self.checkpoint_dir / f).stat().st_size for f in self.files), unit="B", unit_scale=True,
                   desc="load", leave=False) as bar:
             for name in self.files:
-                shards.append(read_tensors(self.checkpoint_dir / name))
+                shards.append(read_tensors(self.checkpoint_dir / name, self.unmapped))
                 bar.update((self.checkpoint_dir / name).stat().st_size)
         keys = list(shards[0])
         for name, shard in zip(self.files[1:], shards[1:]):
@@ -74,6 +77,7 @@ class MetaCheckpointer(Checkpointer):
         meta, self.split_dims = LazyState({}, {}), {}
         self.passthrough = {}  # tensors the model does not use (``rope.freqs``): written back as they came
         self.key_order = keys
+        self.input_dtypes = {key: shards[0][key].dtype for key in keys}
         for key in keys:
             if self.converter.is_ignored(key):
                 self.passthrough[key] = shards[0][key]
@@ -163,6 +167,7 @@ class MetaCheckpointer(Checkpointer):
                 shard = {}
                 for group in groups:
                     for key, tensor in self.converter.apply_groups([group], native, forward=False, where=None).items():
+                        tensor = self.cast_for_output(key, tensor)
                         split = self.split_dims[key]
                         shard[key] = tensor.chunk(n, dim=split)[index].clone() if split is not None else tensor.contiguous()
                 shard.update((k, t.contiguous()) for k, t in passthrough.items())

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from waypoint.checkpointers.base import Checkpointer
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import write_tensors
 from waypoint.checkpointers.hf_checkpointer import HFCheckpointer
@@ -54,12 +55,16 @@ class NativeCheckpointer(HFCheckpointer):
     """Load and save native checkpoints (same constructor and methods as HFCheckpointer, no model_type)."""
 
     own_files = frozenset({MODEL_FILE, *INDEX_NAMES.values()})
+    format_label = "native"
+    loads_with = Checkpointer.loads_with
     config_file = MODEL_FILE
     base_model_prefix = ""  # native keys have no backbone prefix
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
-                 checkpoint_files: list[str] | str = "auto", safe_serialization: bool | None = None) -> None:
-        super().__init__(checkpoint_dir, output_dir, checkpoint_files=checkpoint_files, safe_serialization=safe_serialization)
+                 checkpoint_files: list[str] | str = "auto", safe_serialization: bool | None = None,
+                 output_dtype: str | torch.dtype | None = None) -> None:
+        super().__init__(checkpoint_dir, output_dir, checkpoint_files=checkpoint_files, safe_serialization=safe_serialization,
+                         output_dtype=output_dtype)
 
     def _make_converter(self, model_type: str | None) -> Converter:
         self.model_args = model_args_of(self.config)
@@ -72,7 +77,7 @@ class NativeCheckpointer(HFCheckpointer):
             metadata[ALIASES_KEY] = json.dumps({"output.weight": "tok_embeddings.weight"})
         return metadata
 
-    def _write_config(self, native, stage: StagedDir) -> None:
+    def _write_config(self, written, stage: StagedDir) -> None:
         stage.write_bytes(MODEL_FILE, (json.dumps(self.config, indent=2) + "\n").encode())
 
 

@@ -28,35 +28,32 @@ from tqdm import tqdm
 
 from waypoint.checkpointers import load_into
 from waypoint.checkpointers.base import RECIPE_STATE_FILE
-from waypoint.checkpointers.commit import prune_checkpoints, remove_stale_staging
+from waypoint.checkpointers.commit import remove_stale_staging
 from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, split_extra_state
 from waypoint.checkpointers.load_model import load_sharded_into
+from waypoint.checkpointers.retention import prune_checkpoints
 from waypoint.checkpointers.sharded_checkpoint import SHARDED_DIR, holds_sharded_model
 from waypoint.checkpointers.sharded_saver import ShardedSaver
 from waypoint.training.collate import padded_collate
 from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
-from waypoint.training.distributed import init_distributed
+from waypoint.training.distributed import Distributed
 from waypoint.training.entry import run_recipe
-from waypoint.training.fsdp import grad_norm_value, shard_model
+from waypoint.training.fsdp import shard_model
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
+from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
 from waypoint.training.optimizer_state import load_sharded_optimizer_state, load_whole_optimizer_state, optimizer_state
 from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from waypoint.training.recipe_state import build_recipe_state, load_recipe_state
-from waypoint.training.resume import check_config, check_global_batch, choose_checkpoint, restore_position, start_fresh
+from waypoint.training.resume import (apply_changes, check_config, check_global_batch, choose_checkpoint, restore_position,
+                                      start_fresh)
 from waypoint.training.rng_state import capture_rng
 from waypoint.training.seed import seed_everything
 
 
-def train(cfg: DictConfig) -> int:
-    dist = init_distributed(cfg.device)  # under torchrun: one process per GPU (or CPU), else a single process
-    try:
-        return _train(cfg, dist)
-    finally:
-        dist.close()
-
-
-def _train(cfg: DictConfig, dist) -> int:
+def train(cfg: DictConfig, dist: Distributed) -> int:
+    """The run; ``run_recipe`` has checked the config, started the process group (under torchrun) and holds
+    ``output_dir`` for it."""
     output_dir = Path(cfg.output_dir)
     device, main = dist.device, dist.is_main
     say = print if main else (lambda *a, **k: None)  # noqa: E731
@@ -69,18 +66,19 @@ def _train(cfg: DictConfig, dist) -> int:
     # Rank 0 decides about output_dir; every rank learns the decision.
     resume_from = dist.run_on_main(lambda: choose_checkpoint(output_dir, cfg.resume, cfg.overwrite))
     recipe_state = load_recipe_state(resume_from.path) if resume_from else None
-    notes = check_config(recipe_state["config"], config, resume_from.path) if recipe_state else []
+    changes = check_config(recipe_state["config"], config, resume_from.path) if recipe_state else []
     seed_everything(cfg.seed)
 
     # Model: built on the meta device, sharded (FSDP2) under torchrun, then given the checkpoint's
     # tensors, each rank reading only its own piece. The checkpointer reads the input (its files, key ->
-    # file map and side files are what every save writes); a resumed run's weights come from its step
-    # directory, which retention may delete later.
+    # file map, dtypes and side files are what every save writes); a resumed run's weights come from its
+    # step directory (as they trained, when its files hold a narrower dtype), which retention may delete later.
     sharded_resume = resume_from is not None and holds_sharded_model(resume_from.path)
     checkpointer = instantiate(cfg.checkpointer)
     state = checkpointer.load_checkpoint()  # memory-mapped and converted lazily: nothing is read yet
     if resume_from and not sharded_resume:
         state = instantiate(cfg.checkpointer, checkpoint_dir=resume_from.path).load_checkpoint()
+        state["model"].update(recipe_state.get("model") or {})
     with torch.device("meta"):
         model = instantiate(cfg.model)
     if dist.enabled:
@@ -90,7 +88,8 @@ def _train(cfg: DictConfig, dist) -> int:
     else:
         report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
                            key_prefix_map=cfg.key_prefix_map)
-    say("\n".join(report.lines()))
+    say("\n".join(report.lines() + checkpointer.notes))
+    say(f"checkpoints are written in {checkpointer.output_dtype_note()}")
     del state
     model.activation_checkpointing = cfg.enable_activation_checkpointing
     model.train()
@@ -119,21 +118,23 @@ def _train(cfg: DictConfig, dist) -> int:
         else:
             load_sharded_optimizer_state(model, optimizer, resume_from.path / SHARDED_DIR, recipe_state["optimizer_param_groups"])
         scheduler.load_state_dict(recipe_state["lr_scheduler"])
+        apply_changes(optimizer, scheduler, changes)  # changed settings take effect now, or are refused
         global_step, start_epoch, start_step, resume_lines = restore_position(recipe_state, dist.rank, dist.world_size, global_batch)
         say(f"resuming from {resume_from.path.name} (epoch {start_epoch}, sample {start_step * global_batch}/"
             f"{steps_per_epoch * global_batch}), {resume_from.files} files verified, {resume_from.bytes / 1e9:.2f} GB")
-        for key in notes:
-            say(f"note: {key} differs from the checkpoint's config; accepted")
+        for key, old, new in changes:
+            say(f"note: {key}: {old} -> {new} (takes effect from step {global_step + 1})")
         for line in resume_lines:
             say(line)
     else:
         dist.run_on_main(lambda: start_fresh(output_dir, cfg.overwrite))  # only now: bad input above leaves output_dir as it was
     dist.run_on_main(lambda: remove_stale_staging(output_dir))
-    metrics = MetricsLog(output_dir, keep_through_step=global_step) if main else None
+    metrics = MetricsLog(output_dir, keep_through_step=global_step, report=tqdm.write) if main else None
     saver = ShardedSaver(dist, output_dir, cfg.keep_last_n_checkpoints, cfg.get("async_checkpoint", False),
                          report=tqdm.write) if dist.enabled else None
 
-    def save(next_epoch: int, next_step: int, final: bool) -> None:
+    def save(next_epoch: int, next_step: int, final: bool) -> Path:
+        check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
         whole = not dist.enabled  # a single process writes whole tensors, in the input's format
         optim = optimizer_state(model, optimizer)
         rng = dist.gather(capture_rng())
@@ -145,20 +146,24 @@ def _train(cfg: DictConfig, dist) -> int:
             data_position={"epoch": next_epoch, "samples_seen_in_epoch": next_step * global_batch,
                            "global_batch_size": global_batch, "permutation_seed": cfg.seed})
         if whole:
-            tqdm.write(f"saved {checkpointer.save_checkpoint({'model': model.state_dict(), 'recipe_state': recipe}, step=global_step)}")
+            saved = checkpointer.save_checkpoint({"model": model.state_dict(), "recipe_state": recipe}, step=global_step)
+            tqdm.write(f"saved {saved}")
             prune_checkpoints(output_dir, cfg.keep_last_n_checkpoints)
-            return
-        # Sharded: DCP files of every rank (intermediate: model and optimizer; final: the optimizer, with
-        # the model in the input's format, gathered and written one file at a time).
+            return saved
+        # Sharded: DCP files of every rank (intermediate: model and optimizer; final: the optimizer, with the model
+        # in the input's format, gathered and written one file at a time, and in the shards too when that format's
+        # dtype is narrower than the one it trained in).
         model_state = model.state_dict()
         tensors, extra = split_extra_state(model_state)
-        sharded = {"optimizer": optim["state"]} | ({} if final else {"model": dict(tensors)})
-        files = {RECIPE_STATE_FILE: recipe} | ({EXTRA_STATE_FILE: extra} if extra and not final else {})
-        saver.save(global_step, sharded, files, export=(checkpointer, model_state) if final else None,
-                   asynchronous=False if final else None)
+        keep_model = not final or checkpointer.narrows(tensors)
+        sharded = {"optimizer": optim["state"]} | ({"model": dict(tensors)} if keep_model else {})
+        files = {RECIPE_STATE_FILE: recipe} | ({EXTRA_STATE_FILE: extra} if extra and keep_model else {})
+        return saver.save(global_step, sharded, files, export=(checkpointer, model_state) if final else None,
+                          asynchronous=False if final else None)
 
     preemption = PreemptionWatch(cfg.preemption_signals)
     bar = tqdm(total=total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)
+    first_step, saved = global_step + 1, None
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=collate,
@@ -167,14 +172,17 @@ def _train(cfg: DictConfig, dist) -> int:
             started = time.perf_counter()
             micro_batches = [next(batches)[1] for _ in range(accumulate)]
             loss_sum, tokens = forward_backward(model, micro_batches, device, dist)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or float("inf"))
-            optimizer.step()
+            grad_norm = clip_gradients(model.parameters(), cfg.clip_grad_norm)
+            global_step += 1
+            # A nan or inf stops the run here, before the weights change (or, with on_nonfinite=skip_step, skips the update).
+            if step_is_finite(global_step, loss_sum, grad_norm, model, cfg.get("on_nonfinite", "stop"), tqdm.write,
+                              updated=global_step > first_step):
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            global_step += 1
 
             record = dict(step=global_step, epoch=epoch, loss=loss_sum, lr=scheduler.get_last_lr()[0],
-                          grad_norm=grad_norm_value(grad_norm), tokens_per_s=tokens / (time.perf_counter() - started))
+                          grad_norm=grad_norm, tokens_per_s=tokens / (time.perf_counter() - started))
             if main:
                 metrics.write(**record)
             bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -187,7 +195,7 @@ def _train(cfg: DictConfig, dist) -> int:
                    or (cfg.save_every_n_steps and global_step % cfg.save_every_n_steps == 0)
                    or (epoch_done and cfg.save_every_epoch))
             if due:
-                save(epoch + 1, 0, global_step == total_steps) if epoch_done else save(epoch, step_in_epoch + 1, False)
+                saved = save(epoch + 1, 0, global_step == total_steps) if epoch_done else save(epoch, step_in_epoch + 1, False)
             if preempted and global_step < total_steps:
                 if saver:
                     saver.close()
@@ -203,11 +211,12 @@ def _train(cfg: DictConfig, dist) -> int:
     bar.close()
     if metrics:
         metrics.close()
+    say(f"done: the final model is {checkpointer.describe_output(saved)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_recipe(train, argv, description=__doc__.splitlines()[0])
+    return run_recipe(train, argv, description=__doc__.splitlines()[0], example="configs/tiny.yaml")
 
 
 if __name__ == "__main__":

@@ -41,22 +41,26 @@ from tqdm import tqdm
 
 from waypoint.checkpointers import CheckpointError, detect_format, load_into
 from waypoint.checkpointers.base import RECIPE_STATE_FILE
-from waypoint.checkpointers.commit import StagedDir, prune_checkpoints, remove_stale_staging
-from waypoint.checkpointers.peft_adapter import base_model_name, check_targets, hf_converter, load_adapter, write_adapter
+from waypoint.checkpointers.commit import StagedDir, remove_stale_staging
 from waypoint.checkpointers.dtensor_state import GatheredState, serve_gathers
+from waypoint.checkpointers.peft_adapter import base_model_name, check_targets, hf_converter, load_adapter, write_adapter
+from waypoint.checkpointers.retention import prune_checkpoints
 from waypoint.models.lora import (MergedState, adapter_state, adapter_state_keys, apply_lora, init_adapters, load_adapter_state,
                                   lora_modules)
 from waypoint.training.collate import padded_collate
+from waypoint.training.config_checks import COMMON, LORA
 from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
-from waypoint.training.distributed import init_distributed
+from waypoint.training.distributed import Distributed
 from waypoint.training.entry import run_recipe
-from waypoint.training.fsdp import grad_norm_value, shard_model
+from waypoint.training.fsdp import shard_model
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
+from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
 from waypoint.training.optimizer_state import load_whole_optimizer_state, optimizer_state
 from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from waypoint.training.recipe_state import build_recipe_state, load_recipe_state
-from waypoint.training.resume import check_config, check_global_batch, choose_checkpoint, restore_position, start_fresh
+from waypoint.training.resume import (apply_changes, check_config, check_global_batch, choose_checkpoint, restore_position,
+                                      start_fresh)
 from waypoint.training.rng_state import capture_rng
 from waypoint.training.seed import seed_everything
 
@@ -71,15 +75,9 @@ def check_lora_config(saved: dict, current: dict, checkpoint: Path) -> None:
                               "restore them, or start a new run with another output_dir (or resume=false overwrite=true)")
 
 
-def train(cfg: DictConfig) -> int:
-    dist = init_distributed(cfg.device)  # under torchrun: one process per GPU (or CPU), else a single process
-    try:
-        return _train(cfg, dist)
-    finally:
-        dist.close()
-
-
-def _train(cfg: DictConfig, dist) -> int:
+def train(cfg: DictConfig, dist: Distributed) -> int:
+    """The run; ``run_recipe`` has checked the config, started the process group (under torchrun) and holds
+    ``output_dir`` for it."""
     output_dir = Path(cfg.output_dir)
     device, main = dist.device, dist.is_main
     say = print if main else (lambda *a, **k: None)  # noqa: E731
@@ -87,20 +85,16 @@ def _train(cfg: DictConfig, dist) -> int:
     if not dist.enabled and (cfg.get("async_checkpoint") or cfg.get("mixed_precision")):
         say("note: async_checkpoint and mixed_precision apply under torchrun (FSDP2); one process computes in dtype "
             "and writes each checkpoint before going on")
-    save_merged = str(cfg.get("save_merged", "final")).lower()
-    if save_merged not in ("final", "every", "never", "false", "none"):
-        raise CheckpointError(f"save_merged must be final, every or never, got {cfg.save_merged!r}")
-    if cfg.get("save_adapter_weights_only", False):
-        save_merged = "never"
+    save_merged = "never" if cfg.get("save_adapter_weights_only", False) else cfg.get("save_merged", "final")
     max_lora_rank = cfg.get("max_lora_rank", 16)
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
     resume_from = dist.run_on_main(lambda: choose_checkpoint(output_dir, cfg.resume, cfg.overwrite))
     recipe_state = load_recipe_state(resume_from.path) if resume_from else None
-    notes = check_config(recipe_state["config"], config, resume_from.path) if recipe_state else []
+    changes = check_config(recipe_state["config"], config, resume_from.path) if recipe_state else []
     if recipe_state:
         check_lora_config(recipe_state["config"], config, resume_from.path)
-        notes = [k for k in notes if not k.startswith(LORA_BREAKING)]
+        changes = [c for c in changes if not c[0].startswith(LORA_BREAKING)]
     seed_everything(cfg.seed)
 
     # Model: the base (always the input checkpoint) on the meta device with the adapters added, sharded
@@ -117,7 +111,8 @@ def _train(cfg: DictConfig, dist) -> int:
     report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
                        key_prefix_map=cfg.key_prefix_map, fill_later=adapter_keys)
     init_adapters(model, device)
-    say("\n".join(report.lines()))
+    say("\n".join(report.lines() + checkpointer.notes))
+    say(f"merged models are written in {checkpointer.output_dtype_note()}")
     del state
     converter = hf_converter(checkpointer, model.args)  # names the adapter's modules as HF does
     check_targets(model, converter)  # a target PEFT cannot name (Phi-3's fused qkv) fails now, not at the first save
@@ -154,19 +149,21 @@ def _train(cfg: DictConfig, dist) -> int:
             return 0
         load_whole_optimizer_state(model, optimizer, recipe_state["optimizer"])
         scheduler.load_state_dict(recipe_state["lr_scheduler"])
+        apply_changes(optimizer, scheduler, changes)  # changed settings take effect now, or are refused
         global_step, start_epoch, start_step, resume_lines = restore_position(recipe_state, dist.rank, dist.world_size, global_batch)
         say(f"resuming from {resume_from.path.name} (epoch {start_epoch}, sample {start_step * global_batch}/"
             f"{steps_per_epoch * global_batch}), {resume_from.files} files verified, {resume_from.bytes / 1e9:.2f} GB")
-        for key in notes:
-            say(f"note: {key} differs from the checkpoint's config; accepted")
+        for key, old, new in changes:
+            say(f"note: {key}: {old} -> {new} (takes effect from step {global_step + 1})")
         for line in resume_lines:
             say(line)
     else:
         dist.run_on_main(lambda: start_fresh(output_dir, cfg.overwrite))  # only now: bad input above leaves output_dir as it was
     dist.run_on_main(lambda: remove_stale_staging(output_dir))
-    metrics = MetricsLog(output_dir, keep_through_step=global_step) if main else None
+    metrics = MetricsLog(output_dir, keep_through_step=global_step, report=tqdm.write) if main else None
 
     def save(next_epoch: int, next_step: int) -> Path:
+        check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
         # Adapters and their optimizer state are small: gathered whole, written by rank 0, in the same
         # files whatever the number of processes. The merged model is gathered a tensor at a time.
         adapter = adapter_state(model)
@@ -201,6 +198,7 @@ def _train(cfg: DictConfig, dist) -> int:
 
     preemption = PreemptionWatch(cfg.preemption_signals)
     bar = tqdm(total=total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)
+    first_step, saved = global_step + 1, None
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=collate,
@@ -209,14 +207,17 @@ def _train(cfg: DictConfig, dist) -> int:
             started = time.perf_counter()
             micro_batches = [next(batches)[1] for _ in range(accumulate)]
             loss_sum, tokens = forward_backward(model, micro_batches, device, dist)
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip_grad_norm or float("inf"))
-            optimizer.step()
+            grad_norm = clip_gradients(trainable, cfg.clip_grad_norm)
+            global_step += 1
+            # A nan or inf stops the run here, before the weights change (or, with on_nonfinite=skip_step, skips the update).
+            if step_is_finite(global_step, loss_sum, grad_norm, model, cfg.get("on_nonfinite", "stop"), tqdm.write,
+                              updated=global_step > first_step):
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            global_step += 1
 
             record = dict(step=global_step, epoch=epoch, loss=loss_sum, lr=scheduler.get_last_lr()[0],
-                          grad_norm=grad_norm_value(grad_norm), tokens_per_s=tokens / (time.perf_counter() - started))
+                          grad_norm=grad_norm, tokens_per_s=tokens / (time.perf_counter() - started))
             if main:
                 metrics.write(**record)
             bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -242,11 +243,15 @@ def _train(cfg: DictConfig, dist) -> int:
     bar.close()
     if metrics:
         metrics.close()
+    merged = (f"; the merged model is {checkpointer.describe_output(saved / MERGED_DIR)}"
+              if (saved / MERGED_DIR).is_dir() else "")
+    say(f"done: the adapter is {saved} (PEFT format: PeftModel.from_pretrained(base, '{saved}') loads it){merged}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_recipe(train, argv, description=__doc__.splitlines()[0])
+    return run_recipe(train, argv, description=__doc__.splitlines()[0], example="configs/tiny_lora.yaml",
+                      checks=COMMON | LORA)
 
 
 if __name__ == "__main__":

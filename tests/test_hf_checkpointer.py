@@ -86,16 +86,18 @@ def test_bin_to_safetensors_on_request_renames_files(tmp_path, tokens):
         assert (AutoModelForCausalLM.from_pretrained(out)(tokens).logits - hf_model(tokens).logits).abs().max() <= 1e-5
 
 
-def test_dtype_is_kept_and_config_records_what_was_written(tmp_path):
+def test_dtype_is_the_inputs_unless_asked_and_config_records_what_was_written(tmp_path):
+    """The files hold fp32 (config.json claims bf16): a model cast to bf16 is written back in fp32, each tensor in
+    its input twin's dtype, and config.json says so; output_dtype=bf16 writes bf16."""
     write_hf_checkpoint(tmp_path / "in", tiny_llama_config().__class__(**{**tiny_llama_config().to_dict(), "dtype": "bfloat16"}))
-    ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
-    state = ckpt.load_checkpoint()
-    assert {t.dtype for t in state["model"].values()} == {torch.float32}  # what the files hold
-    state["model"] = {k: v.to(torch.bfloat16) for k, v in state["model"].items()}
-    out = ckpt.save_checkpoint(state, step=1)
-    config = json.loads((out / "config.json").read_text())
-    assert config["dtype"] == "bfloat16"
-    assert {t.dtype for f in weight_files(out) for t in read_tensors(out / f).values()} == {torch.bfloat16}
+    for output_dtype, expected, name in ((None, torch.float32, "float32"), ("bf16", torch.bfloat16, "bfloat16")):
+        ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / f"out-{name}", output_dtype=output_dtype)
+        state = ckpt.load_checkpoint()
+        assert {t.dtype for t in state["model"].values()} == {torch.float32}  # what the files hold
+        state["model"] = {k: v.to(torch.bfloat16) for k, v in state["model"].items()}
+        out = ckpt.save_checkpoint(state, step=1)
+        assert json.loads((out / "config.json").read_text())["dtype"] == name
+        assert {t.dtype for f in weight_files(out) for t in read_tensors(out / f).values()} == {expected}
 
 
 def test_optimizer_updates_the_loaded_parameters(tmp_path, tokens):
