@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from recipes.full_finetune import main as full_finetune
@@ -57,11 +54,13 @@ def test_bad_lora_option_is_one_line(override, expected, tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1 and err.startswith(expected), err
 
 
-def test_help_names_each_recipes_own_config():
-    for recipe, config in (("full_finetune", "configs/tiny.yaml"), ("lora_finetune", "configs/tiny_lora.yaml")):
-        shown = subprocess.run([sys.executable, str(ROOT / f"recipes/{recipe}.py"), "--help"], capture_output=True, text=True,
-                               timeout=120)
-        assert shown.returncode == 0 and f"e.g. {config}" in " ".join(shown.stdout.split()), shown.stdout
-    missing = subprocess.run([sys.executable, str(ROOT / "recipes/full_finetune.py")], capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
-        "error: the following arguments are required: --config (see full_finetune.py --help)"]
+def test_help_names_each_recipes_own_config(capsys):
+    for main, config in ((full_finetune, "configs/tiny.yaml"), (lora_finetune, "configs/tiny_lora.yaml")):
+        with pytest.raises(SystemExit) as shown:
+            main(["--help"])
+        assert shown.value.code == 0 and f"e.g. {config}" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit) as missing:
+        full_finetune([])
+    assert missing.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the following arguments are required: --config (see "), err
