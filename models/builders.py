@@ -17,6 +17,7 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
+DTYPE_NAMES = tuple(_DTYPES)  # what dtype options accept
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:

@@ -4,7 +4,8 @@
 
 OUT_DIR gets the base's format, file names and key -> file map (and its tokenizer and other side files),
 with every adapted weight replaced by W + (lora_alpha / r) * B @ A (computed in fp32, cast back to W's
-dtype), committed atomically with a MANIFEST.json. OUT_DIR must not exist yet.
+dtype), committed atomically with a MANIFEST.json. OUT_DIR must not exist yet, nor be or lie inside BASE_DIR
+or ADAPTER_DIR.
 """
 
 from __future__ import annotations

@@ -220,6 +220,10 @@ def test_merge_lora_adapter_checks_are_one_line(tmp_path, capsys):
         err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error" in line]
         assert len(err) == 1 and re.search(expected, err[0]), err
     assert not (tmp_path / "merged").exists()
+    assert merge_lora.main([str(ROOT / "assets/tiny_llama"), str(adapter), str(adapter / "merged")]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert err == [f"error: OUT_DIR {adapter / 'merged'} lies inside the adapter {adapter}, which this command reads; "
+                   "choose an output outside it"]
 
 
 def test_convert_bad_shard_size_and_inspect_of_a_failing_manifest(tmp_path, capsys):

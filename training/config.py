@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from waypoint.converters.errors import CheckpointError
 from waypoint.training.cli import DEBUG, OneLineParser
-from waypoint.training.config_checks import COMMON, Check, check_config
+from waypoint.training.config_checks import COMMON, Check, check_options
 
 
 def parse_config(argv: list[str] | None = None, description: str | None = None, example: str = "configs/tiny.yaml",
@@ -42,7 +42,7 @@ def parse_config(argv: list[str] | None = None, description: str | None = None, 
             from waypoint.training.hub import resolve_hf_uris  # imports huggingface_hub only when needed
 
             resolve_hf_uris(cfg)
-        check_config(cfg, checks)
+        check_options(cfg, checks)
     except (CheckpointError, FileNotFoundError) as e:  # before the recipe's own error handling
         if os.environ.get(DEBUG):
             raise

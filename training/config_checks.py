@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from waypoint.converters.errors import CheckpointError
-from waypoint.models.builders import _DTYPES
+from waypoint.models.builders import DTYPE_NAMES
 
 Check = Callable[[Any], "str | None"]
 
@@ -84,7 +84,7 @@ def strings(v) -> str | None:
     return None if isinstance(v, (list, tuple)) and v and all(isinstance(s, str) for s in v) else "a non-empty list of names"
 
 
-DTYPES = one_of(*_DTYPES)
+DTYPES = one_of(*DTYPE_NAMES)
 
 COMMON: dict[str, tuple[bool, Check]] = {
     "output_dir": (True, lambda v: None if isinstance(v, str) and v else "a directory path"),
@@ -129,7 +129,7 @@ LORA: dict[str, tuple[bool, Check]] = {
 _MISSING = object()
 
 
-def check_config(cfg: DictConfig, table: Mapping[str, tuple[bool, Check]] = COMMON) -> None:
+def check_options(cfg: DictConfig, table: Mapping[str, tuple[bool, Check]] = COMMON) -> None:
     """Raise a one-line CheckpointError for the first option that is missing or out of range."""
     config = OmegaConf.to_container(cfg, resolve=True)
     for key, (required, check) in table.items():
