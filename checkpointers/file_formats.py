@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from waypoint.checkpointers.safetensors_writer import write_safetensors
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.converters.errors import CheckpointError, first_line
 
 SAFETENSORS = "safetensors"
 TORCH = "torch"
@@ -47,10 +47,10 @@ def load_pickle(path: str | Path, mmap: bool = True, unmapped: list[str] | None 
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and not legacy)
     except pickle.UnpicklingError as e:
         named = re.search(r"GLOBAL ([\w.]+)", str(e))
-        what = f"references {named.group(1)}, which is not allowed" if named else f"is refused ({_first_line(e)})"
+        what = f"references {named.group(1)}, which is not allowed" if named else f"is refused ({first_line(e)})"
         raise CheckpointError(f"refused: pickle in {path} {what} (a checkpoint is data, never code)") from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable ({_first_line(e)})") from e
+        raise CheckpointError(f"{path}: unreadable ({first_line(e)})") from e
     if legacy and mmap and unmapped is not None:
         unmapped.append(path.name)
     return state
@@ -66,7 +66,7 @@ def read_tensors(path: str | Path, unmapped: list[str] | None = None) -> dict[st
         try:
             state = load_file(path)
         except (SafetensorError, RuntimeError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path}: unreadable weight file ({_first_line(e)})") from e
+            raise CheckpointError(f"{path}: unreadable weight file ({first_line(e)})") from e
     else:
         state = load_pickle(path, unmapped=unmapped)
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -76,11 +76,6 @@ def read_tensors(path: str | Path, unmapped: list[str] | None = None) -> dict[st
             raise CheckpointError(f"{path}: {key} is {str(t.dtype).removeprefix('torch.')}; weights must be floating point "
                                   "(a quantized checkpoint cannot be fine-tuned as it is)")
     return dict(state)
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    return lines[0] if lines else type(e).__name__
 
 
 def read_metadata(path: str | Path) -> dict[str, str] | None:

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.converters.errors import CheckpointError, first_line
 
 DEBUG = "WAYPOINT_DEBUG"
 
@@ -30,8 +30,7 @@ def describe(e: BaseException) -> str:
     if isinstance(e, OSError) and not isinstance(e, CheckpointError) and e.strerror:
         where = e.filename if e.filename is not None else ""
         return f"{where}: {e.strerror}" if where else e.strerror
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    return lines[0] if lines else type(e).__name__
+    return first_line(e)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.converters.errors import CheckpointError, first_line
 from waypoint.training.cli import DEBUG, OneLineParser
 from waypoint.training.config_checks import COMMON, Check, check_options
 
@@ -46,7 +46,7 @@ def parse_config(argv: list[str] | None = None, description: str | None = None, 
     except (CheckpointError, FileNotFoundError) as e:  # before the recipe's own error handling
         if os.environ.get(DEBUG):
             raise
-        parser.exit(1, f"error: {str(e).splitlines()[0]}\n")
+        parser.exit(1, f"error: {first_line(e)}\n")
     return cfg
 
 
@@ -67,9 +67,9 @@ def _compose(path: Path, overrides: list[str]) -> DictConfig:
             group, option = found.group(1).rsplit("/", 1)
             raise CheckpointError(f"{group}={option}: no such option in {path.parent / group}"
                                   + (f" (available: {', '.join(options)})" if options else "")) from None
-        raise CheckpointError(f"{path}: {_first_line(e)}") from None
+        raise CheckpointError(f"{path}: {first_line(e)}") from None
     except OverrideParseException as e:
-        raise CheckpointError(f"cannot parse the override {_bad_override(overrides)!r}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot parse the override {_bad_override(overrides)!r}: {first_line(e)}") from None
     except HydraException as e:
         unknown = re.match(r"Could not override '([^']+)'", str(e))
         if unknown:
@@ -80,15 +80,10 @@ def _compose(path: Path, overrides: list[str]) -> DictConfig:
         present = re.search(r"An item is already at '([^']+)'", str(e))
         if present:
             raise CheckpointError(f"+{present.group(1)}: {present.group(1)} is already in the config; drop the +") from None
-        raise CheckpointError(f"{path}: {_first_line(e)}") from None
+        raise CheckpointError(f"{path}: {first_line(e)}") from None
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
-        raise CheckpointError(f"{path}: {key + ': ' if key else ''}{_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return lines[0] if lines else type(e).__name__
+        raise CheckpointError(f"{path}: {key + ': ' if key else ''}{first_line(e)}") from None
 
 
 def _bad_override(overrides: list[str]) -> str:

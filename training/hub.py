@@ -58,7 +58,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import filter_repo_objects
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.converters.errors import CheckpointError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +225,6 @@ def choose_data_file(files: list[str], label: str) -> str:
 
 
 # -- errors -------------------------------------------------------------------------------
-def _first_line(text: object) -> str:
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return lines[0] if lines else ""
-
-
 @dataclass
 class _Context:
     repo_id: str
@@ -281,13 +276,13 @@ def _explain(e: BaseException, c: _Context) -> str:
     if c.offline and isinstance(e, (RevisionResolutionError, LocalEntryNotFoundError, OfflineModeIsEnabled)):
         return f"HF_HUB_OFFLINE=1 is set and {c.label} is not in the cache ({c.cache}); unset HF_HUB_OFFLINE to download it"
     if isinstance(cause, HfHubHTTPError) and cause_status:
-        return f"the hub at {c.endpoint} answered HTTP {cause_status} for {c.label}: {_first_line(cause)}"
+        return f"the hub at {c.endpoint} answered HTTP {cause_status} for {c.label}: {first_line(cause)}"
     if isinstance(cause, (httpx2.TransportError, OfflineModeIsEnabled, RevisionResolutionError, LocalEntryNotFoundError, ConnectionError)):
         return (f"cannot reach the Hugging Face hub at {c.endpoint} to download {c.label} ({type(cause).__name__}) and it is "
                 "not in the cache: check the network or proxy, or set HF_HUB_OFFLINE=1 to use a copy already cached")
     if isinstance(e, HFValidationError):
-        return f"{c.label}: {_first_line(e)}"
-    return f"downloading {c.label} failed: {type(e).__name__}: {_first_line(e)}"
+        return f"{c.label}: {first_line(e)}"
+    return f"downloading {c.label} failed: {type(e).__name__}: {first_line(e)}"
 
 
 def _token_problem(c: _Context, status: int | None) -> str:
@@ -474,7 +469,7 @@ def read_source(path: str | os.PathLike) -> dict | None:
             try:
                 record = json.loads(candidate.read_text())
             except (OSError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{candidate}: unreadable ({_first_line(e)})") from e
+                raise CheckpointError(f"{candidate}: unreadable ({first_line(e)})") from e
             if not isinstance(record, dict) or not {"repo_id", "revision"} <= record.keys():
                 raise CheckpointError(f"{candidate}: expected an object with repo_id and revision")
             return record
