@@ -5,7 +5,7 @@ from waypoint.checkpointers.hf_checkpointer import HFCheckpointer
 from waypoint.checkpointers.load_model import build_model, checkpointer_for, detect_format, load_into, load_model
 from waypoint.checkpointers.meta_checkpointer import MetaCheckpointer
 from waypoint.checkpointers.native_checkpointer import NativeCheckpointer
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 __all__ = ["CheckpointError", "Checkpointer", "HFCheckpointer", "MetaCheckpointer", "NativeCheckpointer", "build_model",
            "checkpointer_for", "detect_format", "load_into", "load_model"]

@@ -20,9 +20,9 @@ import torch
 from waypoint.checkpointers.commit import MANIFEST, StagedDir
 from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state, split_extra_state
 from waypoint.checkpointers.shard_layout import WEIGHT_SUFFIXES
-from waypoint.converters.errors import CheckpointError
-from waypoint.converters.lazy import spec_of
-from waypoint.models.builders import parse_dtype
+from waypoint.errors import CheckpointError
+from waypoint.lazy import spec_of
+from waypoint.models.dtypes import parse_dtype
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import blake3
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_VERSION = 1

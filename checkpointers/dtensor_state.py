@@ -1,6 +1,6 @@
 """Between whole tensors and FSDP2's sharded ones (DTensors), one tensor at a time.
 
-Loading: :func:`local_shard` cuts a rank's piece out of a whole (memory-mapped) tensor,
+Loading: :func:`waypoint.lazy.local_shard` cuts a rank's piece out of a whole (memory-mapped) tensor,
 so only that piece is read and copied. Saving in a checkpoint format: :class:`GatheredState`
 is a read-only mapping on rank 0 whose ``state[key]`` gathers that one tensor from every
 rank while the others run :func:`serve_gathers`; a checkpointer writing file after file
@@ -16,27 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from waypoint.converters.lazy import spec_of
+from waypoint.lazy import local_shard, nbytes, spec_of  # noqa: F401 (re-exported)
 
 _DONE = None  # the key that ends serve_gathers
-
-
-def local_shard(full: torch.Tensor, like: DTensor, device: torch.device | str | None = None,
-                dtype: torch.dtype | None = None) -> DTensor:
-    """A DTensor laid out as ``like`` holding ``full``'s values; only this rank's piece is read or moved."""
-    local = full
-    mesh = like.device_mesh
-    for mesh_dim, placement in enumerate(like.placements):
-        if isinstance(placement, Shard):
-            pieces = torch.chunk(local, mesh.size(mesh_dim), dim=placement.dim)
-            index = mesh.get_local_rank(mesh_dim)
-            local = pieces[index] if index < len(pieces) else local.narrow(placement.dim, 0, 0)
-        elif not placement.is_replicate():
-            raise ValueError(f"cannot load into a DTensor placed {placement}")
-    local = local.to(device=device, dtype=dtype if dtype is not None and local.is_floating_point() else None,
-                     copy=True).contiguous()
-    return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=full.shape,
-                              stride=torch.empty(full.shape, device="meta").stride())
 
 
 def gather_to_main(value: DTensor) -> torch.Tensor | None:
@@ -117,9 +99,3 @@ def serve_gathers(state: Mapping[str, Any], group=None) -> int:
             return served
         gather_to_main(state[box[0]])
         served += 1
-
-
-def nbytes(state: Mapping[str, Any], key: str) -> int:
-    """Bytes of ``state[key]`` without materialising it where the mapping can tell."""
-    shape, dtype = spec_of(state, key)
-    return shape.numel() * dtype.itemsize

@@ -19,13 +19,15 @@ from tqdm import tqdm
 
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import write_tensors
+from waypoint.checkpointers.hf_source import SOURCE_FILE, HFSource
 from waypoint.checkpointers.meta_checkpointer import meta_hidden_dim
 from waypoint.checkpointers.native_checkpointer import ALIASES_KEY, MODEL_FILE, describe, native_converter
-from waypoint.converters import CheckpointError, get_converter
-from waypoint.converters.meta import COLUMN_PARALLEL, ROW_PARALLEL, meta_converter
+from waypoint.checkpointers.shard_layout import ShardLayout
+from waypoint.converters import CheckpointError
+from waypoint.converters.meta import meta_converter, model_parallel_dim, vocab_parallel
+from waypoint.families import detect_model_type, get_converter, hf_config_for
 from waypoint.models import ModelArgs
 
-HF_MODEL_TYPES = {"LLAMA2": "llama", "LLAMA3": "llama", "LLAMA3_2": "llama", "MISTRAL": "mistral"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -75,20 +77,33 @@ def _write_sharded(stage: StagedDir, tensors: Mapping[str, torch.Tensor], shards
         stage.write_bytes("model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
 
 
-def hf_config(args: ModelArgs, model_type: str, dtype: torch.dtype) -> dict:
-    """A transformers config.json for the Llama-family types."""
-    if model_type not in HF_MODEL_TYPES:
-        raise CheckpointError(f"converting to HF needs the model type ({', '.join(HF_MODEL_TYPES)}); got {model_type}: "
-                              "pass --model-type")
-    arch = "MistralForCausalLM" if HF_MODEL_TYPES[model_type] == "mistral" else "LlamaForCausalLM"
-    return {
-        "architectures": [arch], "model_type": HF_MODEL_TYPES[model_type], "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim, "num_attention_heads": args.n_heads, "num_key_value_heads": args.n_kv_heads,
-        "num_hidden_layers": args.n_layers, "head_dim": args.resolved_head_dim, "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
-    }
+def hf_config(args: ModelArgs, model_type: str, dtype: torch.dtype, special_tokens: dict | None = None) -> dict:
+    """A config.json for a model that came without one: every field from what the weights' shapes, the ModelArgs
+    and the tokenizer (``special_tokens``: bos/eos ids) say, in the family's own terms."""
+    config = hf_config_for(args, model_type)
+    return {**config, **(special_tokens or {}), "dtype": _DTYPE_NAMES.get(dtype, "float32")}
+
+
+def _write_layout(stage: StagedDir, tensors: Mapping[str, torch.Tensor], layout: ShardLayout) -> None:
+    """The files, key -> file map and index metadata of a source checkpoint, for these tensors."""
+    for name in tqdm(layout.files, desc="write", unit="file", leave=False):
+        keys = [k for k, f in layout.weight_map.items() if f == name]
+        stage.write(name, lambda f, keys=keys: write_tensors(f, {k: tensors[k] for k in keys}, layout.file_format, {"format": "pt"}))
+    if layout.index_name:
+        metadata = dict(layout.index_metadata, total_size=sum(_nbytes(t) for t in tensors.values()))
+        if "total_parameters" in metadata:
+            metadata["total_parameters"] = sum(t.numel() for t in tensors.values())
+        index = {"metadata": metadata, "weight_map": dict(sorted(layout.weight_map.items()))}
+        stage.write_bytes(layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
+
+
+def _source_layout(layout: ShardLayout | None, keys) -> ShardLayout | None:
+    """The source's layout where it places exactly these keys (a headless source: without the ``model.`` prefix)."""
+    if layout is None or layout.weight_map is None:
+        return None
+    if set(layout.weight_map) == set(keys):
+        return layout
+    return None
 
 
 def meta_params(args: ModelArgs) -> dict:
@@ -103,45 +118,60 @@ def meta_params(args: ModelArgs) -> dict:
 
 def export(native: Mapping[str, torch.Tensor], args: ModelArgs, model_type: str, to: str, target: str | os.PathLike,
            side_files: list[Path] = (), num_shards: int | None = None, max_shard_bytes: int | None = None,
-           source_hf_config: Mapping | None = None) -> Path:
+           source: HFSource | None = None, input_files: int = 1, special_tokens: dict | None = None) -> Path:
     """Write ``native`` as a new ``to``-format checkpoint at ``target`` (committed atomically).
 
-    ``source_hf_config`` (the config.json the weights came with, kept in native checkpoints made from
-    HF ones) is written back as it was for HF output; otherwise one is made for the Llama family."""
+    ``source``: the HF checkpoint the weights came from (``hf_source.source_of``). HF output then has its
+    config.json and, unless ``num_shards``/``max_shard_bytes`` ask otherwise, its files and key -> file map; Meta
+    and native outputs keep it for converting back. Without one, config.json is derived (``hf_config``) and the
+    output has ``num_shards`` (default: ``input_files``) files."""
     tensors_native = {k: v for k, v in native.items() if isinstance(v, torch.Tensor)}
     dtypes = {t.dtype for t in tensors_native.values() if t.is_floating_point()}
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
+    resharded = bool(num_shards or max_shard_bytes)
+    num_shards = num_shards or (None if max_shard_bytes else input_files)
     with StagedDir(target) as stage:
         if to == "hf":
-            config = dict(source_hf_config) if source_hf_config else hf_config(args, model_type, dtype)
-            tensors = get_converter(model_type, config).from_native(tensors_native)
-            _write_sharded(stage, tensors, plan_shards({k: _nbytes(t) for k, t in tensors.items()}, num_shards, max_shard_bytes),
-                           {"format": "pt"})
+            config = dict(source.config) if source else hf_config(args, model_type, dtype, special_tokens)
+            converter = get_converter(detect_model_type(config) if source else model_type, config)
+            if source and source.layout and source.layout.weight_map:
+                converter.plan(list(source.layout.weight_map), "hf")  # the source's expert layout, if it has a choice
+            tensors = converter.from_native(tensors_native)
+            layout = None if resharded else _source_layout(source.layout if source else None, tensors)
+            if layout is not None:
+                _write_layout(stage, tensors, layout)
+            else:
+                _write_sharded(stage, tensors, plan_shards({k: _nbytes(t) for k, t in tensors.items()}, num_shards, max_shard_bytes),
+                               {"format": "pt"})
             stage.write_bytes("config.json", (json.dumps(config, indent=2) + "\n").encode())
         elif to == "native":
             tensors = native_converter(args.tie_embeddings).from_native(tensors_native)
             aliases = {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else None
             _write_sharded(stage, tensors, plan_shards({k: _nbytes(t) for k, t in tensors.items()}, num_shards, max_shard_bytes),
                            {"format": "pt"}, aliases)
-            stage.write_bytes(MODEL_FILE, (json.dumps(describe(args, model_type, source_hf_config), indent=2) + "\n").encode())
+            stage.write_bytes(MODEL_FILE, (json.dumps(describe(args, model_type, source), indent=2) + "\n").encode())
         elif to == "meta":
             _write_meta(stage, meta_converter().from_native(tensors_native), args, num_shards or 1)
+            if source:
+                stage.write_bytes(SOURCE_FILE, (json.dumps(source.to_json(), indent=2) + "\n").encode())
         else:
             raise CheckpointError(f"--to {to!r}: expected hf, meta or native")
         for path in side_files:
-            stage.copy_file(Path(path))
+            if not (to == "meta" and Path(path).name == SOURCE_FILE):
+                stage.copy_file(Path(path))
     return Path(target)
 
 
 def _write_meta(stage: StagedDir, meta: Mapping[str, torch.Tensor], args: ModelArgs, n: int) -> None:
+    splits = {key: model_parallel_dim(key, vocab_parallel(args.vocab_size)) for key in meta}
     for key, t in meta.items():
-        split = 0 if key.endswith(COLUMN_PARALLEL) else 1 if key.endswith(ROW_PARALLEL) or key == "tok_embeddings.weight" else None
+        split = splits[key]
         if split is not None and t.shape[split] % n:
             raise CheckpointError(f"--num-shards {n}: {key} {tuple(t.shape)} does not split evenly into {n} model-parallel files")
     for index in tqdm(range(n), desc="write", unit="file", leave=False):
         shard = {}
         for key, t in meta.items():
-            split = 0 if key.endswith(COLUMN_PARALLEL) else 1 if key.endswith(ROW_PARALLEL) or key == "tok_embeddings.weight" else None
+            split = splits[key]
             shard[key] = t.chunk(n, dim=split)[index].clone() if split is not None and n > 1 else t.contiguous()
         stage.write(f"consolidated.{index:02d}.pth", lambda f: torch.save(shard, f))
     stage.write_bytes("params.json", (json.dumps(meta_params(args), indent=2) + "\n").encode())

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from waypoint.converters.errors import CheckpointError
-from waypoint.converters.lazy import spec_of
+from waypoint.errors import CheckpointError
+from waypoint.lazy import spec_of
 from waypoint.models.extra_state import EXTRA_STATE_SUFFIX
 
 EXTRA_STATE_FILE = "extra_state.pt"

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from waypoint.checkpointers.safetensors_writer import write_safetensors
 
-from waypoint.converters.errors import CheckpointError, first_line
+from waypoint.errors import CheckpointError, first_line
 
 SAFETENSORS = "safetensors"
 TORCH = "torch"

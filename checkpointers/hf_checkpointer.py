@@ -17,10 +17,11 @@ from tqdm import tqdm
 
 from waypoint.checkpointers.base import Checkpointer, read_json
 from waypoint.checkpointers.commit import StagedDir
-from waypoint.checkpointers.dtensor_state import nbytes
+from waypoint.lazy import nbytes
 from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, read_metadata, read_tensors, write_tensors
 from waypoint.checkpointers.shard_layout import INDEX_NAMES, ShardLayout, discover
-from waypoint.converters import CheckpointError, Converter, detect_model_type, get_converter
+from waypoint.converters import CheckpointError, Converter
+from waypoint.families import detect_model_type, family_named, get_converter
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -37,7 +38,8 @@ class HFCheckpointer(Checkpointer):
         checkpoint_dir: the input directory (config.json, weight files, tokenizer files).
         checkpoint_files: a list of weight file names, or ``"auto"`` (the index json, else a glob).
         output_dir: where ``save_checkpoint`` writes ``step_{N}`` directories.
-        model_type: ``LLAMA2``, ``LLAMA3``, ``MISTRAL``, ``QWEN2``, ``GEMMA``, ``PHI3``; ``None`` detects it from config.json.
+        model_type: a family's name as ``waypoint.families.MODEL_TYPES`` lists them (``LLAMA3``, ``QWEN3``, ``MIXTRAL``,
+            ...); ``None`` detects it from config.json.
         safe_serialization: ``None`` keeps the input's format; ``True`` writes safetensors,
             ``False`` PyTorch ``.bin`` files (file names follow the format).
         output_dtype: ``None`` writes each tensor in the dtype its input twin had (config.json and the index
@@ -63,6 +65,7 @@ class HFCheckpointer(Checkpointer):
 
     def _make_converter(self, model_type: str | None) -> Converter:
         self.model_type = model_type or detect_model_type(self.config, str(self.checkpoint_dir / self.config_file))
+        self.family = family_named(self.model_type)
         return get_converter(self.model_type, self.config)
 
     # -- load ---------------------------------------------------------------------

@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from waypoint.checkpointers.dtensor_state import local_shard
+from waypoint.lazy import local_shard
 from waypoint.checkpointers.extra_state import is_extra_state_key
 from waypoint.checkpointers.load_report import LoadReport, fold_keys
 from waypoint.converters import CheckpointError
-from waypoint.converters.lazy import spec_of
-from waypoint.models import ModelArgs, Transformer, from_hf_config, model_args_from_hf_config, parse_dtype
+from waypoint.lazy import spec_of
+from waypoint.families import from_hf_config, model_args_from_hf_config
+from waypoint.models import ModelArgs, Transformer, parse_dtype
 
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,9 @@ from waypoint.checkpointers.base import Checkpointer, read_json
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import read_tensors
 from waypoint.converters import CheckpointError
-from waypoint.converters.lazy import LazyState, spec_of
-from waypoint.converters.meta import COLUMN_PARALLEL, ROW_PARALLEL, meta_converter
+from waypoint.lazy import LazyState, spec_of
+from waypoint.families import family_named
+from waypoint.converters.meta import EMBEDDING, meta_converter, model_parallel_dim
 from waypoint.models import ModelArgs
 
 PARAMS_FILE = "params.json"
@@ -48,6 +49,7 @@ class MetaCheckpointer(Checkpointer):
         super().__init__(checkpoint_dir, output_dir, output_dtype)
         self.params = read_json(self.checkpoint_dir / PARAMS_FILE)
         self.model_type = model_type or ("LLAMA3" if self.params.get("vocab_size", 0) >= 128000 else "LLAMA2")
+        self.family = family_named("llama")  # Meta's reference layout is Llama's
         if checkpoint_files in (None, "auto"):
             self.files = sorted(p.name for p in self.checkpoint_dir.glob("consolidated.*.pth"))
         else:
@@ -92,12 +94,9 @@ class MetaCheckpointer(Checkpointer):
     def _split_dim(self, key: str, part: torch.Tensor, dim: int) -> int | None:
         if len(self.files) == 1 or part.ndim == 1:
             return None
-        if key == "tok_embeddings.weight":
-            return 1 if part.shape[1] != dim else 0
-        if key.endswith(COLUMN_PARALLEL):
-            return 0
-        if key.endswith(ROW_PARALLEL):
-            return 1
+        split = model_parallel_dim(key, vocab_parallel_embedding=key == EMBEDDING and part.shape[1] == dim)
+        if split is not None:
+            return split
         raise CheckpointError(f"{self.checkpoint_dir}: unknown Meta key {key!r} in model-parallel files")
 
     def _join(self, meta: LazyState, key: str, parts: list[torch.Tensor], split: int | None) -> None:

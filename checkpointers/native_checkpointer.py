@@ -24,6 +24,7 @@ from waypoint.checkpointers.file_formats import write_tensors
 from waypoint.checkpointers.hf_checkpointer import HFCheckpointer
 from waypoint.checkpointers.shard_layout import INDEX_NAMES
 from waypoint.converters import CheckpointError, Converter, Rule
+from waypoint.families import MODEL_TYPES, family_named
 from waypoint.models import ModelArgs
 
 MODEL_FILE = "waypoint_model.json"
@@ -45,10 +46,13 @@ def model_args_of(config: Mapping) -> ModelArgs:
     return ModelArgs(**config["model_args"])
 
 
-def describe(args: ModelArgs, model_type: str | None = None, hf_config: Mapping | None = None) -> dict:
-    """waypoint_model.json: the ModelArgs, and the family and HF config it came from (for converting back)."""
+def describe(args: ModelArgs, model_type: str | None = None, source=None) -> dict:
+    """waypoint_model.json: the ModelArgs, and the family and HF checkpoint it came from (``hf_source.HFSource``:
+    its config.json and shard layout, for converting back)."""
     description = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_args": dataclasses.asdict(args)}
-    return description | ({"model_type": model_type} if model_type else {}) | ({"hf_config": dict(hf_config)} if hf_config else {})
+    kept = source.to_json() if source is not None else {}
+    return (description | ({"model_type": model_type} if model_type else {})
+            | ({"hf_config": kept["config"]} if "config" in kept else {}) | ({"hf_layout": kept["layout"]} if "layout" in kept else {}))
 
 
 class NativeCheckpointer(HFCheckpointer):
@@ -69,6 +73,8 @@ class NativeCheckpointer(HFCheckpointer):
     def _make_converter(self, model_type: str | None) -> Converter:
         self.model_args = model_args_of(self.config)
         self.model_type = self.config.get("model_type", "NATIVE")
+        # the family it was converted from (a native checkpoint written without one: Llama's names for PEFT)
+        self.family = family_named(self.model_type if self.model_type in MODEL_TYPES else "llama")
         return native_converter(self.model_args.tie_embeddings)
 
     def _metadata_for(self, source_file: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 
 def real(path: str | os.PathLike) -> Path:

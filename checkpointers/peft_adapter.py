@@ -25,7 +25,7 @@ from safetensors.torch import save
 
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import read_tensors
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 from waypoint.converters.ops import Identity, RopePermute
 from waypoint.converters.table import Converter, Rule
 
@@ -38,26 +38,14 @@ VLLM_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
 
 
-def converter_for_args(args) -> Converter:
-    """The Llama table for a native model's ModelArgs (Meta and native checkpoints have no HF converter)."""
-    from waypoint.converters.llama import IGNORE, attention_rules, mlp_rules, norm_rules, outer_rules
-
-    return Converter(rules=outer_rules() + norm_rules() + attention_rules(args) + mlp_rules(), ignore=IGNORE,
-                     tied_embeddings=args.tie_embeddings)
-
-
 def hf_converter(checkpointer, model_args) -> Converter:
-    """The converter whose HF side names PEFT's modules: an HF checkpointer's own (its family's table); for Meta
-    and native checkpointers (whose converters speak their own key names) the Llama table for the model's shapes."""
-    converter = getattr(checkpointer, "converter", None)
-    if converter is not None:
-        try:
-            groups = converter.plan(["tok_embeddings.weight"], "native")
-        except CheckpointError:
-            groups = []
-        if len(groups) == 1 and groups[0].targets == ("model.embed_tokens.weight",):
-            return converter
-    return converter_for_args(model_args)
+    """The converter whose HF side names PEFT's modules: the family's table for the model's shapes. An HF
+    checkpointer's own converter is that; a native checkpoint names its family in waypoint_model.json; Meta's
+    is Llama's."""
+    family = checkpointer.family
+    if checkpointer.format_label == "Hugging Face":
+        return checkpointer.converter
+    return family.converter(model_args)
 
 
 def _single_rule(converter: Converter, key: str, side: str) -> tuple[Rule, str]:
@@ -115,11 +103,16 @@ def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source:
     return out
 
 
-def check_targets(model: torch.nn.Module, converter: Converter) -> None:
-    """Raise the one-line CheckpointError ``write_adapter`` would, before any training (fused targets)."""
+def check_targets(model: torch.nn.Module, converter: Converter, family=None) -> None:
+    """Raise the one-line CheckpointError ``write_adapter`` would, before any training: a target the family's PEFT
+    modules cannot name (fused projections, stacked experts)."""
     from waypoint.models.lora import lora_modules
 
     for module in lora_modules(model):
+        name = module.rsplit(".", 1)[-1]
+        if family is not None and name not in family.lora_targets:
+            raise CheckpointError(f"lora.targets: {name} cannot be adapted in {family.name} models in PEFT's format; "
+                                  f"choose from {', '.join(family.lora_targets)}")
         _single_rule(converter, f"{module}.weight", "native")
 
 

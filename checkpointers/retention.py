@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from waypoint.checkpointers.commit import fsync_dir, step_dirs, verify
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 METRICS_FILE = "metrics.jsonl"
 OVERWRITTEN = ".overwritten-"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, format_of
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 INDEX_NAMES = {SAFETENSORS: "model.safetensors.index.json", TORCH: "pytorch_model.bin.index.json"}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

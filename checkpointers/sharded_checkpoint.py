@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 SHARDED_DIR = "sharded"
 DCP_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException

@@ -27,7 +27,7 @@ from waypoint.checkpointers.commit import StagedDir, hash_file
 from waypoint.checkpointers.retention import prune_checkpoints
 from waypoint.checkpointers.dtensor_state import GatheredState, serve_gathers
 from waypoint.checkpointers.sharded_checkpoint import DCP_ERRORS, SHARDED_DIR, describe_error, rank_files, save_sharded
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 class ShardedSaver:
     """Saves of a multi-process run; ``dist`` is a :class:`waypoint.training.distributed.Distributed`."""

@@ -1,9 +1,8 @@
-"""Weight converters between checkpoint layouts and the native model."""
+"""Declarative, reversible weight-conversion tables (``table``) and their tensor ops (``ops``); each family's
+table is in ``waypoint.families``, Meta's reference layout in ``converters.meta``."""
 
-from waypoint.converters.errors import CheckpointError
-from waypoint.converters.ops import Chain, Identity, PerTensor, RopePermute, Split
-from waypoint.converters.registry import CONVERTERS, HF_MODEL_TYPES, detect_model_type, get_converter
+from waypoint.errors import CheckpointError
+from waypoint.converters.ops import Chain, Identity, PerTensor, RopePermute, Split, Stack
 from waypoint.converters.table import Converter, Group, Rule
 
-__all__ = ["CONVERTERS", "HF_MODEL_TYPES", "Chain", "CheckpointError", "Converter", "Group", "Identity", "PerTensor",
-           "RopePermute", "Rule", "Split", "detect_model_type", "get_converter"]
+__all__ = ["Chain", "CheckpointError", "Converter", "Group", "Identity", "PerTensor", "RopePermute", "Rule", "Split", "Stack"]

@@ -8,11 +8,28 @@ from __future__ import annotations
 
 from waypoint.converters.table import Converter, Rule
 
-# How model-parallel files split each weight (Meta's ColumnParallelLinear / RowParallelLinear);
-# the embedding's split dim depends on the generation and is read from the shapes.
+# How model-parallel files split each weight (Meta's ColumnParallelLinear / RowParallelLinear)
 COLUMN_PARALLEL = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
                    "feed_forward.w1.weight", "feed_forward.w3.weight", "output.weight")
 ROW_PARALLEL = ("attention.wo.weight", "feed_forward.w2.weight")
+EMBEDDING = "tok_embeddings.weight"
+
+
+def vocab_parallel(vocab_size: int) -> bool:
+    """Llama 3's reference code splits the embedding by vocabulary rows (VocabParallelEmbedding); Llama 2's by
+    its columns (ParallelEmbedding)."""
+    return vocab_size >= 128000
+
+
+def model_parallel_dim(key: str, vocab_parallel_embedding: bool) -> int | None:
+    """The dim along which Meta's model-parallel files split ``key`` (None: replicated in every file)."""
+    if key == EMBEDDING:
+        return 0 if vocab_parallel_embedding else 1
+    if key.endswith(COLUMN_PARALLEL):
+        return 0
+    if key.endswith(ROW_PARALLEL):
+        return 1
+    return None
 
 
 def meta_converter(tied: bool = False) -> Converter:

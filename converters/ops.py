@@ -51,29 +51,62 @@ class RopePermute:
 
 @dataclass(frozen=True)
 class Split:
-    """One fused tensor <-> its consecutive blocks of ``sizes`` rows (dim 0), e.g. Phi-3's ``qkv_proj``.
+    """One fused tensor <-> its consecutive blocks of ``sizes`` rows along ``dim``, e.g. Phi-3's ``qkv_proj`` (dim 0)
+    or the packed experts' ``gate_up_proj [E, 2I, H]`` (dim 1).
 
     ``forward`` returns views of the fused tensor (no copy); ``inverse`` concatenates them back.
     """
 
     sizes: tuple[int, ...]
+    dim: int = 0
 
-    def __init__(self, sizes) -> None:
+    def __init__(self, sizes, dim: int = 0) -> None:
         object.__setattr__(self, "sizes", tuple(int(s) for s in sizes))
+        object.__setattr__(self, "dim", dim)
+
+    def _what(self) -> str:
+        return "rows" if self.dim == 0 else f"entries along dim {self.dim}"
 
     def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         (t,) = tensors
-        if t.shape[0] != sum(self.sizes):
-            raise ValueError(f"has {t.shape[0]} rows, expected {' + '.join(map(str, self.sizes))} = {sum(self.sizes)}")
-        return list(t.split(self.sizes, dim=0))
+        if t.ndim <= self.dim or t.shape[self.dim] != sum(self.sizes):
+            has = t.shape[self.dim] if t.ndim > self.dim else 0
+            raise ValueError(f"has {has} {self._what()}, expected {' + '.join(map(str, self.sizes))} = {sum(self.sizes)}")
+        return list(t.split(self.sizes, dim=self.dim))
 
     def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if len(tensors) != len(self.sizes):
             raise ValueError(f"got {len(tensors)} tensors to fuse, expected {len(self.sizes)}")
         for t, size in zip(tensors, self.sizes):
-            if t.shape[0] != size:
-                raise ValueError(f"a block has {t.shape[0]} rows, expected {size} (blocks {self.sizes})")
-        return [torch.cat(tensors, dim=0)]
+            if t.shape[self.dim] != size:
+                raise ValueError(f"a block has {t.shape[self.dim]} {self._what()}, expected {size} (blocks {self.sizes})")
+        return [torch.cat(tensors, dim=self.dim)]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """``count`` per-expert tensors (``experts.{e}.…`` for e in 0..count-1) <-> one ``[count, ...]`` tensor.
+
+    A rule with this op has ``{e}`` in its per-expert patterns; the table collects the ``count`` keys of one layer
+    into one group. ``forward`` copies them into the stacked tensor (one layer's experts at a time); ``inverse``
+    returns views of it.
+    """
+
+    count: int
+
+    def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if len(tensors) != self.count:
+            raise ValueError(f"got {len(tensors)} experts, expected {self.count}")
+        shapes = {tuple(t.shape) for t in tensors}
+        if len(shapes) != 1:
+            raise ValueError(f"experts differ in shape ({', '.join(map(str, sorted(shapes)))})")
+        return [torch.stack(tensors)]
+
+    def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        (t,) = tensors
+        if t.ndim == 0 or t.shape[0] != self.count:
+            raise ValueError(f"has {t.shape[0] if t.ndim else 0} experts, expected {self.count}")
+        return list(t.unbind(0))
 
 
 @dataclass(frozen=True)

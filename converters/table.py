@@ -6,6 +6,11 @@ rules forwards (HF -> native) on load and backwards (native -> HF) on save, so
 saving is loading run in reverse. Any key that no rule matches is an error that
 names it; only keys matching ``ignore`` (e.g. ``rotary_emb.inv_freq``) are
 skipped.
+
+``{e}`` in a pattern stands for an expert index: the rule's op (``Stack``) says how many experts a group has,
+and the table gathers them into one group (all experts of a layer <-> one stacked tensor). Where a family is
+stored in more than one on-disk layout (per-expert keys or packed ones), ``variants`` holds each layout's rules:
+loading uses the one the keys match, and saving writes that same one.
 """
 
 from __future__ import annotations
@@ -16,14 +21,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from waypoint.converters.errors import CheckpointError
-from waypoint.converters.lazy import LazyState, on_meta
+from waypoint.errors import CheckpointError
+from waypoint.lazy import LazyState, on_meta
 from waypoint.converters.ops import Identity
 
 
 def _compile(pattern: str) -> re.Pattern:
     """``{i}`` matches a layer index, ``{key}`` any key (for tables that keep names as they are)."""
-    regex = re.escape(pattern).replace(re.escape("{i}"), r"(?P<i>\d+)").replace(re.escape("{key}"), r"(?P<key>.+)")
+    regex = (re.escape(pattern).replace(re.escape("{i}"), r"(?P<i>\d+)").replace(re.escape("{e}"), r"(?P<e>\d+)")
+             .replace(re.escape("{key}"), r"(?P<key>.+)"))
     return re.compile(f"^{regex}$")
 
 
@@ -39,6 +45,16 @@ class Rule:
         object.__setattr__(self, "hf", (hf,) if isinstance(hf, str) else tuple(hf))
         object.__setattr__(self, "native", (native,) if isinstance(native, str) else tuple(native))
         object.__setattr__(self, "op", op)
+
+    def slots(self, side: str) -> list[tuple[int, int | None]]:
+        """(pattern position, expert index or None) of each key of one group on ``side``, in order."""
+        count = getattr(self.op, "count", None)
+        return [(pos, e) for pos, p in enumerate(getattr(self, side))
+                for e in (range(count) if "{e}" in p and count is not None else (None,))]
+
+    def key(self, side: str, slot: tuple[int, int | None], binding: dict) -> str:
+        pos, e = slot
+        return getattr(self, side)[pos].format(**binding, **({"e": e} if e is not None else {}))
 
 
 @dataclass(frozen=True)
@@ -59,15 +75,29 @@ class Converter:
     hf_head_key: str = "lm_head.weight"
     native_embedding_key: str = "tok_embeddings.weight"
     native_head_key: str = "output.weight"
+    variants: dict[str, list[Rule]] = field(default_factory=dict)  # on-disk layouts, one of which is in use
+    variant: str | None = None  # the layout in use: chosen by the first HF keys planned (default: the first)
     _compiled: dict = field(default_factory=dict, init=False, repr=False)
 
     # -- planning (keys only) -------------------------------------------------
+    def rules_in_use(self) -> list[Rule]:
+        return self.rules + (self.variants[self.variant or next(iter(self.variants))] if self.variants else [])
+
     def _patterns(self, side: str) -> list[tuple[Rule, int, re.Pattern]]:
-        if side not in self._compiled:
-            self._compiled[side] = [
-                (rule, pos, _compile(p)) for rule in self.rules for pos, p in enumerate(getattr(rule, side))
+        cache = (side, self.variant)
+        if cache not in self._compiled:
+            self._compiled[cache] = [
+                (rule, pos, _compile(p)) for rule in self.rules_in_use() for pos, p in enumerate(getattr(rule, side))
             ]
-        return self._compiled[side]
+        return self._compiled[cache]
+
+    def _choose_variant(self, hf_keys: list[str]) -> None:
+        """The layout whose patterns the checkpoint's keys match (stays the first if none does)."""
+        for name, rules in self.variants.items():
+            patterns = [_compile(p) for rule in rules for p in rule.hf]
+            if any(regex.match(key) for key in hf_keys for regex in patterns):
+                self.variant = name
+                return
 
     def is_ignored(self, hf_key: str) -> bool:
         return any(re.search(p, hf_key) for p in self.ignore)
@@ -78,7 +108,10 @@ class Converter:
         ``where`` maps keys to the file they came from, for error messages.
         """
         other = "native" if side == "hf" else "hf"
-        found: dict[tuple[int, tuple], dict[int, str]] = {}
+        keys = list(keys)
+        if side == "hf" and self.variants and self.variant is None:
+            self._choose_variant(keys)
+        found: dict[tuple[int, tuple], dict[tuple[int, int | None], str]] = {}
         rules_by_id: dict[int, tuple[Rule, dict]] = {}
         for key in keys:
             if side == "hf" and self.is_ignored(key):
@@ -87,8 +120,13 @@ class Converter:
                 m = regex.match(key)
                 if m:
                     binding = m.groupdict()
+                    e = binding.pop("e", None)
+                    if e is not None and int(e) >= getattr(rule.op, "count", 0):
+                        origin = f" in {where[key]}" if where and key in where else ""
+                        raise CheckpointError(f"{side} key {key!r}{origin}: expert {e}, but the model has "
+                                              f"{getattr(rule.op, 'count', 0)} experts")
                     gid = (id(rule), tuple(sorted(binding.items())))
-                    found.setdefault(gid, {})[pos] = key
+                    found.setdefault(gid, {})[(pos, None if e is None else int(e))] = key
                     rules_by_id[id(rule)] = (rule, binding)
                     break
             else:
@@ -97,12 +135,14 @@ class Converter:
         groups = []
         for (rid, binding), members in found.items():
             rule = rules_by_id[rid][0]
-            patterns = getattr(rule, side)
-            if len(members) != len(patterns):
-                absent = [p.format(**dict(binding)) for j, p in enumerate(patterns) if j not in members]
-                raise CheckpointError(f"incomplete {side} key group: {', '.join(absent)} missing beside {members[min(members)]!r}")
-            sources = tuple(members[j] for j in range(len(patterns)))
-            targets = tuple(p.format(**dict(binding)) for p in getattr(rule, other))
+            slots = rule.slots(side)
+            if len(members) != len(slots):
+                absent = [rule.key(side, slot, dict(binding)) for slot in slots if slot not in members]
+                raise CheckpointError(f"incomplete {side} key group: {', '.join(absent[:3])}"
+                                      f"{f' and {len(absent) - 3} more' if len(absent) > 3 else ''} missing beside "
+                                      f"{members[min(members, key=lambda s: (s[0], s[1] or 0))]!r}")
+            sources = tuple(members[slot] for slot in slots)
+            targets = tuple(rule.key(other, slot, dict(binding)) for slot in rule.slots(other))
             groups.append(Group(rule, sources, targets))
         return groups
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from waypoint.converters.errors import CheckpointError
-from waypoint.converters.lazy import spec_of
+from waypoint.errors import CheckpointError
+from waypoint.lazy import spec_of
 
 HALF = (torch.bfloat16, torch.float16)
 TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
@@ -130,7 +130,7 @@ def initial_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def init_adapters(model: nn.Module, device: torch.device | str | None = None) -> list[str]:
     """Give LoRA layers added on the meta device (before sharding and loading) their initial weights, as
     they would have been drawn on a loaded base; in a sharded model each rank keeps its piece. Returns the keys."""
-    from waypoint.checkpointers.dtensor_state import local_shard
+    from waypoint.lazy import local_shard
 
     own = model.state_dict()
     placed = {}
@@ -170,7 +170,7 @@ def load_adapter_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> N
             if state[key].shape != target.shape:
                 raise CheckpointError(f"adapter {key}: shape {tuple(state[key].shape)} does not fit the model's {tuple(target.shape)}")
             if hasattr(target, "device_mesh"):  # sharded: this rank's piece
-                from waypoint.checkpointers.dtensor_state import local_shard
+                from waypoint.lazy import local_shard
                 target.to_local().copy_(local_shard(state[key], target, dtype=target.dtype).to_local())
             else:
                 target.copy_(state[key])

@@ -10,18 +10,25 @@ Parameter names (the native checkpoint format)::
     norm.weight
     output.weight            (absent from the state dict's storage when tied)
     layers.{i}.attn.{q,k,v}_proj.bias    (only with ``qkv_bias``, as in Qwen2)
+    layers.{i}.attn.{q,k}_norm.weight    (only with ``qk_norm``: Qwen3, Gemma 3)
+    layers.{i}.post_{attn,mlp}_norm.weight  (only with ``sandwich_norms``: Gemma 2, Gemma 3)
 
 Rotary embeddings rotate interleaved pairs ``(x0, x1), (x2, x3), ...`` as in
 Meta's reference code; Hugging Face rotates the two halves of each head, which
 the converters bridge by permuting the rows of the q and k projections (and of
-their biases).
+their biases), and the per-head q/k norm weights the same way (as one head).
 
 The other families differ from Llama only through :class:`ModelArgs` fields whose
-defaults are Llama's: ``qkv_bias`` (Qwen2), ``norm_plus_one``, ``embedding_scale`` and
-``activation`` (Gemma), ``rope_type="llama3"`` with its scaling fields (Llama 3.1),
-``sliding_window`` / ``full_attention_layers`` (Mistral, Phi-3, Qwen2) and
-``resid_dropout`` (Phi-3). Each is computed the way transformers computes it, so
-logits agree with it in fp32.
+defaults are Llama's: ``qkv_bias`` (Qwen2); ``qk_norm`` (Qwen3, Gemma 3);
+``norm_plus_one``, ``embedding_scale`` and ``activation`` (Gemma 1-3); ``sandwich_norms``,
+``attn_scale`` and ``final_softcap`` (Gemma 2, 3); ``attn_softcap`` (Gemma 2);
+``rope_type="llama3"`` with its scaling fields (Llama 3.1); ``rope_type="linear"`` and
+``local_rope_theta`` (Gemma 3); ``sliding_window`` / ``full_attention_layers`` (Mistral,
+Phi-3, Qwen2, Gemma 2, 3) and ``resid_dropout`` (Phi-3). Each is computed the way
+transformers computes it, so logits agree with it in fp32.
+
+RMSNorm, the RoPE rotation, the masks and :class:`Attention` live in :mod:`waypoint.models.attention`
+and are re-exported here.
 """
 
 from __future__ import annotations
@@ -34,13 +41,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from waypoint.models.attention import Attention, RMSNorm, apply_rope, sliding_window_mask, softcapped_attention
+
+__all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
+           "apply_rope", "rope_cache", "rope_frequencies", "sliding_window_mask", "softcapped_attention"]
 
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,  # exact (erf) GELU
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
 }
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "linear")
 
 
 @dataclass(frozen=True)
@@ -61,14 +72,21 @@ class ModelArgs:
     norm_plus_one: bool = False  # RMSNorm scales by (1 + weight), multiplied in fp32 (Gemma)
     embedding_scale: float = 1.0  # embeddings times this, cast to their dtype first (Gemma: sqrt(dim))
     activation: str = "silu"  # the gate's activation: silu, gelu, gelu_pytorch_tanh (Gemma)
-    rope_type: str = "default"  # "default" or "llama3" (Llama 3.1's frequency scaling, below)
-    rope_factor: float = 8.0  # llama3 only, like the three fields below
+    rope_type: str = "default"  # "default", "llama3" (Llama 3.1's frequency scaling, below) or "linear"
+    rope_factor: float = 8.0  # llama3 and linear (frequencies / factor)
+    # llama3 only:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
     sliding_window: int | None = None  # each query sees itself and the window - 1 tokens before it
     full_attention_layers: tuple[int, ...] = ()  # layers exempt from sliding_window (Qwen2's max_window_layers)
     resid_dropout: float = 0.0  # dropout on each block's attention and MLP outputs while training (Phi-3)
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # attention scores -> tanh(s / cap) * cap before mask and softmax (Gemma 2)
+    final_softcap: float | None = None  # logits -> tanh(l / cap) * cap (Gemma 2)
+    sandwich_norms: bool = False  # post_attn_norm / post_mlp_norm on each block's outputs (Gemma 2, 3)
+    local_rope_theta: float | None = None  # sliding layers' own unscaled RoPE base (Gemma 3)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -88,35 +106,27 @@ class ModelArgs:
         if self.rope_type == "llama3" and self.rope_low_freq_factor >= self.rope_high_freq_factor:
             raise ValueError(f"llama3 rope needs low_freq_factor < high_freq_factor, got "
                              f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
+        if self.rope_type != "default" and not self.rope_factor > 0:
+            raise ValueError(f"rope_factor={self.rope_factor} must be positive")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive (or None)")
-
-
-class RMSNorm(nn.Module):
-    """``weight * normalize(x)``, or with ``plus_one`` Gemma's ``(1 + weight) * normalize(x)`` multiplied in fp32
-    before the cast back (Llama casts first, then multiplies; both as transformers does)."""
-
-    def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = False) -> None:
-        super().__init__()
-        self.eps = eps
-        self.plus_one = plus_one
-        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.plus_one:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # also refuses NaN
+                raise ValueError(f"{name}={value} must be positive (or None)")
+        if self.local_rope_theta is not None and self.sliding_window is None:
+            raise ValueError("local_rope_theta is the sliding layers' RoPE base, but sliding_window is None")
 
 
 def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
-    """The inverse frequencies [head_dim // 2] in fp32, scaled for ``rope_type="llama3"`` exactly as
-    transformers' ``_compute_llama3_parameters`` does."""
+    """The inverse frequencies [head_dim // 2] in fp32, scaled for ``rope_type="llama3"`` or ``"linear"`` exactly as
+    transformers' ``_compute_llama3_parameters`` / ``_compute_linear_scaling_rope_parameters`` do."""
     head_dim = args.resolved_head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
     if args.rope_type == "default":
         return inv_freq
+    if args.rope_type == "linear":
+        return inv_freq / args.rope_factor
     factor, low, high = args.rope_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
     old_context_len = args.rope_original_max_seq_len
     low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
@@ -138,46 +148,6 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None,
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
-def sliding_window_mask(seq: int, window: int, device=None) -> torch.Tensor:
-    """[seq, seq] bool, True where query i may attend key j: ``i - window < j <= i`` (transformers' sliding window)."""
-    i = torch.arange(seq, device=device)[:, None]
-    j = torch.arange(seq, device=device)[None, :]
-    return (j <= i) & (j > i - window)
-
-
-def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x`` [batch, seq, heads, head_dim] by ``cache`` [seq, head_dim//2, 2]."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos = cache[: x.shape[1], None, :, 0]
-    sin = cache[: x.shape[1], None, :, 1]
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return out.flatten(-2).to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.resolved_head_dim
-        self.dropout = args.attn_dropout
-        self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.output_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: [seq, seq] bool (True: attend) replacing the plain causal mask, e.g. a sliding window."""
-        bsz, seq, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim), rope)
-        k = apply_rope(self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim), rope)
-        v = self.v_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=self.n_kv_heads != self.n_heads,
-                                             dropout_p=self.dropout if self.training else 0.0)
-        return self.output_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
-
-
 class FeedForward(nn.Module):
     """Gated MLP: w2(act(w1 x) * w3 x); SwiGLU with the default silu, GeGLU with a gelu."""
 
@@ -193,22 +163,30 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
+    """Pre-norm block; ``mlp``: a module [.., dim] -> [.., dim] in place of the gated MLP."""
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0, mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.sa_norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
+        norm = partial(RMSNorm, args.dim, args.norm_eps, args.norm_plus_one)
+        self.sa_norm = norm()
         self.attn = Attention(args)
-        self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
-        self.mlp = FeedForward(args.dim, args.hidden_dim, args.activation)
+        self.mlp_norm = norm()
+        self.mlp = mlp if mlp is not None else FeedForward(args.dim, args.hidden_dim, args.activation)
+        # Gemma 2/3 also normalise the attention and MLP outputs before each residual add; None otherwise
+        self.post_attn_norm = norm() if args.sandwich_norms else None
+        self.post_mlp_norm = norm() if args.sandwich_norms else None
         self.resid_dropout = args.resid_dropout
         # the window this layer's attention slides (None: full causal attention)
         self.sliding_window = args.sliding_window if layer_id not in args.full_attention_layers else None
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.resid_dropout, training=True) if self.resid_dropout and self.training else x
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, post_norm: nn.Module | None) -> torch.Tensor:
+        if post_norm is not None:
+            out = post_norm(out)
+        return x + (F.dropout(out, self.resid_dropout, training=True) if self.resid_dropout and self.training else out)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self._dropout(self.attn(self.sa_norm(x), rope, mask))
-        return h + self._dropout(self.mlp(self.mlp_norm(h)))
+        h = self._residual(x, self.attn(self.sa_norm(x), rope, mask), self.post_attn_norm)
+        return self._residual(h, self.mlp(self.mlp_norm(h)), self.post_mlp_norm)
 
 
 class Transformer(nn.Module):
@@ -227,6 +205,8 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.activation_checkpointing = False
         self.register_buffer("rope", torch.empty(0), persistent=False)
+        if args.local_rope_theta is not None:  # the sliding layers' table (Gemma 3)
+            self.register_buffer("local_rope", torch.empty(0), persistent=False)
         self.tie_weights()
         self.reset_rope()
 
@@ -236,14 +216,18 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def reset_rope(self) -> None:
-        """(Re)compute the rotary table on the embedding's device; call after loading onto a meta-built model."""
+        """(Re)compute the rotary tables on the embedding's device; call after loading onto a meta-built model."""
         device = self.tok_embeddings.weight.device
+        a = self.args
         if device.type == "meta":  # nothing to compute yet (and meta kernels for it cost a slow import)
             self.rope = torch.empty(0, device=device)
+            if a.local_rope_theta is not None:
+                self.local_rope = torch.empty(0, device=device)
             return
-        a = self.args
         self.rope = rope_cache(a.resolved_head_dim, a.max_seq_len, a.rope_theta, device=device,
                                inv_freq=rope_frequencies(a, device=device))
+        if a.local_rope_theta is not None:  # unscaled, whatever rope_type the full-attention layers use
+            self.local_rope = rope_cache(a.resolved_head_dim, a.max_seq_len, a.local_rope_theta, device=device)
 
     def init_weights(self, std: float = 0.02) -> None:
         """Random initialisation for training from scratch (tests, tiny models)."""
@@ -265,10 +249,16 @@ class Transformer(nn.Module):
         seq = tokens.shape[1]
         window = self.args.sliding_window
         window_mask = sliding_window_mask(seq, window, h.device) if window is not None and seq > window else None
+        local_rope = self.local_rope if self.args.local_rope_theta is not None else self.rope
         for layer in self.layers:
-            mask = window_mask if layer.sliding_window is not None else None
+            sliding = layer.sliding_window is not None
+            mask, rope = (window_mask, local_rope) if sliding else (None, self.rope)
             if self.activation_checkpointing and self.training:
-                h = torch.utils.checkpoint.checkpoint(layer, h, self.rope, mask, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(layer, h, rope, mask, use_reentrant=False)
             else:
-                h = layer(h, self.rope, mask)
-        return self.output(self.norm(h))
+                h = layer(h, rope, mask)
+        logits = self.output(self.norm(h))
+        if self.args.final_softcap is not None:
+            cap = self.args.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

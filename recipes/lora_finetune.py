@@ -115,7 +115,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     say(f"merged models are written in {checkpointer.output_dtype_note()}")
     del state
     converter = hf_converter(checkpointer, model.args)  # names the adapter's modules as HF does
-    check_targets(model, converter)  # a target PEFT cannot name (Phi-3's fused qkv) fails now, not at the first save
+    check_targets(model, converter, checkpointer.family)  # a target PEFT cannot name (Phi-3's fused qkv) fails now, not at the first save
     base_name = base_model_name(checkpointer.checkpoint_dir)
     base_format = detect_format(checkpointer.checkpoint_dir)  # Meta/native inputs get the adapter in their keys too
     own_layout = (base_format, checkpointer.converter) if base_format in ("meta", "native") else None

@@ -157,7 +157,7 @@ def step_load(ckpt: Path, out: Path) -> float:
     import torch
 
     from waypoint.checkpointers import HFCheckpointer, load_into
-    from waypoint.models import from_hf_config
+    from waypoint.families import from_hf_config
 
     reset_peak_rss()
     start = time.perf_counter()

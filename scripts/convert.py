@@ -31,6 +31,7 @@ if importlib.util.find_spec("waypoint") is None:
 from waypoint.checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
 from waypoint.checkpointers.base import SMALL_FILE_LIMIT  # noqa: E402
 from waypoint.checkpointers.export import export, parse_size  # noqa: E402
+from waypoint.checkpointers.hf_source import source_of  # noqa: E402
 from waypoint.checkpointers.load_model import model_args_for  # noqa: E402
 from waypoint.checkpointers.overlap import refuse_overlap  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
@@ -45,6 +46,18 @@ def side_files(directory: Path) -> list[Path]:
     """Tokenizer and other small files that travel with the weights in any format."""
     return [p for p in sorted(directory.iterdir()) if p.is_file() and p.name not in SKIPPED and not p.name.startswith(".")
             and not p.name.endswith(WEIGHT_SUFFIXES) and p.stat().st_size <= SMALL_FILE_LIMIT]
+
+
+def special_token_ids(directory: Path) -> dict[str, int]:
+    """bos/eos ids of the checkpoint's tokenizer, for a config.json made without a source one (generation stops at
+    eos_token_id: a default would contradict the tokenizer)."""
+    from waypoint.training.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(directory)
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id)) if v is not None}
 
 
 def sharded_run_model(step_dir: Path, output_dir: Path):
@@ -86,11 +99,10 @@ def convert(src: Path, dst: Path, to: str, source_format: str | None = None, mod
         if to == fmt and not (max_shard_size or num_shards):
             return ckpt.save_to(state, target)  # the same files, keys and split as the input
         files = getattr(ckpt, "files", None) or ckpt.layout.files
-        source_hf_config = ckpt.config.get("hf_config") if fmt == "native" else ckpt.config if fmt == "hf" else None
-        return export(state["model"], model_args_for(ckpt), model_type or ckpt.model_type, to, target,
-                      source_hf_config=source_hf_config, side_files=side_files(src),
-                      num_shards=num_shards or (None if max_shard_size else len(files)),
-                      max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None)
+        return export(state["model"], model_args_for(ckpt), model_type or ckpt.model_type, to, target, source=source_of(ckpt),
+                      side_files=side_files(src), num_shards=num_shards, input_files=len(files),
+                      max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
+                      special_tokens=special_token_ids(src))
     return replace_dir(dst, write) if dst.exists() else write(dst)
 
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from waypoint.converters import CheckpointError, Converter, RopePermute, Rule, get_converter
+from waypoint.converters import CheckpointError, Converter, RopePermute, Rule
+from waypoint.families import get_converter
 from tests.conftest import tiny_llama_config
 
 

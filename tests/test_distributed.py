@@ -283,7 +283,7 @@ def test_sharded_metadata_is_data_never_code(tmp_path):
     import pickle
 
     from waypoint.checkpointers.sharded_checkpoint import load_sharded, save_sharded
-    from waypoint.converters.errors import CheckpointError
+    from waypoint.errors import CheckpointError
 
     class Payload:
         def __reduce__(self):
@@ -323,7 +323,7 @@ def test_ranks_split_each_global_batch_in_order():
 
 def test_manifest_entries_stay_inside_their_directory(tmp_path):
     from waypoint.checkpointers.commit import StagedDir
-    from waypoint.converters.errors import CheckpointError
+    from waypoint.errors import CheckpointError
 
     with StagedDir(tmp_path / "step_1") as stage:
         (stage.path / "sharded").mkdir()

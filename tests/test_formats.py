@@ -13,7 +13,7 @@ from waypoint.checkpointers import (CheckpointError, HFCheckpointer, MetaCheckpo
                                     detect_format, load_into, load_model)
 from waypoint.checkpointers.file_formats import read_tensors
 from waypoint.checkpointers.native_checkpointer import write_native_checkpoint
-from waypoint.converters import get_converter
+from waypoint.families import get_converter
 from tests.conftest import tiny_llama_config, write_hf_checkpoint
 
 

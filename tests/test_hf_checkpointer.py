@@ -10,7 +10,7 @@ import torch
 
 from waypoint.checkpointers import CheckpointError, HFCheckpointer, load_into, load_model
 from waypoint.checkpointers.file_formats import read_tensors
-from waypoint.models import from_hf_config
+from waypoint.families import from_hf_config
 from tests.conftest import tiny_llama_config, write_hf_checkpoint
 
 CONFIGS = {

@@ -3,8 +3,9 @@ import json
 import pytest
 import torch
 
-from waypoint.models import ModelArgs, Transformer, from_hf_config, llama2_7b, llama3_8b, parse_dtype
-from waypoint.models.builders import model_args_from_hf_config
+from waypoint.families import from_hf_config, model_args_from_hf_config
+from waypoint.families.llama import llama2_7b, llama3_8b
+from waypoint.models import ModelArgs, Transformer, parse_dtype
 
 
 def tiny_args(**kw):

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from waypoint.converters.errors import CheckpointError, first_line
+from waypoint.errors import CheckpointError, first_line
 
 DEBUG = "WAYPOINT_DEBUG"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from waypoint.converters.errors import CheckpointError, first_line
+from waypoint.errors import CheckpointError, first_line
 from waypoint.training.cli import DEBUG, OneLineParser
 from waypoint.training.config_checks import COMMON, Check, check_options
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from waypoint.converters.errors import CheckpointError
-from waypoint.models.builders import DTYPE_NAMES
+from waypoint.errors import CheckpointError
+from waypoint.models.dtypes import DTYPE_NAMES
 
 Check = Callable[[Any], "str | None"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 _EPOCH_STRIDE = 1_000_003  # prime: (seed, epoch) pairs map to distinct generator seeds for epochs < stride
 

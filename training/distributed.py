@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 
 @dataclass

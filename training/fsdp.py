@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 from waypoint.models import parse_dtype
 from waypoint.models.transformer import TransformerBlock
 

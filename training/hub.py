@@ -58,7 +58,7 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import filter_repo_objects
 
-from waypoint.converters.errors import CheckpointError, first_line
+from waypoint.errors import CheckpointError, first_line
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 
 class MetricsLog:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

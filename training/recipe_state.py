@@ -13,7 +13,7 @@ import torch
 
 from waypoint.checkpointers.base import RECIPE_STATE_FILE
 from waypoint.checkpointers.file_formats import load_pickle
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 FORMAT_VERSION = 1
 # Import names before everything moved under `waypoint` (a saved config's `_target_: checkpointers.build_model`).
 LEGACY_PACKAGES = ("checkpointers.", "converters.", "models.", "training.")

@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from waypoint.checkpointers.commit import STEP_DIR, Verification, step_dirs, verify
 from waypoint.checkpointers.retention import set_aside_earlier_run
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from waypoint.checkpointers.overlap import real, relation
 from waypoint.checkpointers.retention import settle_overwritten
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 from waypoint.training.run_lock import RunLock
 
 # Names in output_dir that a run creates, renames or deletes.

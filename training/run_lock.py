@@ -24,7 +24,7 @@ import socket
 import sys
 from pathlib import Path
 
-from waypoint.converters.errors import CheckpointError
+from waypoint.errors import CheckpointError
 
 LOCK_FILE = ".waypoint.lock"
 

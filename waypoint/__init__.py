@@ -1,7 +1,7 @@
 """Waypoint: every import name of this project lives under ``waypoint``.
 
 The subpackages are the repository's top-level folders: ``waypoint.checkpointers`` is ``checkpointers/``,
-``waypoint.converters`` is ``converters/``, ``waypoint.models`` is ``models/`` and ``waypoint.training`` is
+``waypoint.converters`` is ``converters/``, ``waypoint.families`` is ``families/``, ``waypoint.models`` is ``models/`` and ``waypoint.training`` is
 ``training/`` (pyproject.toml's ``package-dir`` maps them). Generic top-level names such as ``models`` are
 left to other distributions (``llama-models`` installs one).
 

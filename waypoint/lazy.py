@@ -1,4 +1,9 @@
-"""A state dict whose tensors are computed when read.
+"""Tensors computed or cut only when read: the lazy state dicts of loading, and a rank's piece of a whole tensor.
+
+The bottom layer (with ``waypoint.errors``): models, converters and checkpointers all import it, it imports
+nothing of theirs.
+
+A state dict whose tensors are computed when read:
 
 Loading converts (and, for Meta's model-parallel files, joins) tensors; done eagerly, every
 converted tensor exists at once. :class:`LazyState` keeps a recipe per key instead, with the
@@ -13,6 +18,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 
 class LazyState(MutableMapping):
@@ -76,3 +82,27 @@ def on_meta(state, keys) -> dict[str, torch.Tensor]:
         shape, dtype = spec_of(state, key)
         out[key] = torch.empty(shape, dtype=dtype, device="meta")
     return out
+
+
+def nbytes(state: Mapping[str, Any], key: str) -> int:
+    """Bytes of ``state[key]`` without materialising it where the mapping can tell."""
+    shape, dtype = spec_of(state, key)
+    return shape.numel() * dtype.itemsize
+
+
+def local_shard(full: torch.Tensor, like: DTensor, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> DTensor:
+    """A DTensor laid out as ``like`` holding ``full``'s values; only this rank's piece is read or moved."""
+    local = full
+    mesh = like.device_mesh
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            pieces = torch.chunk(local, mesh.size(mesh_dim), dim=placement.dim)
+            index = mesh.get_local_rank(mesh_dim)
+            local = pieces[index] if index < len(pieces) else local.narrow(placement.dim, 0, 0)
+        elif not placement.is_replicate():
+            raise ValueError(f"cannot load into a DTensor placed {placement}")
+    local = local.to(device=device, dtype=dtype if dtype is not None and local.is_floating_point() else None,
+                     copy=True).contiguous()
+    return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=full.shape,
+                              stride=torch.empty(full.shape, device="meta").stride())

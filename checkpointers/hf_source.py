@@ -1,0 +1,64 @@
+"""Where a converted checkpoint came from, kept so that converting it back to HF reproduces the original.
+
+An HF checkpoint converted to Meta or native format loses its ``config.json`` (generation ids, positions, rope
+parameters, ...) and its shard layout (file names, the key -> file map transformers chose, the index's
+metadata). ``HFSource`` keeps both: inside ``waypoint_model.json`` for native checkpoints, as ``hf_source.json``
+beside ``params.json`` for Meta ones. Converting back writes that config and that layout again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from waypoint.checkpointers.shard_layout import ShardLayout
+
+SOURCE_FILE = "hf_source.json"
+
+
+@dataclass(frozen=True)
+class HFSource:
+    config: Mapping[str, Any]  # the config.json as it was
+    layout: ShardLayout | None = None  # its files and key -> file map (keys as on disk)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"config": dict(self.config)}
+        if self.layout is not None and self.layout.weight_map is not None:
+            out["layout"] = {"files": list(self.layout.files), "weight_map": dict(self.layout.weight_map),
+                             "index_name": self.layout.index_name, "index_metadata": dict(self.layout.index_metadata)}
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> HFSource | None:
+        if not data or "config" not in data:
+            return None
+        layout = data.get("layout")
+        return cls(dict(data["config"]), ShardLayout(tuple(layout["files"]), dict(layout["weight_map"]), layout.get("index_name"),
+                                                     dict(layout.get("index_metadata") or {})) if layout else None)
+
+    @classmethod
+    def read(cls, directory: Path) -> HFSource | None:
+        """The source kept beside a Meta checkpoint, if any."""
+        path = Path(directory) / SOURCE_FILE
+        return cls.from_json(json.loads(path.read_text())) if path.is_file() else None
+
+
+def source_of(checkpointer) -> HFSource | None:
+    """The HF source of a loaded checkpointer's input: itself for HF, the kept one for native and Meta."""
+    from waypoint.checkpointers.hf_checkpointer import HFCheckpointer
+    from waypoint.checkpointers.native_checkpointer import NativeCheckpointer
+
+    if isinstance(checkpointer, NativeCheckpointer):
+        return HFSource.from_json({"config": checkpointer.config["hf_config"], "layout": checkpointer.config.get("hf_layout")}
+                                  if "hf_config" in checkpointer.config else None)
+    if isinstance(checkpointer, HFCheckpointer):
+        layout = checkpointer.layout
+        prefix = checkpointer.added_prefix
+        if layout.weight_map is not None and prefix:
+            layout = ShardLayout(layout.files, {k[len(prefix):]: f for k, f in layout.weight_map.items()}, layout.index_name,
+                                 dict(layout.index_metadata))
+        return HFSource(dict(checkpointer.config), layout)
+    return HFSource.read(checkpointer.checkpoint_dir)

@@ -1,0 +1,46 @@
+"""The record every model family fills in, once, in its own file.
+
+Everything that differs between families is here: which HF ``model_type`` values it reads, the defaults
+its transformers config class gives fields a ``config.json`` leaves out, the fields the native model cannot
+reproduce, ``config.json -> ModelArgs``, the converter's rules, ``ModelArgs -> config.json`` for export,
+and which native layers LoRA may target. Checkpointers, the PEFT adapter writer and ``convert.py`` look
+families up (``waypoint.families``) and never test a family's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from waypoint.converters.table import Converter, Rule
+from waypoint.families.hf_config import IGNORE, HFConfig
+from waypoint.models.transformer import ModelArgs
+
+LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # "qwen3": the file's name
+    hf_model_types: tuple[str, ...]  # config.json model_type values this family reads
+    model_types: tuple[str, ...]  # checkpointer model_type names (torchtune's), the first one canonical
+    architecture: str  # transformers' *ForCausalLM class, written as config.json's "architectures"
+    defaults: Mapping[str, Any]  # the transformers config class's value of each field a config.json may leave out
+    model_args: Callable[[HFConfig], ModelArgs]  # config.json (defaults filled in) -> ModelArgs
+    rules: Callable[[ModelArgs], list[Rule]]  # the HF <-> native table for these shapes
+    hf_config: Callable[[ModelArgs], dict[str, Any]]  # ModelArgs -> the family's config.json fields
+    # config.json fields whose only value the native model reproduces is the one given (e.g. attention_bias: False);
+    # any other value is a one-line error naming the field
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    lora_targets: tuple[str, ...] = LLAMA_LORA_TARGETS  # native module names whose LoRA PEFT can name
+    ignore: tuple[str, ...] = IGNORE  # HF keys that carry no weights
+    hf_prefixes: tuple[str, ...] = ()  # prefixes a checkpoint may nest the text model under (multimodal repos)
+    model_type_of: Callable[[HFConfig], str] | None = None  # which of model_types a config is (default: the first)
+    # on-disk layouts of some weights (MoE experts: per-expert or packed keys), each with its own rules, the
+    # first being what a conversion without a source writes
+    layouts: Callable[[ModelArgs], dict[str, list[Rule]]] | None = None
+
+    def converter(self, args: ModelArgs) -> Converter:
+        return Converter(rules=self.rules(args), ignore=self.ignore, tied_embeddings=args.tie_embeddings,
+                         variants=self.layouts(args) if self.layouts else {})

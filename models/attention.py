@@ -1,0 +1,105 @@
+"""Self-attention of the native transformer (:mod:`waypoint.models.transformer`, which re-exports these names).
+
+``Attention`` projects q/k/v, optionally normalises each q and k head (``qk_norm``: Qwen3, Gemma 3), rotates
+them with RoPE in Meta's interleaved-pair layout, and attends causally or under a ``[seq, seq]`` bool mask with
+``torch``'s SDPA, or, with Gemma 2's ``attn_softcap``, with an explicit path that caps the scores. RMSNorm
+lives here because the per-head norms use it; the blocks use it too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from waypoint.models.transformer import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    """``weight * normalize(x)``, or with ``plus_one`` Gemma's ``(1 + weight) * normalize(x)`` multiplied in fp32
+    before the cast back (Llama casts first, then multiplies; both as transformers does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.plus_one = plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def sliding_window_mask(seq: int, window: int, device=None) -> torch.Tensor:
+    """[seq, seq] bool, True where query i may attend key j: ``i - window < j <= i`` (transformers' sliding window)."""
+    i = torch.arange(seq, device=device)[:, None]
+    j = torch.arange(seq, device=device)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` [batch, seq, heads, head_dim] by ``cache`` [seq, head_dim//2, 2]."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos = cache[: x.shape[1], None, :, 0]
+    sin = cache[: x.shape[1], None, :, 1]
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         softcap: float, dropout: float = 0.0) -> torch.Tensor:
+    """Attention with Gemma 2's score soft-capping, as transformers' eager path: ``q``/``k``/``v`` [batch, heads,
+    seq, head_dim] (k/v heads shared by consecutive q heads); scores in q's dtype, capped, then masked (``mask``
+    [seq, seq] bool, None: causal); softmax in fp32 cast back to q's dtype."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(F.dropout(probs, dropout) if dropout else probs, v)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped k/v heads; ``forward(x [batch, seq, dim], rope, mask) -> [batch, seq, dim]``."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.resolved_head_dim
+        self.dropout = args.attn_dropout
+        self.scale, self.softcap = args.attn_scale, args.attn_softcap
+        self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.output_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # per-head norms (weights in the interleaved order of the rows they scale); None without qk_norm
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: [seq, seq] bool (True: attend) replacing the plain causal mask, e.g. a sliding window."""
+        bsz, seq, _ = x.shape
+        q = self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # before the rotation, as Qwen3 and Gemma 3
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads, dropout_p=dropout)
+        else:  # SDPA cannot cap the scores
+            scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+            out = softcapped_attention(q, k, v, mask, scale, self.softcap, dropout)
+        return self.output_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
