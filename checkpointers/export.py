@@ -151,7 +151,8 @@ def export(native: Mapping[str, torch.Tensor], args: ModelArgs, model_type: str,
                            {"format": "pt"}, aliases)
             stage.write_bytes(MODEL_FILE, (json.dumps(describe(args, model_type, source), indent=2) + "\n").encode())
         elif to == "meta":
-            _write_meta(stage, meta_converter().from_native(tensors_native), args, num_shards or 1)
+            # model-parallel files are not shards: one unless asked (--num-shards)
+            _write_meta(stage, meta_converter().from_native(tensors_native), args, num_shards if resharded else 1)
             if source:
                 stage.write_bytes(SOURCE_FILE, (json.dumps(source.to_json(), indent=2) + "\n").encode())
         else:

@@ -92,12 +92,14 @@ class Converter:
         return self._compiled[cache]
 
     def _choose_variant(self, hf_keys: list[str]) -> None:
-        """The layout whose patterns the checkpoint's keys match (stays the first if none does)."""
+        """The layout whose patterns match most of the checkpoint's keys (layouts may share some, e.g. the router's)."""
+        matched = {}
         for name, rules in self.variants.items():
             patterns = [_compile(p) for rule in rules for p in rule.hf]
-            if any(regex.match(key) for key in hf_keys for regex in patterns):
-                self.variant = name
-                return
+            matched[name] = sum(any(regex.match(key) for regex in patterns) for key in hf_keys)
+        best = max(matched, key=lambda name: matched[name])  # the first of equals
+        if matched[best]:
+            self.variant = best
 
     def is_ignored(self, hf_key: str) -> bool:
         return any(re.search(p, hf_key) for p in self.ignore)

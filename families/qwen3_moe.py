@@ -23,7 +23,7 @@ def dense_layers(cfg: HFConfig, n_layers: int) -> tuple[int, ...]:
 
 def model_args(cfg: HFConfig) -> ModelArgs:
     common = common_args(cfg, "qwen3_moe")
-    n_experts = cfg.raw.get("num_experts", cfg.get("num_local_experts"))  # v4 configs: num_experts
+    n_experts = cfg.raw.get("num_experts") or cfg["num_local_experts"]  # v4 configs: num_experts
     return ModelArgs(**common, qk_norm=True, **qwen_window_args(cfg, common["n_layers"]), n_experts=n_experts,
                      experts_per_token=cfg["num_experts_per_tok"], expert_hidden_dim=cfg["moe_intermediate_size"],
                      normalize_expert_weights=bool(cfg["norm_topk_prob"]), dense_layers=dense_layers(cfg, common["n_layers"]),
@@ -32,7 +32,7 @@ def model_args(cfg: HFConfig) -> ModelArgs:
 
 def hf_config(args: ModelArgs) -> dict:
     return {**common_fields(args, FAMILY), "hidden_act": args.activation, **qwen_window_fields(args),
-            "num_experts": args.n_experts, "num_experts_per_tok": args.experts_per_token,
+            "num_local_experts": args.n_experts, "num_experts_per_tok": args.experts_per_token,
             "moe_intermediate_size": args.expert_hidden_dim, "norm_topk_prob": args.normalize_expert_weights,
             "decoder_sparse_step": 1, "mlp_only_layers": list(args.dense_layers), "router_aux_loss_coef": args.router_aux_loss_coef}
 

@@ -12,6 +12,8 @@ Parameter names (the native checkpoint format)::
     layers.{i}.attn.{q,k,v}_proj.bias    (only with ``qkv_bias``, as in Qwen2)
     layers.{i}.attn.{q,k}_norm.weight    (only with ``qk_norm``: Qwen3, Gemma 3)
     layers.{i}.post_{attn,mlp}_norm.weight  (only with ``sandwich_norms``: Gemma 2, Gemma 3)
+    layers.{i}.moe.router.weight, layers.{i}.moe.{w1,w2,w3}   (in place of ``mlp``, with ``n_experts``: Mixtral,
+                             Qwen3-MoE; the experts stacked [E, ...], see :mod:`waypoint.models.moe`)
 
 Rotary embeddings rotate interleaved pairs ``(x0, x1), (x2, x3), ...`` as in
 Meta's reference code; Hugging Face rotates the two halves of each head, which
@@ -24,7 +26,8 @@ defaults are Llama's: ``qkv_bias`` (Qwen2); ``qk_norm`` (Qwen3, Gemma 3);
 ``attn_scale`` and ``final_softcap`` (Gemma 2, 3); ``attn_softcap`` (Gemma 2);
 ``rope_type="llama3"`` with its scaling fields (Llama 3.1); ``rope_type="linear"`` and
 ``local_rope_theta`` (Gemma 3); ``sliding_window`` / ``full_attention_layers`` (Mistral,
-Phi-3, Qwen2, Gemma 2, 3) and ``resid_dropout`` (Phi-3). Each is computed the way
+Phi-3, Qwen2, Gemma 2, 3), ``resid_dropout`` (Phi-3) and the mixture-of-experts fields from
+``n_experts`` on (Mixtral, Qwen3-MoE). Each is computed the way
 transformers computes it, so logits agree with it in fp32.
 
 RMSNorm, the RoPE rotation, the masks and :class:`Attention` live in :mod:`waypoint.models.attention`
@@ -42,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from waypoint.models.attention import Attention, RMSNorm, apply_rope, sliding_window_mask, softcapped_attention
+from waypoint.models.moe import MoE, load_balancing_loss
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
            "apply_rope", "rope_cache", "rope_frequencies", "sliding_window_mask", "softcapped_attention"]
@@ -87,6 +91,13 @@ class ModelArgs:
     final_softcap: float | None = None  # logits -> tanh(l / cap) * cap (Gemma 2)
     sandwich_norms: bool = False  # post_attn_norm / post_mlp_norm on each block's outputs (Gemma 2, 3)
     local_rope_theta: float | None = None  # sliding layers' own unscaled RoPE base (Gemma 3)
+    n_experts: int = 0  # mixture of experts: experts per MoE layer (0: every layer has the dense MLP)
+    experts_per_token: int = 2  # top-k
+    expert_hidden_dim: int | None = None  # an expert's width (None: hidden_dim; Qwen3-MoE's moe_intermediate_size)
+    normalize_expert_weights: bool = True  # renormalise the top-k weights to sum 1 (Qwen3-MoE's norm_topk_prob)
+    expert_weights_fp32: bool = False  # weigh expert outputs with fp32 routing weights (Mixtral) or cast first (Qwen3-MoE)
+    dense_layers: tuple[int, ...] = ()  # layers keeping the dense MLP in a MoE model (Qwen3-MoE's mlp_only_layers)
+    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in the training loss
 
     @property
     def resolved_head_dim(self) -> int:
@@ -95,6 +106,9 @@ class ModelArgs:
     def __post_init__(self) -> None:
         # JSON round trips (asdict -> json -> ModelArgs(**)) turn tuples into lists
         object.__setattr__(self, "full_attention_layers", tuple(sorted(int(i) for i in self.full_attention_layers)))
+        object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} must be between 1 and n_experts={self.n_experts}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.resolved_head_dim % 2:
@@ -171,7 +185,12 @@ class TransformerBlock(nn.Module):
         self.sa_norm = norm()
         self.attn = Attention(args)
         self.mlp_norm = norm()
-        self.mlp = mlp if mlp is not None else FeedForward(args.dim, args.hidden_dim, args.activation)
+        # the dense gated MLP, or in a mixture-of-experts layer ``moe`` in its place (``mlp`` None)
+        sparse = args.n_experts > 0 and layer_id not in args.dense_layers and mlp is None
+        self.mlp = None if sparse else mlp if mlp is not None else FeedForward(args.dim, args.hidden_dim, args.activation)
+        self.moe = MoE(args.dim, args.expert_hidden_dim or args.hidden_dim, args.n_experts, args.experts_per_token,
+                       args.normalize_expert_weights, args.activation, fp32_routing_weights=args.expert_weights_fp32) if sparse else None
+        self.router_logits: torch.Tensor | None = None  # the MoE router's logits of the last forward
         # Gemma 2/3 also normalise the attention and MLP outputs before each residual add; None otherwise
         self.post_attn_norm = norm() if args.sandwich_norms else None
         self.post_mlp_norm = norm() if args.sandwich_norms else None
@@ -186,7 +205,10 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self._residual(x, self.attn(self.sa_norm(x), rope, mask), self.post_attn_norm)
-        return self._residual(h, self.mlp(self.mlp_norm(h)), self.post_mlp_norm)
+        if self.moe is None:
+            return self._residual(h, self.mlp(self.mlp_norm(h)), self.post_mlp_norm)
+        out, self.router_logits = self.moe(self.mlp_norm(h))
+        return self._residual(h, out, self.post_mlp_norm)
 
 
 class Transformer(nn.Module):
@@ -204,6 +226,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.activation_checkpointing = False
+        self.router_logits: list[torch.Tensor] = []  # each MoE layer's router logits in the last forward
         self.register_buffer("rope", torch.empty(0), persistent=False)
         if args.local_rope_theta is not None:  # the sliding layers' table (Gemma 3)
             self.register_buffer("local_rope", torch.empty(0), persistent=False)
@@ -237,7 +260,15 @@ class Transformer(nn.Module):
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
             else:
-                nn.init.normal_(p, std=std if not name.endswith(("output_proj.weight", "w2.weight")) else std / math.sqrt(2 * self.args.n_layers))
+                down = name.endswith(("output_proj.weight", "w2.weight", "moe.w2"))
+                nn.init.normal_(p, std=std if not down else std / math.sqrt(2 * self.args.n_layers))
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The last forward's load-balancing loss over every MoE layer (transformers' ``aux_loss``, not yet weighted by
+        ``router_aux_loss_coef``); None for a dense model."""
+        if not self.args.n_experts or not self.router_logits:
+            return None
+        return load_balancing_loss(self.router_logits, self.args.n_experts, self.args.experts_per_token)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] > self.rope.shape[0]:
@@ -258,6 +289,8 @@ class Transformer(nn.Module):
             else:
                 h = layer(h, rope, mask)
         logits = self.output(self.norm(h))
+        if self.args.n_experts:
+            self.router_logits = [layer.router_logits for layer in self.layers if layer.moe is not None]
         if self.args.final_softcap is not None:
             cap = self.args.final_softcap
             logits = torch.tanh(logits / cap) * cap

@@ -39,7 +39,7 @@ from waypoint.checkpointers.shard_layout import WEIGHT_SUFFIXES  # noqa: E402
 from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
 
 SKIPPED = {"config.json", "params.json", "waypoint_model.json", "MANIFEST.json", "model.safetensors.index.json",
-           "pytorch_model.bin.index.json", "recipe_state.pt", "extra_state.pt"}
+           "pytorch_model.bin.index.json", "recipe_state.pt", "extra_state.pt", "hf_source.json"}
 
 
 def side_files(directory: Path) -> list[Path]:

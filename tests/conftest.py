@@ -57,8 +57,8 @@ def tokens():
 # -- other families (tests/test_families.py) ------------------------------------------------------------------
 
 def tiny_family_config(family: str, **overrides):
-    """A tiny transformers config of ``family`` (llama, llama31, mistral, qwen2, gemma, phi3): 2 layers, GQA,
-    128 vocab, 128 positions; ``overrides`` replace any field."""
+    """A tiny transformers config of ``family`` (``specific`` below): 2 layers, GQA, 128 vocab, 128 positions;
+    ``overrides`` replace any field."""
     import transformers
 
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -72,12 +72,28 @@ def tiny_family_config(family: str, **overrides):
         "qwen2": ("Qwen2Config", {}),
         "gemma": ("GemmaConfig", dict(head_dim=24, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh")),
         "phi3": ("Phi3Config", dict(pad_token_id=0)),
+        "llama32": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})),
+        "mistral_nemo": ("MistralConfig", dict(head_dim=24, sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        "phi4": ("Phi3Config", dict(pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 250000.0})),
+        "qwen3": ("Qwen3Config", dict(head_dim=24, num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+        "gemma2": ("Gemma2Config", dict(head_dim=24, tie_word_embeddings=True, num_hidden_layers=3, query_pre_attn_scalar=12, sliding_window=4,
+                                        attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+        "gemma3": ("Gemma3TextConfig", dict(
+            head_dim=24, tie_word_embeddings=True, num_hidden_layers=3, query_pre_attn_scalar=12, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+        "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+        "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=24, num_hidden_layers=3, moe_intermediate_size=32, num_experts=4,
+                                             num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])),
     }
     class_name, fields = specific[family]
     return getattr(transformers, class_name)(**{**common, **fields, **overrides})
 
 
-def write_family_checkpoint(path: Path, config, max_shard_size: str = "40KB", seed: int = 0):
+def write_family_checkpoint(path: Path, config, max_shard_size: str = "40KB", seed: int = 0, packed: bool = False):
     """A random ``<Family>ForCausalLM`` for ``config`` saved by ``save_pretrained`` into shards. Every parameter is
     perturbed (norm weights and biases too, which transformers initialises to constants), so that RoPE
     permutations of biases and Gemma's (1 + weight) norms are exercised. Returns the model (eval mode)."""
@@ -91,6 +107,7 @@ def write_family_checkpoint(path: Path, config, max_shard_size: str = "40KB", se
                 p.add_(torch.randn_like(p) * 0.1)
             else:
                 p.normal_(0.0, 0.1)
-    model.save_pretrained(path, max_shard_size=max_shard_size)
+    # packed: MoE experts in transformers' own layout (gate_up_proj [E, 2I, H]) rather than the hub's per-expert keys
+    model.save_pretrained(path, max_shard_size=max_shard_size, save_original_format=not packed)
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     return model

@@ -20,7 +20,7 @@ from waypoint.models import ModelArgs, Transformer
 from waypoint.models.transformer import RMSNorm, rope_frequencies
 from tests.conftest import ROOT, tiny_family_config, write_family_checkpoint
 
-# name -> (tiny_family_config family, overrides, detected model type)
+# name -> (tiny_family_config family, overrides, detected model type); "-packed": MoE experts in transformers' layout
 FAMILIES = {
     "llama2": ("llama", {}, "LLAMA2"),
     "llama3.1-rope-scaling": ("llama31", {}, "LLAMA3"),
@@ -30,8 +30,20 @@ FAMILIES = {
     "qwen2-sliding-layer-1": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), "QWEN2"),
     "gemma": ("gemma", {}, "GEMMA"),  # tied, head_dim 24 != 64 / 4
     "phi3-sliding-window": ("phi3", dict(bos_token_id=1, eos_token_id=2, sliding_window=6), "PHI3"),
+    "llama3.2-tied": ("llama32", {}, "LLAMA3_2"),
+    "mistral-nemo-head-dim": ("mistral_nemo", {}, "MISTRAL"),
+    "phi4": ("phi4", {}, "PHI3"),
+    "qwen3": ("qwen3", {}, "QWEN3"),
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True}, "QWEN3"),
+    "gemma2": ("gemma2", {}, "GEMMA2"),
+    "gemma2-untied": ("gemma2", {"tie_word_embeddings": False}, "GEMMA2"),
+    "gemma3": ("gemma3", {}, "GEMMA3"),
+    "mixtral": ("mixtral", {}, "MIXTRAL"),
+    "mixtral-packed": ("mixtral", {}, "MIXTRAL"),
+    "qwen3-moe": ("qwen3_moe", {}, "QWEN3_MOE"),
+    "qwen3-moe-packed": ("qwen3_moe", {}, "QWEN3_MOE"),
 }
-TIED = {"qwen2-tied", "gemma"}
+TIED = {"qwen2-tied", "gemma", "llama3.2-tied", "qwen3-tied", "gemma2", "gemma3"}
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
@@ -50,7 +62,7 @@ def family(request, tmp_path_factory):
     name = request.param
     fam, overrides, _ = FAMILIES[name]
     path = tmp_path_factory.mktemp(name) / "in"
-    hf_model = write_family_checkpoint(path, tiny_family_config(fam, **overrides))
+    hf_model = write_family_checkpoint(path, tiny_family_config(fam, **overrides), packed=name.endswith("-packed"))
     return name, hf_model, path
 
 

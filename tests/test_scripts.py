@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from waypoint.checkpointers.file_formats import read_tensors
 from scripts import convert, inspect as inspect_script
-from tests.conftest import ROOT, tiny_llama_config, write_hf_checkpoint
+from tests.conftest import ROOT, tiny_family_config, tiny_llama_config, write_family_checkpoint, write_hf_checkpoint
 
 TINY = ROOT / "assets/tiny_llama"
 
@@ -87,3 +88,57 @@ def test_hf_to_native_and_back_is_bitwise_with_the_same_config(tmp_path):
     assert before.keys() == after.keys() and "lm_head.weight" not in after
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("via", ["native", "meta"])
+def test_converted_back_to_hf_is_the_original_config_files_and_key_map(tmp_path, via):
+    """HF -> native/Meta -> HF gives back the input's config.json, file names, key -> file map (transformers packs
+    small shards out of key order) and index metadata, and the same tensors."""
+    family = "qwen2" if via == "native" else "llama"  # Meta's reference layout has no q/k/v biases
+    config = tiny_family_config(family, bos_token_id=1, eos_token_id=2, max_position_embeddings=96)
+    write_family_checkpoint(tmp_path / "hf", config, max_shard_size="30KB")
+    assert convert.main([str(tmp_path / "hf"), str(tmp_path / via), "--to", via]) == 0
+    assert convert.main([str(tmp_path / via), str(tmp_path / "back"), "--to", "hf"]) == 0
+    hf, back = tmp_path / "hf", tmp_path / "back"
+    names = sorted(p.name for p in hf.iterdir())
+    assert sorted(p.name for p in back.iterdir() if p.name != "MANIFEST.json") == names
+    assert json.loads((back / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
+    index_in = json.loads((hf / "model.safetensors.index.json").read_text())
+    index_out = json.loads((back / "model.safetensors.index.json").read_text())
+    assert index_out == index_in
+    for name in names:
+        if name.endswith(".safetensors"):
+            before, after = read_tensors(hf / name), read_tensors(back / name)
+            assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), name
+
+
+def test_without_a_source_config_json_comes_from_the_weights_and_tokenizer(tmp_path):
+    """Meta -> HF with nothing kept: positions, rope, ids and dtype say what params.json, the tensors and the
+    tokenizer say, and transformers' logits equal the input's."""
+    assert convert.main([str(TINY), str(tmp_path / "meta"), "--to", "meta"]) == 0
+    (tmp_path / "meta" / "hf_source.json").unlink()
+    assert convert.main([str(tmp_path / "meta"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    original = json.loads((TINY / "config.json").read_text())
+    tokenizer = json.loads((TINY / "tokenizer.json").read_text())
+    eos = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == "</s>")
+    assert config["eos_token_id"] == eos and config["dtype"] == "float32"
+    assert config["rope_parameters"]["rope_theta"] == original.get("rope_theta", original.get("rope_parameters", {}).get("rope_theta"))
+    tokens = torch.randint(0, 512, (2, 11), generator=torch.Generator().manual_seed(0))
+    assert (logits(tmp_path / "hf", tokens) - logits(TINY, tokens)).abs().max().item() <= 1e-6
+
+
+def test_meta_model_parallel_files_split_llama3_embedding_by_vocabulary_rows(tmp_path):
+    """Llama 3's reference code splits the embedding by rows (VocabParallelEmbedding), Llama 2's by columns."""
+    for vocab, dim_split in ((128256, 0), (512, 1)):
+        config = tiny_family_config("llama", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=2)
+        write_family_checkpoint(tmp_path / f"hf{vocab}", config, max_shard_size="100MB")
+        out = tmp_path / f"meta{vocab}"
+        assert convert.main([str(tmp_path / f"hf{vocab}"), str(out), "--to", "meta", "--num-shards", "2"]) == 0
+        part = torch.load(out / "consolidated.00.pth", weights_only=True)["tok_embeddings.weight"]
+        assert part.shape == ((vocab // 2, 16) if dim_split == 0 else (vocab, 8))
+        assert convert.main([str(out), str(tmp_path / f"back{vocab}"), "--to", "hf"]) == 0
+        before = read_tensors(tmp_path / f"hf{vocab}" / "model.safetensors")
+        after = read_tensors(tmp_path / f"back{vocab}" / "model.safetensors")
+        assert all(torch.equal(before[k], after[k]) for k in before)
