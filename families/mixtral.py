@@ -1,5 +1,6 @@
 """Mixtral (``MixtralForCausalLM``): Mistral's attention with a mixture-of-experts MLP in every layer: a router
-picks ``num_experts_per_tok`` of ``num_local_experts`` experts per token (softmax over all, top-k, renormalised);
+picks ``num_experts_per_tok`` of ``num_local_experts`` experts per token (softmax over all, top-k, renormalised,
+the weights kept in fp32);
 ``router_aux_loss_coef`` weighs the load-balancing loss added in training. Both on-disk expert layouts load
 and are written back as they came (``moe_rules``). LoRA targets the attention projections only."""
 
@@ -16,7 +17,7 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj")
 
 def model_args(cfg: HFConfig) -> ModelArgs:
     return ModelArgs(**common_args(cfg, "mixtral", rope_types=("default",)), sliding_window=cfg.get("sliding_window"),
-                     n_experts=cfg["num_local_experts"], experts_per_token=cfg["num_experts_per_tok"],
+                     n_experts=cfg["num_local_experts"], experts_per_token=cfg["num_experts_per_tok"], expert_weights_fp32=True,
                      router_aux_loss_coef=float(cfg["router_aux_loss_coef"]))
 
 
@@ -40,4 +41,5 @@ FAMILY = Family(
 
 def mixtral_8x7b() -> Transformer:
     return Transformer(ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, hidden_dim=14336, norm_eps=1e-5,
-                                 rope_theta=1000000.0, max_seq_len=32768, n_experts=8, experts_per_token=2, router_aux_loss_coef=0.02))
+                                 rope_theta=1000000.0, max_seq_len=32768, n_experts=8, experts_per_token=2, expert_weights_fp32=True,
+                                 router_aux_loss_coef=0.02))

@@ -206,7 +206,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         for step_in_epoch in range(first, steps_per_epoch):
             started = time.perf_counter()
             micro_batches = [next(batches)[1] for _ in range(accumulate)]
-            loss_sum, tokens = forward_backward(model, micro_batches, device, dist)
+            loss_sum, tokens, aux_loss = forward_backward(model, micro_batches, device, dist)
             grad_norm = clip_gradients(trainable, cfg.clip_grad_norm)
             global_step += 1
             # A nan or inf stops the run here, before the weights change (or, with on_nonfinite=skip_step, skips the update).
@@ -218,6 +218,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
             record = dict(step=global_step, epoch=epoch, loss=loss_sum, lr=scheduler.get_last_lr()[0],
                           grad_norm=grad_norm, tokens_per_s=tokens / (time.perf_counter() - started))
+            if aux_loss is not None:  # mixture of experts: the load-balancing loss, logged beside the loss it joins
+                record["aux_loss"] = aux_loss
             if main:
                 metrics.write(**record)
             bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")

@@ -372,3 +372,79 @@ def test_phi3_fused_tensor_of_the_wrong_size_names_the_key():
     key = "model.layers.1.self_attn.qkv_proj.weight"
     with pytest.raises(CheckpointError, match=rf"{key} \(100, 64\) in shard-2: has 100 rows, expected 64 \+ 32 \+ 32 = 128"):
         conv.to_native({key: torch.zeros(100, 64)}, where={key: "shard-2"})
+
+
+# -- mixture of experts ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe-packed"])
+def test_moe_aux_loss_is_transformers_router_loss(name, tmp_path, tokens):
+    """The load-balancing loss of the native model equals transformers' ``aux_loss`` (output_router_logits) on
+    the same batch and weights, and the coefficient is the config's."""
+    fam, overrides, _ = FAMILIES[name]
+    config = tiny_family_config(fam, **overrides, router_aux_loss_coef=0.02)
+    hf_model = write_family_checkpoint(tmp_path / "in", config, packed=name.endswith("-packed"))
+    model = load_model(tmp_path / "in").eval()
+    with torch.no_grad():
+        theirs = hf_model(tokens, output_router_logits=True)
+        model(tokens)
+        ours = model.aux_loss()
+    assert model.args.router_aux_loss_coef == 0.02
+    assert theirs.aux_loss is not None and abs(ours.item() - theirs.aux_loss.item()) <= 1e-6, (ours, theirs.aux_loss)
+    uniform = torch.full_like(model.router_logits[0], 0.0)
+    from waypoint.models.moe import load_balancing_loss
+    assert load_balancing_loss([uniform], model.args.n_experts, model.args.experts_per_token).item() != pytest.approx(ours.item())
+
+
+def test_an_expert_group_spread_over_files_loads_and_saves_back(tmp_path):
+    """Per-expert keys of one layer in several shards (small max_shard_size): stacked on load, unstacked into the
+    same files on save."""
+    write_family_checkpoint(tmp_path / "in", tiny_family_config("mixtral"), max_shard_size="20KB")
+    index = json.loads((tmp_path / "in/model.safetensors.index.json").read_text())["weight_map"]
+    files = {f for k, f in index.items() if k.startswith("model.layers.0.block_sparse_moe.experts.")}
+    assert len(files) > 1, "the fixture must spread one layer's experts over files"
+    ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
+    state = ckpt.load_checkpoint()
+    assert tuple(state["model"]["layers.0.moe.w1"].shape) == (4, 32, 64)
+    out = ckpt.save_checkpoint(state, step=1)
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == index
+    for f in set(index.values()):
+        before, after = read_tensors(tmp_path / "in" / f), read_tensors(out / f)
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_lora_on_experts_is_refused_in_one_line(tmp_path):
+    from waypoint.checkpointers.peft_adapter import check_targets, hf_converter
+    from waypoint.models.lora import apply_lora
+
+    write_family_checkpoint(tmp_path / "in", tiny_family_config("mixtral"))
+    ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
+    model = load_model(tmp_path / "in")
+    apply_lora(model, ["q_proj", "v_proj"], rank=2, alpha=4)
+    check_targets(model, hf_converter(ckpt, model.args), ckpt.family)  # attention: fine
+    model = load_model(tmp_path / "in")
+    with pytest.raises((CheckpointError, ValueError), match="w1") as e:
+        apply_lora(model, ["w1"], rank=2, alpha=4)
+        check_targets(model, hf_converter(ckpt, model.args), ckpt.family)
+    assert "\n" not in str(e.value)
+
+
+# -- what each family's native model cannot reproduce ---------------------------------------------------------------
+
+@pytest.mark.parametrize("fam,field,value,message", [
+    ("llama32", "mlp_bias", True, "mlp_bias=true is not supported for model_type 'llama'"),
+    ("mistral_nemo", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope type 'yarn'"),
+    ("qwen2", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope type 'yarn'"),
+    ("qwen3", "attention_bias", True, "attention_bias=true is not supported for model_type 'qwen3'"),
+    ("gemma", "use_bidirectional_attention", True, "use_bidirectional_attention=true"),
+    ("gemma2", "attention_bias", True, "attention_bias=true is not supported for model_type 'gemma2'"),
+    ("gemma3", "use_bidirectional_attention", True, "use_bidirectional_attention=true is not supported for model_type 'gemma3_text'"),
+    ("phi4", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
+    ("mixtral", "router_jitter_noise", 0.01, "router_jitter_noise=0.01 is not supported for model_type 'mixtral'"),
+    ("qwen3_moe", "attention_bias", True, "attention_bias=true is not supported for model_type 'qwen3_moe'"),
+])
+def test_a_config_field_the_native_model_cannot_reproduce_is_one_line(fam, field, value, message, tmp_path):
+    config = {**tiny_family_config(fam).to_dict(), field: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"^config\.json: {message}") as e:
+        HFCheckpointer(tmp_path, output_dir=tmp_path / "out")
+    assert "\n" not in str(e.value)

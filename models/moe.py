@@ -1,0 +1,266 @@
+"""A mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE) in the native parameter layout.
+
+Parameter names (the native checkpoint format, under each layer's ``mlp.``)::
+
+    router.weight   [n_experts, dim]                 transformers' ``mlp.gate.weight``
+    w1              [n_experts, hidden_dim, dim]     gate: expert e's ``gate_proj.weight`` is ``w1[e]``
+    w3              [n_experts, hidden_dim, dim]     up:   expert e's ``up_proj.weight`` is ``w3[e]``
+    w2              [n_experts, dim, hidden_dim]     down: expert e's ``down_proj.weight`` is ``w2[e]``
+
+Rows are output features as in ``nn.Linear``; transformers' packed ``experts.gate_up_proj`` [E, 2I, H] is
+``cat((w1, w3), dim=1)`` and its ``experts.down_proj`` is ``w2``.
+
+Each token goes to ``top_k`` of the experts, each expert being the dense block's gated MLP
+``w2[e](act(w1[e] x) * w3[e] x)``, and the outputs are summed with the routing weights. Routing is the
+families' (transformers' ``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``): router logits in the input's dtype,
+a softmax in fp32 (fp64 for fp64 inputs) over all experts, the top-k of the probabilities, renormalised to sum 1
+when ``normalize_topk`` (always in Mixtral; Qwen3-MoE's ``norm_topk_prob``). Qwen3-MoE casts the top-k weights
+back to the input's dtype before weighting the experts' outputs; Mixtral keeps them in fp32 and rounds each
+weighted output to the input's dtype (``fp32_routing_weights=True``). That only matters below fp32, where with
+the family's setting and top-2 the output is bitwise transformers'. The k weighted outputs of a token are summed
+in fp32 (transformers adds them into a tensor of the input's dtype, one rounding per expert), so above top-2 a
+bf16 output may differ from transformers' in the last bit, no further from the fp32 result.
+
+Three interchangeable implementations of the experts' part, chosen by the module attribute ``impl``:
+
+``"grouped"``  token-expert assignments sorted by expert, then one ``grouped_mm`` per projection
+               (``torch.nn.functional.grouped_mm`` or ``torch._grouped_mm``) over the per-expert offsets;
+``"padded"``   the same sorted assignments scattered into a zero-padded [E, capacity, dim] buffer
+               (capacity: the busiest expert's count) and one ``bmm`` per projection;
+``"loop"``     a Python loop over the experts, as transformers' eager path: the reference (on a CPU about as fast,
+               grouped_mm's CPU kernel being a loop of matmuls too; elsewhere a launch and a host sync per expert);
+``"auto"``     (default) ``"grouped"`` where the installed torch's ``grouped_mm`` runs forward and backward
+               for the device and dtype (probed once per device and dtype, see :func:`grouped_mm_supported`)
+               and the weights suit its kernels (16-byte aligned, rows a multiple of 16 bytes), otherwise
+               ``"padded"``.
+
+All give the same outputs and gradients up to the dtype's rounding. ``forward`` returns the output and the
+router logits [tokens, E], which :func:`load_balancing_loss` turns into transformers' auxiliary loss.
+Mixtral's ``router_jitter_noise`` (multiplicative noise on the input while training; 0 in its checkpoints) is not
+implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IMPLS = ("auto", "grouped", "padded", "loop")
+
+# (device type, device index, dtype) -> whether grouped_mm runs forward and backward there
+_GROUPED_MM_SUPPORT: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+
+def _grouped_mm_fn():
+    """``torch.nn.functional.grouped_mm`` (public from torch 2.10), else ``torch._grouped_mm``, else None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether this torch's ``grouped_mm`` computes a small grouped product and its gradients (an empty group
+    included) correctly on ``device`` in ``dtype``. Probed once per (device, dtype) and cached.
+
+    torch 2.13 on CPU: float32, bfloat16 and float16 (forward and backward; no float64). On CUDA the answer
+    depends on the GPU and dtype, hence the probe rather than a table.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device.type, device.index, dtype)
+    if key not in _GROUPED_MM_SUPPORT:
+        _GROUPED_MM_SUPPORT[key] = _probe_grouped_mm(device, dtype)
+    return _GROUPED_MM_SUPPORT[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    fn = _grouped_mm_fn()
+    if fn is None or device.type == "meta":
+        return False
+    gen = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 8]  # an empty group too
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            a32 = torch.randn(sum(counts), 32, generator=gen)
+            w32 = torch.randn(len(counts), 16, 32, generator=gen)  # [groups, out, in], like the expert weights
+            g32 = torch.randn(sum(counts), 16, generator=gen)
+            a = a32.to(device, dtype).requires_grad_()
+            w = w32.to(device, dtype).requires_grad_()
+            offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+            out = fn(a, w.transpose(-2, -1), offs=offs)
+            grad_a, grad_w = torch.autograd.grad(out, (a, w), g32.to(device, dtype))
+            # the reference, from the same rounded inputs, in fp32 on the CPU
+            a_r, w_r = a.detach().float().cpu(), w.detach().float().cpu()
+            g_r = g32.to(dtype).float()
+            ends = torch.tensor(counts).cumsum(0).tolist()
+            starts = [0] + ends[:-1]
+            ref = torch.cat([a_r[s:e] @ w_r[i].T for i, (s, e) in enumerate(zip(starts, ends))])
+            ref_ga = torch.cat([g_r[s:e] @ w_r[i] for i, (s, e) in enumerate(zip(starts, ends))])
+            ref_gw = torch.stack([g_r[s:e].T @ a_r[s:e] for s, e in zip(starts, ends)])
+            tol = 1e-4 if dtype == torch.float32 else 0.1  # the products are O(10); half-precision rounding
+            return all(torch.allclose(got.float().cpu(), want, rtol=tol, atol=tol)
+                       for got, want in ((out, ref), (grad_a, ref_ga), (grad_w, ref_gw)))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def _grouped_mm_layout_ok(*weights: torch.Tensor) -> bool:
+    """grouped_mm's layout rules (CUDA's kernels; CPU's in torch <= 2.10): operands 16-byte aligned (a memory-mapped
+    checkpoint's may not be) and each matrix's rows a multiple of 16 bytes long."""
+    return all(w.data_ptr() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0
+               and w.shape[-2] * w.element_size() % 16 == 0 for w in weights)
+
+
+class MoE(nn.Module):
+    """``moe(x [..., dim]) -> (out [..., dim], router_logits [tokens, n_experts])``; see the module docstring."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, normalize_topk: bool = True,
+                 activation: str = "silu", *, fp32_routing_weights: bool = False, impl: str = "auto") -> None:
+        super().__init__()
+        from waypoint.models.transformer import ACTIVATIONS  # here, not at the top: transformer.py imports this module
+
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        self.dim, self.hidden_dim, self.n_experts, self.top_k = dim, hidden_dim, n_experts, top_k
+        self.normalize_topk = normalize_topk
+        self.fp32_routing_weights = fp32_routing_weights
+        self.activation = activation
+        self.act = ACTIVATIONS[activation]
+        self.impl = impl
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        if not self.w1.is_meta:
+            self.init_weights()
+
+    def init_weights(self, std: float = 0.02, down_std: float | None = None) -> None:
+        """Normal(0, ``std``) for the router and the experts' w1 / w3, Normal(0, ``down_std``) (default ``std``)
+        for w2: transformers' initialisation of both families (``initializer_range``) for training from scratch."""
+        with torch.no_grad():
+            for p in (self.router.weight, self.w1, self.w3):
+                nn.init.normal_(p, std=std)
+            nn.init.normal_(self.w2, std=std if down_std is None else down_std)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, n_experts={self.n_experts}, top_k={self.top_k}, "
+                f"normalize_topk={self.normalize_topk}, fp32_routing_weights={self.fp32_routing_weights}, "
+                f"activation={self.activation}, impl={self.impl}")
+
+    # -- routing -----------------------------------------------------------------------------------------------
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` [tokens, dim] -> (router logits [tokens, E] in x's dtype, top-k weights [tokens, k], expert
+        indices [tokens, k]), in transformers' order of operations."""
+        logits = self.router(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.fp32_routing_weights:
+            weights = weights.to(logits.dtype)
+        return logits, weights, experts
+
+    def resolved_impl(self, x: torch.Tensor) -> str:
+        """The implementation ``forward`` uses for ``x`` (``impl``, with ``"auto"`` resolved)."""
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r} is not one of {', '.join(IMPLS)}")
+        if self.impl != "auto":
+            return self.impl
+        if grouped_mm_supported(x.device, self.w1.dtype) and _grouped_mm_layout_ok(self.w1, self.w2, self.w3):
+            return "grouped"
+        return "padded"
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        logits, weights, experts = self.route(x)
+        impl = self.resolved_impl(x)
+        if x.shape[0] == 0:
+            out = x.new_zeros(x.shape)
+        elif impl == "loop":
+            out = self._experts_loop(x, weights, experts)
+        else:
+            out = self._experts_sorted(x, weights, experts, grouped=impl == "grouped")
+        return out.reshape(shape), logits
+
+    # -- the experts -------------------------------------------------------------------------------------------
+    def _experts_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """One expert at a time, as transformers' eager implementation: the reference. The stacked weights are
+        unbound once (indexing ``w1[e]`` per expert would make autograd build a full-size zero gradient for each)."""
+        k = self.top_k
+        flat_experts, flat_weights = experts.reshape(-1), weights.reshape(-1)
+        w1, w2, w3 = self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
+        out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))
+        for e in range(self.n_experts):
+            idx = (flat_experts == e).nonzero().squeeze(1)  # this expert's assignments (token * k + slot)
+            if idx.numel() == 0:
+                continue
+            tokens = idx // k
+            xe = x[tokens]
+            y = F.linear(self.act(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
+            out.index_add_(0, tokens, (y * flat_weights[idx, None]).to(x.dtype).to(out.dtype))
+        return out.to(x.dtype)
+
+    def _experts_sorted(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """All assignments sorted by expert, then either grouped_mm over the per-expert offsets or a bmm over a
+        zero-padded [E, capacity, dim] buffer."""
+        n_tokens, k, n_experts = x.shape[0], self.top_k, self.n_experts
+        flat_experts = experts.reshape(-1)
+        sorted_experts, order = torch.sort(flat_experts, stable=True)
+        tokens = order // k  # each sorted assignment's token
+        # ends[e]: the number of assignments to experts <= e, which grouped_mm takes as offsets (no host sync)
+        ends = torch.searchsorted(sorted_experts, torch.arange(n_experts, device=x.device), right=True, out_int32=True)
+        n_assignments = order.numel()
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n_assignments, device=x.device))
+        if grouped:
+            mm = _grouped_mm_fn()
+            xs = x[tokens].to(self.w1.dtype)  # [S, dim] (grouped_mm is not autocast-aware)
+            h = self.act(mm(xs, self.w1.transpose(-2, -1), offs=ends)) * mm(xs, self.w3.transpose(-2, -1), offs=ends)
+            ys = mm(h.to(self.w2.dtype), self.w2.transpose(-2, -1), offs=ends)[inverse]  # [S, dim], (token, slot) order
+        else:
+            counts = torch.diff(ends, prepend=ends.new_zeros(1))
+            capacity = int(counts.max())  # one host sync
+            # each sorted assignment's row in the [E * capacity] buffer; the rows left over read a zero row
+            slots = sorted_experts * capacity + torch.arange(n_assignments, device=x.device) - (ends - counts)[sorted_experts]
+            source = torch.full((n_experts * capacity,), n_tokens, device=x.device).index_put_((slots,), tokens)
+            buf = torch.cat([x, x.new_zeros(1, self.dim)])[source].view(n_experts, capacity, self.dim)
+            h = self.act(torch.bmm(buf, self.w1.transpose(-2, -1))) * torch.bmm(buf, self.w3.transpose(-2, -1))
+            ys = torch.bmm(h, self.w2.transpose(-2, -1)).view(n_experts * capacity, self.dim)[slots[inverse]]
+        # weighted, rounded to x's dtype (as transformers), summed over each token's k slots in fp32 at least
+        # (deterministic, unlike an index_add)
+        ys = (ys * weights.reshape(-1, 1)).to(x.dtype).view(n_tokens, k, self.dim)
+        return ys.sum(dim=1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
+
+
+def load_balancing_loss(router_logits: Sequence[torch.Tensor] | torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
+    """The Switch-Transformer auxiliary loss over all layers' router logits (each [tokens, n_experts]), equal to
+    transformers' ``load_balancing_loss_func(router_logits, n_experts, top_k, attention_mask=None)``:
+    ``n_experts * sum_e f_e * P_e`` with ``f_e`` the number of top-k assignments to expert e per token and ``P_e``
+    its mean router probability, over the layers' tokens concatenated. Accumulated layer by layer as
+    transformers does (the softmax in the logits' dtype, the sums in fp32), so the result agrees bitwise.
+    Differentiable with respect to the logits (through ``P``). Multiply by ``router_aux_loss_coef`` for the
+    training loss."""
+    if isinstance(router_logits, torch.Tensor):
+        router_logits = (router_logits,)
+    router_logits = list(router_logits)
+    if not router_logits:
+        raise ValueError("load_balancing_loss needs at least one layer's router logits")
+    device = router_logits[0].device
+    counts = torch.zeros(n_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(n_experts, dtype=torch.float32, device=device)
+    rows = 0
+    for logits in router_logits:
+        probs = torch.softmax(logits.reshape(-1, n_experts).to(device), dim=-1)
+        _, selected = torch.topk(probs, top_k, dim=-1)
+        # histc as transformers (no host sync, unlike bincount on CUDA; deterministic with a float input on CPU and
+        # MPS, an integer one on CUDA); bins [e, e + 1) for e < n_experts
+        histc_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
+        counts = counts + torch.histc(selected.reshape(-1).to(histc_dtype), bins=n_experts, min=0, max=n_experts)
+        prob_sum = prob_sum + probs.float().sum(dim=0)
+        rows += probs.shape[0]
+    return torch.sum((counts / rows) * (prob_sum / rows).unsqueeze(0)) * n_experts
+
