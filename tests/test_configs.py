@@ -37,3 +37,15 @@ def test_config_composes_and_its_targets_import(path):
 def test_checkpointer_group_switches_format(group, target):
     cfg = parse_config(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer={group}", "checkpointer.checkpoint_dir=/x"])
     assert cfg.checkpointer._target_ == target and cfg.checkpointer.checkpoint_dir == "/x"
+
+
+def test_a_saved_config_with_moved_builder_names_maps_to_the_current_ones():
+    """Checkpoints written before builders moved into their family's file resume with the same model target."""
+    from waypoint.training.recipe_state import MOVED, current_names
+
+    saved = {"model": {"_target_": "models.llama2_7b"}, "other": [{"_target_": "waypoint.models.gemma_2b"}]}
+    assert current_names(saved) == {"model": {"_target_": "waypoint.families.llama.llama2_7b"},
+                                    "other": [{"_target_": "waypoint.families.gemma.gemma_2b"}]}
+    for new in MOVED.values():
+        module, _, name = new.rpartition(".")
+        assert hasattr(importlib.import_module(module), name), new

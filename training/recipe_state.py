@@ -17,6 +17,11 @@ from waypoint.errors import CheckpointError
 FORMAT_VERSION = 1
 # Import names before everything moved under `waypoint` (a saved config's `_target_: checkpointers.build_model`).
 LEGACY_PACKAGES = ("checkpointers.", "converters.", "models.", "training.")
+# builders and config readers that moved into their family's file (waypoint.families.<family>)
+MOVED = {f"waypoint.models.{name}": f"waypoint.families.{family}.{name}" for family, names in (
+    ("llama", ("llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_1_8b")), ("mistral", ("mistral_7b",)),
+    ("qwen2", ("qwen2_7b",)), ("gemma", ("gemma_2b", "gemma_7b")), ("phi3", ("phi3_mini_4k",))) for name in names}
+MOVED["waypoint.models.from_hf_config"] = "waypoint.families.from_hf_config"
 
 
 def _version(package: str) -> str:
@@ -65,11 +70,16 @@ def load_recipe_state(checkpoint_dir: str | Path) -> dict[str, Any]:
     return state
 
 
+def current_name(target: str) -> str:
+    """``models.x`` -> ``waypoint.models.x``; a builder that moved -> its family's (``waypoint.families.llama.llama2_7b``)."""
+    target = "waypoint." + target if target.startswith(LEGACY_PACKAGES) else target
+    return MOVED.get(target, target)
+
+
 def current_names(config: Any) -> Any:
-    """A saved config with each ``_target_`` under its current import name (``models.x`` -> ``waypoint.models.x``)."""
+    """A saved config with each ``_target_`` under its current import name (see ``current_name``)."""
     if isinstance(config, dict):
-        return {k: ("waypoint." + v if k == "_target_" and isinstance(v, str) and v.startswith(LEGACY_PACKAGES)
-                    else current_names(v)) for k, v in config.items()}
+        return {k: (current_name(v) if k == "_target_" and isinstance(v, str) else current_names(v)) for k, v in config.items()}
     if isinstance(config, list):
         return [current_names(v) for v in config]
     return config

@@ -1,0 +1,118 @@
+"""Peak memory of loading a mixture-of-experts checkpoint, against its size and against a dense one.
+
+    python scripts/bench_moe_load.py [--size-mb 400] [--workdir DIR]
+
+Writes a Mixtral-shaped checkpoint of about ``--size-mb`` in each expert layout (the hub's per-expert keys,
+stacked on load, and transformers' packed ``gate_up_proj``, split on load) and a Llama-shaped dense one of
+the same size, in safetensors shards of 100 MB, then loads each in a fresh process as a run does
+(``HFCheckpointer.load_checkpoint`` into a meta-built model with ``load_into``, every parameter read once) and
+prints the peak resident set of the load against the checkpoint's bytes. Stacking copies each layer's
+experts into one tensor while the source files stay memory-mapped, so the per-expert layout's peak is the model
+plus the mapped pages read so far; the target is that no more than one layer's experts are held twice beyond
+that, i.e. a peak of about 1x the checkpoint (the page cache's mapped pages count towards RSS while resident).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if importlib.util.find_spec("waypoint") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DIM, EXPERT_HIDDEN, EXPERTS, VOCAB = 512, 1024, 8, 8192
+
+
+def config(kind: str, n_layers: int) -> dict:
+    common = dict(hidden_size=DIM, num_attention_heads=8, num_key_value_heads=2, vocab_size=VOCAB, rms_norm_eps=1e-5,
+                  max_position_embeddings=4096, tie_word_embeddings=False, dtype="float32")
+    if kind == "dense":  # the same bytes per layer as the MoE one: one MLP 8 times as wide
+        return dict(common, model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=n_layers,
+                    intermediate_size=EXPERT_HIDDEN * EXPERTS)
+    return dict(common, model_type="mixtral", architectures=["MixtralForCausalLM"], num_hidden_layers=n_layers,
+                intermediate_size=EXPERT_HIDDEN, num_local_experts=EXPERTS, num_experts_per_tok=2)
+
+
+def build(path: Path, kind: str, size_mb: float) -> int:
+    """A random checkpoint of ``kind`` (dense, per_expert, packed): the native model's weights written through its
+    family's converter in that layout, in 100 MB shards with an index."""
+    import torch
+
+    from waypoint.checkpointers.export import _write_layout, plan_shards
+    from waypoint.checkpointers.commit import StagedDir
+    from waypoint.checkpointers.shard_layout import ShardLayout
+    from waypoint.families import family_of, model_args_from_hf_config
+    from waypoint.models import Transformer
+
+    per_layer = 4 * (3 * EXPERTS * EXPERT_HIDDEN * DIM + DIM * DIM * 2 + 2 * DIM * DIM // 4)
+    n_layers = max(1, round((size_mb * 1e6 - 8 * VOCAB * DIM) / per_layer))
+    cfg = config(kind, n_layers)
+    args = model_args_from_hf_config(cfg)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    converter = family_of(cfg).converter(args)
+    if kind == "packed":
+        converter.variant = "packed"
+    tensors = converter.from_native(model.state_dict())
+    shards = plan_shards({k: t.numel() * t.element_size() for k, t in tensors.items()}, max_shard_bytes=100_000_000)
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    layout = ShardLayout(tuple(names), {k: n for n, keys in zip(names, shards) for k in keys}, "model.safetensors.index.json")
+    with StagedDir(path) as stage:
+        _write_layout(stage, tensors, layout)
+        stage.write_bytes("config.json", json.dumps(cfg).encode())
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def child(path: Path) -> None:
+    import torch
+
+    from scripts.bench_checkpoint import peak_rss_gb, reset_peak_rss
+    from waypoint.checkpointers import HFCheckpointer, load_into
+    from waypoint.families import from_hf_config
+
+    reset_peak_rss()
+    start = time.perf_counter()
+    checkpointer = HFCheckpointer(path, output_dir=path.parent / "unused")
+    state = checkpointer.load_checkpoint()["model"]
+    with torch.device("meta"):
+        model = from_hf_config(checkpointer.config)
+    load_into(model, state)
+    del state
+    touched = sum(float(p.detach().sum()) for p in model.parameters())
+    assert touched == touched
+    print(json.dumps([time.perf_counter() - start, peak_rss_gb()]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=400.0)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(Path(args.child))
+        return
+    work = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench_moe_load_"))
+    try:
+        print(f"{'layout':11} {'checkpoint MB':>13} {'load s':>7} {'peak RSS MB':>11} {'peak / size':>11}")
+        for kind in ("dense", "per_expert", "packed"):
+            path = work / kind
+            size = build(path, kind, args.size_mb)
+            result = subprocess.run([sys.executable, __file__, "--child", str(path)], capture_output=True, text=True, check=True)
+            seconds, rss = json.loads(result.stdout.strip().splitlines()[-1])
+            print(f"{kind:11} {size / 1e6:13.0f} {seconds:7.2f} {rss * 1e3:11.0f} {rss * 1e9 / size:10.2f}x")
+            shutil.rmtree(path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
