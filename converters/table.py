@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from waypoint.errors import CheckpointError
-from waypoint.lazy import LazyState, on_meta
+from waypoint.lazy import LazyState, on_meta, release_pages
 from waypoint.converters.ops import Identity
 
 
@@ -174,11 +174,21 @@ class Converter:
         native = LazyState({}, {})
         for g in groups:
             for target in g.targets:
-                native.put(target, lambda g=g, target=target: self.apply_groups([g], hf_state, True, where)[target],
+                native.put(target, lambda g=g, target=target: self._convert_one(g, target, hf_state, where),
                            (converted[target].shape, converted[target].dtype))
         if self.tied_embeddings and self.native_embedding_key in native and self.native_head_key not in native:
             native.alias(self.native_head_key, self.native_embedding_key)
         return native
+
+    def _convert_one(self, group: Group, target: str, hf_state, where) -> torch.Tensor:
+        """One native tensor. Where the op copied (stacked experts), the memory-mapped sources' pages are dropped
+        from this process once copied, so a stacked layer is not held twice (file pages and its copy)."""
+        sources = [hf_state[k] for k in group.sources]
+        out = self.apply_groups([group], dict(zip(group.sources, sources)), True, where)[target]
+        if len(sources) > 1 and out.untyped_storage().data_ptr() not in {s.untyped_storage().data_ptr() for s in sources}:
+            for source in sources:
+                release_pages(source)
+        return out
 
     def from_native(self, native_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Native state dict (or a subset made of whole groups) -> HF state dict."""

@@ -48,3 +48,19 @@ def test_fused_group_round_trip():
     assert torch.equal(conv.from_native(native)["blk.3.ab"], hf["blk.3.ab"])
     with pytest.raises(CheckpointError, match=r"l\.3\.b missing"):
         conv.from_native({"l.3.a": native["l.3.a"]})
+
+
+def test_released_pages_of_a_mapped_tensor_read_back_and_memory_tensors_are_left_alone(tmp_path):
+    from safetensors.torch import save_file
+
+    from waypoint.checkpointers.file_formats import read_tensors
+    from waypoint.lazy import release_pages
+
+    original = torch.randn(256, 1024)
+    save_file({"w": original, "b": torch.randn(3)}, tmp_path / "w.safetensors")
+    mapped = read_tensors(tmp_path / "w.safetensors")["w"]
+    release_pages(mapped)
+    assert torch.equal(mapped, original), "pages dropped from a file mapping fault back in from the file"
+    in_memory = original.clone()
+    release_pages(in_memory)  # anonymous memory would be zeroed: it must be left alone
+    assert torch.equal(in_memory, original)

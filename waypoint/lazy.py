@@ -14,6 +14,9 @@ one converted tensor at a time. Reading a key twice computes it twice: nothing i
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -106,3 +109,32 @@ def local_shard(full: torch.Tensor, like: DTensor, device: torch.device | str | 
                      copy=True).contiguous()
     return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=full.shape,
                               stride=torch.empty(full.shape, device="meta").stride())
+
+
+def _file_backed(start: int, end: int) -> bool:
+    """Whether [start, end) lies in one mapping of a file (per /proc/self/maps), so its pages can be re-read."""
+    try:
+        maps = open("/proc/self/maps").read().splitlines()
+    except OSError:
+        return False
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in fields[0].split("-"))
+        if low <= start and end <= high:
+            return len(fields) == 6 and fields[5].startswith("/") and fields[3] != "00:00"
+    return False
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Drop the resident pages of a memory-mapped, read-only checkpoint tensor from this process (the page cache
+    keeps them; reading the tensor again faults them back in from the file). Whole pages inside the tensor only,
+    so neighbours sharing a page are untouched; anything not mapped from a file is left alone."""
+    if sys.platform != "linux" or tensor.device.type != "cpu" or not tensor.numel():
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    low, high = -(-start // page) * page, end // page * page
+    if high - low < page or not _file_backed(start, end):
+        return
+    ctypes.CDLL(None).madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), 4)  # MADV_DONTNEED
