@@ -61,7 +61,8 @@ class HFCheckpointer(Checkpointer):
         self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
         self.safe_serialization = safe_serialization
         self._file_metadata: dict[str, dict | None] = {}
-        self.added_prefix = ""
+        self.disk_prefix = self.added_prefix = ""  # on-disk key = disk_prefix + key[len(added_prefix):]
+        self.passthrough: dict[str, tuple[torch.Tensor, str]] = {}  # keys outside the text model: (tensor, file)
 
     def _make_converter(self, model_type: str | None) -> Converter:
         self.model_type = model_type or detect_model_type(self.config, str(self.checkpoint_dir / self.config_file))
@@ -86,18 +87,35 @@ class HFCheckpointer(Checkpointer):
                     hf_state[key], where[key] = t, name
                 keys_by_file[name] = [k for k in tensors if not self.converter.is_ignored(k)]
                 bar.update(path.stat().st_size)
-        # A headless checkpoint (LlamaModel.save_pretrained) lacks the backbone's "model." prefix:
-        # add it for the converter, and take it off again on save, as from_pretrained does.
-        headless = (self.base_model_prefix and not any(k.startswith(self.base_model_prefix) for k in hf_state)
-                    and any(k.startswith(("embed_tokens.", "layers.")) for k in hf_state))
-        self.added_prefix = self.base_model_prefix if headless else ""
-        if headless:
-            hf_state = {self.added_prefix + k: v for k, v in hf_state.items()}
-            where = {self.added_prefix + k: v for k, v in where.items()}
-            keys_by_file = {f: [self.added_prefix + k for k in keys] for f, keys in keys_by_file.items()}
+        # A headless checkpoint (LlamaModel.save_pretrained) lacks the backbone's "model." prefix: add it for the
+        # converter, and take it off again on save, as from_pretrained does. A multimodal repo nests the text model
+        # under a prefix (Gemma 3's "language_model."): its keys are converted without it, the others (a vision
+        # tower) are passed through and written back as they came.
+        self.disk_prefix, self.added_prefix = self._key_prefixes(list(hf_state))
+        if self.disk_prefix or self.added_prefix:
+            inside = {k for k in hf_state if k.startswith(self.disk_prefix)}
+            self.passthrough = {k: (hf_state[k], where[k]) for k in hf_state if k not in inside}
+            hf_state = {self._converter_key(k): hf_state[k] for k in inside}
+            where = {self._converter_key(k): where[k] for k in inside}
+            keys_by_file = {f: [self._converter_key(k) for k in keys if k in inside] for f, keys in keys_by_file.items()}
         self.layout = self.layout.with_keys(keys_by_file)
         self.input_dtypes = {k: t.dtype for k, t in hf_state.items()}
         return self.converter.to_native(hf_state, where)
+
+    def _key_prefixes(self, keys: list[str]) -> tuple[str, str]:
+        """(the prefix on disk, the one the converter's keys have instead) for these keys."""
+        for nest in self.family.hf_prefixes:
+            if any(k.startswith(nest + self.base_model_prefix) for k in keys):
+                return nest, ""
+        headless = (self.base_model_prefix and not any(k.startswith(self.base_model_prefix) for k in keys)
+                    and any(k.startswith(("embed_tokens.", "layers.")) for k in keys))
+        return "", self.base_model_prefix if headless else ""
+
+    def _converter_key(self, disk_key: str) -> str:
+        return self.added_prefix + disk_key[len(self.disk_prefix):]
+
+    def _disk_key(self, key: str) -> str:
+        return self.disk_prefix + key[len(self.added_prefix):]
 
     def _check_against_index(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         if self.layout.weight_map is None:
@@ -150,8 +168,9 @@ class HFCheckpointer(Checkpointer):
         with tqdm(total=sum(nbytes(native, k) for k in native), unit="B", unit_scale=True, desc="save", leave=False) as bar:
             for src_name, name in zip(self.layout.files, layout.files):
                 converted = self.converter.apply_groups(plan[name], native, forward=False, where=None)
-                tensors = {k[len(self.added_prefix):]: self.cast_for_output(k, converted[k])
+                tensors = {self._disk_key(k): self.cast_for_output(k, converted[k])
                            for k in self.layout.weight_map if layout.weight_map[k] == name}
+                tensors.update((k, t) for k, (t, f) in self.passthrough.items() if f == src_name)
                 dtypes.update(t.dtype for t in tensors.values())
                 metadata = self._metadata_for(src_name, tensors) if layout.file_format == SAFETENSORS else None
                 stage.write(name, lambda f, tensors=tensors: write_tensors(f, tensors, layout.file_format, metadata))
@@ -164,7 +183,9 @@ class HFCheckpointer(Checkpointer):
             metadata = dict(layout.index_metadata, total_size=total_size)
             if "total_parameters" in metadata:
                 metadata["total_parameters"] = total_params
-            weight_map = {k[len(self.added_prefix):]: f for k, f in sorted(layout.weight_map.items())}
+            renamed = dict(zip(self.layout.files, layout.files))
+            weight_map = dict(sorted([*((self._disk_key(k), f) for k, f in layout.weight_map.items()),
+                                      *((k, renamed[f]) for k, (_, f) in self.passthrough.items())]))
             index = {"metadata": metadata, "weight_map": weight_map}
             stage.write_bytes(layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
         return dtypes

@@ -56,9 +56,8 @@ def source_of(checkpointer) -> HFSource | None:
                                   if "hf_config" in checkpointer.config else None)
     if isinstance(checkpointer, HFCheckpointer):
         layout = checkpointer.layout
-        prefix = checkpointer.added_prefix
-        if layout.weight_map is not None and prefix:
-            layout = ShardLayout(layout.files, {k[len(prefix):]: f for k, f in layout.weight_map.items()}, layout.index_name,
-                                 dict(layout.index_metadata))
+        if layout.weight_map is not None and (checkpointer.added_prefix or checkpointer.disk_prefix):
+            layout = ShardLayout(layout.files, {checkpointer._disk_key(k): f for k, f in layout.weight_map.items()},
+                                 layout.index_name, dict(layout.index_metadata))
         return HFSource(dict(checkpointer.config), layout)
     return HFSource.read(checkpointer.checkpoint_dir)

@@ -64,6 +64,8 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
     family = next((f for f in FAMILIES if hf_type in f.hf_model_types), None)
     if family is None:
         raise ValueError(f"unknown model_type {hf_type!r}; known: {', '.join(HF_MODEL_TYPES)}")
+    if family.nested_config and isinstance(config.get(family.nested_config), Mapping):
+        config = config[family.nested_config]  # a multimodal repo: the text model's own config
     cfg = HFConfig(config, family.defaults)
     check_fixed(cfg, family.fixed, hf_type)
     return family.model_args(cfg)
@@ -80,6 +82,8 @@ def checked_model_args(config: Mapping[str, Any], source: str = "config.json") -
 def detect_model_type(config: Mapping[str, Any], source: str = "config.json") -> str:
     """The checkpointer model_type of an HF config (LLAMA3, QWEN3, MIXTRAL, ...)."""
     family = family_of(config, source)
+    if family.nested_config and isinstance(config.get(family.nested_config), Mapping):
+        config = config[family.nested_config]
     return family.model_type_of(HFConfig(config, family.defaults)) if family.model_type_of else family.model_types[0]
 
 

@@ -36,6 +36,7 @@ class Family:
     lora_targets: tuple[str, ...] = LLAMA_LORA_TARGETS  # native module names whose LoRA PEFT can name
     ignore: tuple[str, ...] = IGNORE  # HF keys that carry no weights
     hf_prefixes: tuple[str, ...] = ()  # prefixes a checkpoint may nest the text model under (multimodal repos)
+    nested_config: str | None = None  # where a multimodal config.json keeps the text model's fields ("text_config")
     model_type_of: Callable[[HFConfig], str] | None = None  # which of model_types a config is (default: the first)
     # on-disk layouts of some weights (MoE experts: per-expert or packed keys), each with its own rules, the
     # first being what a conversion without a source writes

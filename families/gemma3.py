@@ -1,7 +1,11 @@
 """Gemma 3, text (``Gemma3ForCausalLM``, model_type ``gemma3_text``): Gemma 2's layout plus q/k norms, five
 sliding-window layers to one full one (``layer_types``, or v4's ``sliding_window_pattern``), and two RoPE
 tables: a local base (default 10000) for sliding layers and the global base with its scaling (linear, factor 8
-in the 4B+ models) for full ones. No soft-capping by default."""
+in the 4B+ models) for full ones. No soft-capping by default.
+
+The multimodal repos (``Gemma3ForConditionalGeneration``, model_type ``gemma3``) fine-tune their text model: its
+keys sit under ``language_model.`` and its config under ``text_config``; the vision tower and projector are
+written back untouched, in the files they came in."""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def hf_config(args: ModelArgs) -> dict:
 
 
 FAMILY = Family(
-    name="gemma3", hf_model_types=("gemma3_text",), model_types=("GEMMA3",), architecture="Gemma3ForCausalLM",
+    name="gemma3", hf_model_types=("gemma3_text", "gemma3"), model_types=("GEMMA3",), architecture="Gemma3ForCausalLM",
     defaults=dict(rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
                   num_key_value_heads=4, head_dim=256, sliding_window=4096, query_pre_attn_scalar=256,
                   attn_logit_softcapping=None, final_logit_softcapping=None, rope_theta=1000000.0, rope_local_base_freq=10000.0,
@@ -41,7 +45,9 @@ FAMILY = Family(
     fixed=dict(attention_bias=False, use_bidirectional_attention=False),
     model_args=model_args, hf_config=hf_config,
     rules=lambda args: outer_rules() + sandwich_norm_rules() + attention_rules(args) + qk_norm_rules(args) + mlp_rules(),
-    hf_prefixes=("language_model.", "model.language_model."),
+    # multimodal repos (gemma-3-4b and up, model_type gemma3): the text model under language_model., its config
+    # under text_config; the vision tower and projector are passed through untouched
+    hf_prefixes=("language_model.",), nested_config="text_config",
 )
 
 

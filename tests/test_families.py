@@ -317,7 +317,7 @@ def test_model_args_survive_a_json_round_trip():
 def test_unknown_model_type_lists_the_known_ones(tmp_path):
     config = {**tiny_family_config("llama").to_dict(), "model_type": "gpt2"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    known = r"known: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3, mixtral, qwen3_moe"
+    known = r"known: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, gemma3, phi3, mixtral, qwen3_moe"
     with pytest.raises(CheckpointError, match=rf"config\.json: unknown model_type 'gpt2'; {known}"):
         HFCheckpointer(tmp_path, output_dir=tmp_path / "out")
     with pytest.raises(CheckpointError, match=rf"unknown model_type 'gpt2'; {known}"):
@@ -448,3 +448,42 @@ def test_a_config_field_the_native_model_cannot_reproduce_is_one_line(fam, field
     with pytest.raises(CheckpointError, match=rf"^config\.json: {message}") as e:
         HFCheckpointer(tmp_path, output_dir=tmp_path / "out")
     assert "\n" not in str(e.value)
+
+
+def test_multimodal_gemma3_trains_its_text_model_and_keeps_the_vision_tower(tmp_path, tokens):
+    """A Gemma3ForConditionalGeneration repo: the text model under language_model. loads with transformers' logits,
+    and saving writes every file back bitwise, vision tower included, with the prefix and key map it came with."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = tiny_family_config("gemma3").to_dict()
+    config = Gemma3Config(text_config={k: v for k, v in text.items() if k not in ("model_type", "architectures")},
+                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14),
+                          mm_tokens_per_image=4, image_token_index=127, boi_token_index=125, eoi_token_index=126)
+    torch.manual_seed(0)
+    hf_model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.1) if name.endswith(("norm.weight", ".bias")) else p.normal_(0.0, 0.1)
+    hf_model.save_pretrained(tmp_path / "in", max_shard_size="40KB")
+    index_in = json.loads((tmp_path / "in/model.safetensors.index.json").read_text())["weight_map"]
+    assert any(k.startswith("vision_tower.") for k in index_in) and any(k.startswith("language_model.model.") for k in index_in)
+
+    ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
+    assert ckpt.model_type == "GEMMA3"
+    state = ckpt.load_checkpoint()
+    with torch.device("meta"):
+        model = from_hf_config(ckpt.config)
+    load_into(model, state["model"])
+    with torch.no_grad():
+        expected = hf_model(input_ids=tokens).logits
+        diff = (model.eval()(tokens) - expected).abs().max().item()
+    assert diff <= 1e-5, diff
+    out = ckpt.save_checkpoint({"model": model.state_dict()}, step=1)
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == index_in
+    for f in set(index_in.values()):
+        before, after = read_tensors(tmp_path / "in" / f), read_tensors(out / f)
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), f
+    reloaded = Gemma3ForConditionalGeneration.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=tokens).logits, expected)
