@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from waypoint.models.attention import Attention, RMSNorm, apply_rope, sliding_window_mask, softcapped_attention
-from waypoint.models.moe import MoE, load_balancing_loss
+from waypoint.models.moe import MoE, load_balancing_loss, load_balancing_stats
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
            "apply_rope", "rope_cache", "rope_frequencies", "sliding_window_mask", "softcapped_attention"]
@@ -269,6 +269,13 @@ class Transformer(nn.Module):
         if not self.args.n_experts or not self.router_logits:
             return None
         return load_balancing_loss(self.router_logits, self.args.n_experts, self.args.experts_per_token)
+
+    def aux_stats(self, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The last forward's ``load_balancing_stats`` over the tokens ``mask`` [batch, seq] keeps (sums that add up
+        across ranks); None for a dense model."""
+        if not self.args.n_experts or not self.router_logits:
+            return None
+        return load_balancing_stats(self.router_logits, self.args.n_experts, self.args.experts_per_token, mask)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] > self.rope.shape[0]:

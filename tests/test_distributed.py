@@ -262,6 +262,26 @@ def test_lora_on_two_processes_matches_one_and_resumes_on_one(tmp_path):
     assert max_diff(adapter(killed), adapter(two)) < WEIGHT_TOLERANCE
 
 
+@pytest.mark.slow
+def test_moe_on_two_processes_matches_one(tmp_path):
+    """Mixtral's stacked experts shard with FSDP2 like any weight (expert parallelism aside): the same losses and
+    load-balancing losses as one process, and the final export in the input's per-expert files and key map."""
+    from tests.test_family_training import base_checkpoint
+
+    base = base_checkpoint(tmp_path / "base", "mixtral")
+    one, two = tmp_path / "one", tmp_path / "two"
+    for out, processes in ((one, 1), (two, 2)):
+        result = run(out, "epochs=1", "save_every_n_steps=null", source=base, processes=processes)
+        assert result.returncode == 0, result.stderr[-3000:]
+    records = lambda out: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(records(one), records(two))) < LOSS_TOLERANCE
+    assert max(abs(a["aux_loss"] - b["aux_loss"]) for a, b in zip(records(one), records(two))) < LOSS_TOLERANCE
+    final = f"step_{STEPS_PER_EPOCH}"
+    assert max_diff(weights(one / final), weights(two / final)) < WEIGHT_TOLERANCE
+    index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
+    assert index(two / final) == index(base) and any(".experts.3.w2.weight" in k for k in index(base))
+
+
 # -- pieces, in one process ----------------------------------------------------------------------
 
 def test_sharded_checkpoint_round_trip_in_one_process(tmp_path):

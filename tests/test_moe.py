@@ -303,3 +303,23 @@ def test_aux_loss_of_a_tiny_mixtral_from_our_blocks():
     aux = load_balancing_loss(ours, 4, 2)
     assert (aux - result.aux_loss).abs() <= 1e-7, (aux, result.aux_loss)
     assert float(aux) > 0
+
+
+def test_masked_balance_stats_equal_transformers_with_an_attention_mask():
+    """Padding is left out of the load-balancing loss as transformers leaves it out with the attention mask; the
+    sums over two halves of a batch give the whole batch's loss (how ranks combine)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from waypoint.models.moe import balance_loss, load_balancing_stats
+
+    g = torch.Generator().manual_seed(3)
+    logits = [torch.randn(2 * 5, 6, generator=g) for _ in range(3)]  # 3 layers, batch 2 x 5 tokens, 6 experts
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    theirs = load_balancing_loss_func(tuple(logits), 6, 2, attention_mask=mask)
+    counts, prob_sum, rows = load_balancing_stats(logits, 6, 2, mask.bool())
+    assert abs(balance_loss(counts, prob_sum, rows, 6).item() - theirs.item()) <= 1e-6
+    halves = [load_balancing_stats([l.view(2, 5, 6)[i].reshape(5, 6) for l in logits], 6, 2, mask[i].bool()) for i in (0, 1)]
+    whole = balance_loss(halves[0][0] + halves[1][0], halves[0][1] + halves[1][1], halves[0][2] + halves[1][2], 6)
+    assert abs(whole.item() - theirs.item()) <= 1e-6
+    unmasked = load_balancing_stats(logits, 6, 2)
+    assert abs(balance_loss(*unmasked, 6).item() - theirs.item()) > 1e-4, "the mask must matter for this batch"

@@ -221,6 +221,7 @@ def test_padded_collate_pads_right_to_the_longest():
     assert out["tokens"].dtype == out["labels"].dtype == torch.long
     assert out["tokens"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert out["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
+    assert out["mask"].tolist() == [[True, True, True], [True, False, False]]  # padding apart, prompts included
     assert padded_collate(batch, pad_id=9, ignore_index=-1)["labels"].tolist() == [[-100, 6, 7], [8, -1, -1]]
     with pytest.raises(ValueError, match="empty batch"):
         padded_collate([], pad_id=0)

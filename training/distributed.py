@@ -46,6 +46,13 @@ class Distributed:
         dist.all_reduce(t)
         return t.item()
 
+    def sum_tensor(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of a tensor (detached: collectives carry no gradient)."""
+        value = value.detach().clone()
+        if self.enabled:
+            dist.all_reduce(value)
+        return value
+
     def any(self, flag: bool) -> bool:
         """True on every rank when it is True on one (a preemption signal reaches ranks at different times)."""
         return bool(self.sum(int(bool(flag)))) if self.enabled else bool(flag)

@@ -26,26 +26,42 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: torch.device,
                      dist) -> tuple[float, int, float | None]:
     """One optimizer step's gradients: the mean loss over the supervised tokens of the whole global batch
-    (every micro-batch of every rank), whatever the split. Returns (that loss, the step's tokens, the mean
-    load-balancing loss of a mixture-of-experts model or None), summed or averaged over ranks.
+    (every micro-batch of every rank), whatever the split of each micro-batch over ranks. Returns (that loss,
+    the step's tokens, the load-balancing loss of a mixture-of-experts model averaged over micro-batches, or None).
 
     Each micro-batch's loss sum is divided by the global token count; under FSDP, which averages gradients
-    over ranks, it is also multiplied by the number of ranks. A MoE model's load-balancing loss (``model.aux_loss()``,
-    transformers' ``aux_loss``) is added to each micro-batch's loss times ``router_aux_loss_coef``, averaged over the
-    step's micro-batches. ``dist``: a ``waypoint.training.distributed.Distributed``.
+    over ranks, it is also multiplied by the number of ranks. ``dist``: a ``waypoint.training.distributed.Distributed``.
     """
     n_supervised = max(dist.sum(sum(supervised_tokens(b["labels"]) for b in micro_batches)), 1)
-    n_micro = len(micro_batches) * dist.world_size
-    coef = getattr(getattr(model, "args", None), "router_aux_loss_coef", 0.0)
     loss_sum, aux_sum, has_aux = 0.0, 0.0, False
     for batch in micro_batches:
         logits = model(batch["tokens"].to(device))
         loss = next_token_loss_sum(logits, batch["labels"].to(device)) / n_supervised
-        aux = model.aux_loss() if hasattr(model, "aux_loss") else None
-        total = loss if aux is None else loss + coef * aux / n_micro
+        total = loss
+        aux = balance_share(model, dist, batch.get("mask"))
+        if aux is not None:  # MoE: the load-balancing loss, weighted by router_aux_loss_coef, averaged over micro-batches
+            share, value = aux
+            total = loss + model.args.router_aux_loss_coef * share / len(micro_batches)
+            has_aux, aux_sum = True, aux_sum + value / len(micro_batches)
         (total * dist.world_size).backward()
         loss_sum += loss.item()
-        if aux is not None:
-            has_aux, aux_sum = True, aux_sum + aux.item() / n_micro
     tokens = int(dist.sum(sum(b["tokens"].numel() for b in micro_batches)))
-    return dist.sum(loss_sum), tokens, dist.sum(aux_sum) if has_aux else None
+    return dist.sum(loss_sum), tokens, aux_sum if has_aux else None
+
+
+def balance_share(model: torch.nn.Module, dist, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, float] | None:
+    """A mixture-of-experts model's load-balancing loss (transformers' ``aux_loss``) over the micro-batch of every
+    rank, padding left out (``mask``): (this rank's differentiable share, whose sum over ranks is the loss; the loss's
+    value). The expert counts and probability sums are summed over ranks first, so N processes train as one with
+    the same global batch. None for a dense model."""
+    from waypoint.models.moe import balance_loss
+
+    stats = model.aux_stats(mask) if hasattr(model, "aux_stats") else None
+    if stats is None:
+        return None
+    counts, prob_sum, rows = stats
+    n_experts = model.args.n_experts
+    counts_all, prob_all, rows_all = dist.sum_tensor(counts), dist.sum_tensor(prob_sum), dist.sum(rows)
+    # d share / d prob_sum on this rank = d loss / d (global prob_sum): the gradient of the whole batch's loss
+    share = balance_loss(counts_all, prob_sum, rows_all, n_experts)
+    return share, float(balance_loss(counts_all, prob_all, rows_all, n_experts))
