@@ -128,14 +128,6 @@ def adapter_config(converter: Converter, native_modules: list[str], rank: int, a
     }
 
 
-def base_model_name(checkpoint_dir: str | os.PathLike) -> str:
-    """The hub repo id recorded in ``waypoint_source.json`` when the base was downloaded, else its path."""
-    from waypoint.training.hub import read_source
-
-    record = read_source(checkpoint_dir) if Path(checkpoint_dir).exists() else None
-    return record["repo_id"] if record else str(Path(checkpoint_dir).resolve())
-
-
 def vllm_problems(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> list[str]:
     """What would stop vLLM (``--enable-lora --max-lora-rank``) from serving this adapter, one line each."""
     problems = []

@@ -43,7 +43,7 @@ from waypoint.checkpointers import CheckpointError, detect_format, load_into
 from waypoint.checkpointers.base import RECIPE_STATE_FILE
 from waypoint.checkpointers.commit import StagedDir, remove_stale_staging
 from waypoint.checkpointers.dtensor_state import GatheredState, serve_gathers
-from waypoint.checkpointers.peft_adapter import base_model_name, check_targets, hf_converter, load_adapter, write_adapter
+from waypoint.checkpointers.peft_adapter import check_targets, hf_converter, load_adapter, write_adapter
 from waypoint.checkpointers.retention import prune_checkpoints
 from waypoint.models.lora import (MergedState, adapter_state, adapter_state_keys, apply_lora, init_adapters, load_adapter_state,
                                   lora_modules)
@@ -53,6 +53,7 @@ from waypoint.training.data_order import iterate_batches, optimizer_steps_per_ep
 from waypoint.training.distributed import Distributed
 from waypoint.training.entry import run_recipe
 from waypoint.training.fsdp import shard_model
+from waypoint.training.hub import base_model_name
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite

@@ -31,3 +31,27 @@ def test_imports_and_a_recipe_work_beside_llama_models_outside_the_repository(tm
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "out" / "step_2" / "MANIFEST.json").is_file()
+
+
+# each layer imports only from the layers before it (and itself): no arrow runs back up
+LAYERS = ["errors", "lazy", "models", "converters", "families", "checkpointers", "training"]
+FOLDERS = {"errors": "waypoint/errors.py", "lazy": "waypoint/lazy.py", "models": "models", "converters": "converters",
+           "families": "families", "checkpointers": "checkpointers", "training": "training"}
+ALLOWED = {"models": {"errors", "lazy", "models"}, "converters": {"errors", "lazy", "converters"}}
+
+
+def test_layers_import_only_downwards():
+    import ast
+
+    problems = []
+    for layer, folder in FOLDERS.items():
+        allowed = ALLOWED.get(layer, set(LAYERS[:LAYERS.index(layer) + 1]))
+        for path in sorted((ROOT / folder).rglob("*.py")) if (ROOT / folder).is_dir() else [ROOT / folder]:
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                         [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] == "waypoint" and len(parts) > 1 and parts[1] not in allowed:
+                        problems.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not problems, problems

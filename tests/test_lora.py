@@ -266,7 +266,7 @@ def test_resume_refuses_a_changed_lora_config(tmp_path, reference):
 
 
 def test_base_model_name_is_the_hub_repo_when_recorded(tmp_path):
-    from waypoint.checkpointers.peft_adapter import base_model_name
+    from waypoint.training.hub import base_model_name
 
     base = tmp_path / "base"
     write_family_checkpoint(base, tiny_family_config("llama"))

@@ -535,3 +535,10 @@ def _is_missing(node, key) -> bool:
     except ImportError:  # pragma: no cover - omegaconf is a dependency
         return False
     return isinstance(node, (DictConfig, ListConfig)) and OmegaConf.is_missing(node, key)
+
+
+def base_model_name(checkpoint_dir: str | os.PathLike) -> str:
+    """An adapter's ``base_model_name_or_path``: the hub repo id recorded in ``waypoint_source.json`` when the base
+    was downloaded, else its path."""
+    record = read_source(checkpoint_dir) if Path(checkpoint_dir).exists() else None
+    return record["repo_id"] if record else str(Path(checkpoint_dir).resolve())
