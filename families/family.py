@@ -17,7 +17,7 @@ from waypoint.converters.table import Converter, Rule
 from waypoint.families.hf_config import IGNORE, HFConfig
 from waypoint.models.transformer import ModelArgs
 
-LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")
+LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
 
 
 @dataclass(frozen=True)

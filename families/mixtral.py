@@ -12,7 +12,7 @@ from waypoint.families.hf_rules import attention_rules, norm_rules, outer_rules
 from waypoint.families.moe_rules import packed_rules, per_expert_rules
 from waypoint.models.transformer import ModelArgs, Transformer
 
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj")
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "output")  # and the head; not the experts
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:

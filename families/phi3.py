@@ -3,7 +3,7 @@ again on save; a sliding window on every layer where the config has one; residua
 
 ``qkv_proj`` holds the q, k and v rows one after another; q and k then go through the RoPE permutation.
 ``gate_up_proj`` holds the gate (native w1) rows, then the up (w3) rows. PEFT's modules are the fused ones,
-so LoRA may target only ``output_proj`` and ``w2`` here. Phi-4-mini's partial rotary factor and the long-context
+so LoRA may target only ``output_proj``, ``w2`` and ``output`` here. Phi-4-mini's partial rotary factor and the long-context
 ``longrope`` variants are refused (one line naming the field)."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def hf_config(args: ModelArgs) -> dict:
 FAMILY = Family(
     name="phi3", hf_model_types=("phi3",), model_types=("PHI3", "PHI3_MINI", "PHI4"), architecture="Phi3ForCausalLM",
     defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False, hidden_act="silu", sliding_window=None),
-    model_args=model_args, rules=rules, hf_config=hf_config, lora_targets=("output_proj", "w2"),
+    model_args=model_args, rules=rules, hf_config=hf_config, lora_targets=("output_proj", "w2", "output"),
 )
 
 

@@ -56,22 +56,31 @@ def max_diff(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_adapter_and_merge_match_peft(tmp_path, family, tokens):
+ATTENTION = ["q_proj", "k_proj", "v_proj", "output_proj", "output"]
+
+
+@pytest.mark.parametrize("family,targets", [("llama", ALL_TARGETS), ("mistral", ALL_TARGETS), ("qwen2", ALL_TARGETS),
+                                            ("qwen3", ALL_TARGETS), ("gemma2", ALL_TARGETS[:-1]), ("mixtral", ATTENTION)])
+def test_adapter_and_merge_match_peft(tmp_path, family, targets, tokens):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = tmp_path / "base"
-    hf_model = write_family_checkpoint(base, tiny_family_config(family))  # 4 heads, 2 kv heads: grouped-query
-    checkpointer, model = native_model(base, ALL_TARGETS)
+    config = tiny_family_config(family, **({"tie_word_embeddings": False} if family == "gemma2" else {}))
+    hf_model = write_family_checkpoint(base, config)  # 4 heads, 2 kv heads: grouped-query
+    checkpointer, model = native_model(base, targets)
     randomise_lora_b(model.named_parameters())
     assert all(p.requires_grad == (".lora_" in n) for n, p in model.named_parameters())
 
-    with pytest.warns(UserWarning, match="lm_head are not supported"):  # vLLM serves no LoRA on the head
+    if "output" in targets:
+        with pytest.warns(UserWarning, match="lm_head are not supported"):  # vLLM serves no LoRA on the head
+            adapter_dir = save_adapter(tmp_path / "adapter", model, checkpointer.converter, str(base))
+    else:
         adapter_dir = save_adapter(tmp_path / "adapter", model, checkpointer.converter, str(base))
     config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM" and config["r"] == 4
-    assert sorted(config["target_modules"]) == sorted(HF_TARGETS) and config["base_model_name_or_path"] == str(base)
+    expected = [HF_TARGETS[ALL_TARGETS.index(t)] for t in targets]
+    assert sorted(config["target_modules"]) == sorted(expected) and config["base_model_name_or_path"] == str(base)
     assert verify(adapter_dir).ok
 
     peft_model = PeftModel.from_pretrained(hf_model, adapter_dir).eval()
@@ -85,9 +94,12 @@ def test_adapter_and_merge_match_peft(tmp_path, family, tokens):
     merged_dir = checkpointer.save_to({"model": merged_state(model)}, tmp_path / "merged")
     peft_merged = {k: v for k, v in peft_model.merge_and_unload().state_dict().items()}
     mine = hf_weights(merged_dir)
-    weight_diff = max(max_diff(mine[k], peft_merged[k]) for k in mine)
+    # transformers holds MoE experts packed in memory (gate_up_proj) where the files have per-expert keys: the
+    # adapted (attention) weights are compared by name, the files against the input below
+    common = mine.keys() & peft_merged.keys()
+    weight_diff = max(max_diff(mine[k], peft_merged[k]) for k in common)
     print(f"{family}: our merged weights vs PEFT merge_and_unload: max |diff| = {weight_diff:.3g}")
-    assert mine.keys() <= peft_merged.keys() and weight_diff <= TOL
+    assert (common == mine.keys() or family == "mixtral") and any("q_proj" in k for k in common) and weight_diff <= TOL
     assert sorted(p.name for p in merged_dir.glob("*.safetensors")) == sorted(p.name for p in base.glob("*.safetensors"))
     index = "model.safetensors.index.json"
     assert json.loads((merged_dir / index).read_text())["weight_map"] == json.loads((base / index).read_text())["weight_map"]
