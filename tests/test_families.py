@@ -111,6 +111,22 @@ def test_save_round_trip_is_bitwise_and_transformers_reads_it(family, tokens, tm
         assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
 
 
+def test_hf_to_native_to_hf_gives_back_the_input(family, tmp_path):
+    """Through the native format and back: the same config, files, key -> file map, index and tensors."""
+    from scripts import convert
+
+    name, _, path = family
+    assert convert.main([str(path), str(tmp_path / "native"), "--to", "native"]) == 0
+    assert convert.main([str(tmp_path / "native"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    back = tmp_path / "back"
+    assert weight_files(back) == weight_files(path)
+    for f in ("config.json", "model.safetensors.index.json"):
+        assert json.loads((back / f).read_text()) == json.loads((path / f).read_text()), f
+    for f in weight_files(path):
+        before, after = read_tensors(path / f), read_tensors(back / f)
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), f
+
+
 def test_tied_head_is_the_embedding_and_written_once(family, tmp_path):
     name, hf_model, path = family
     tied = name in TIED
@@ -487,3 +503,28 @@ def test_multimodal_gemma3_trains_its_text_model_and_keeps_the_vision_tower(tmp_
     reloaded = Gemma3ForConditionalGeneration.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=tokens).logits, expected)
+
+
+@pytest.mark.parametrize("fam", ["phi3", "qwen3"])
+def test_a_native_checkpoint_keeps_its_family_for_peft_names(fam, tmp_path):
+    """A native checkpoint converted from HF names its family, so LoRA adapters get that family's PEFT modules
+    (Phi-3's fused projections refused, Qwen3's q/k rows permuted as Qwen3's), not Llama's."""
+    from scripts import convert
+    from waypoint.checkpointers import NativeCheckpointer
+    from waypoint.checkpointers.peft_adapter import check_targets, hf_converter, hf_module
+    from waypoint.models.lora import apply_lora
+
+    write_family_checkpoint(tmp_path / "hf", tiny_family_config(fam))
+    assert convert.main([str(tmp_path / "hf"), str(tmp_path / "native"), "--to", "native"]) == 0
+    ckpt = NativeCheckpointer(tmp_path / "native", output_dir=tmp_path / "out")
+    assert ckpt.family.name == fam
+    model = load_model(tmp_path / "native")
+    converter = hf_converter(ckpt, model.args)
+    assert hf_module(converter, "layers.0.attn.output_proj") == "model.layers.0.self_attn.o_proj"
+    apply_lora(model, ["q_proj"], rank=2, alpha=4)
+    if fam == "phi3":
+        with pytest.raises(CheckpointError, match="q_proj cannot be adapted in phi3 models"):
+            check_targets(model, converter, ckpt.family)
+    else:
+        check_targets(model, converter, ckpt.family)
+        assert any(g.targets == ("model.layers.0.self_attn.q_norm.weight",) for g in converter.plan(["layers.0.attn.q_norm.weight"], "native"))
