@@ -72,26 +72,16 @@ def build(path: Path, kind: str, size_mb: float) -> int:
 
 
 def child(path: Path) -> None:
-    import torch
-
+    """bench_checkpoint's load step (HFCheckpointer into a meta-built model, every parameter read) on ``path``."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for scripts.bench_checkpoint
-    from scripts.bench_checkpoint import peak_rss_gb, reset_peak_rss
-    from waypoint.checkpointers import HFCheckpointer, load_into
-    from waypoint.families import from_hf_config
+    from scripts.bench_checkpoint import peak_rss_gb, step_load
+    import waypoint.checkpointers  # noqa: F401  (imported before the baseline, as step_load imports them)
+    import waypoint.families  # noqa: F401
 
-    reset_peak_rss()
     before = next(int(line.split()[1]) * 1024 / 1e9 for line in Path("/proc/self/status").read_text().splitlines()
-                  if line.startswith("VmRSS:"))
-    start = time.perf_counter()
-    checkpointer = HFCheckpointer(path, output_dir=path.parent / "unused")
-    state = checkpointer.load_checkpoint()["model"]
-    with torch.device("meta"):
-        model = from_hf_config(checkpointer.config)
-    load_into(model, state)
-    del state
-    touched = sum(float(p.detach().sum()) for p in model.parameters())
-    assert touched == touched
-    print(json.dumps([time.perf_counter() - start, peak_rss_gb() - before]))
+                  if line.startswith("VmRSS:"))  # what step_load's reset of the peak starts from
+    seconds = step_load(path, path.parent / "unused")
+    print(json.dumps([seconds, peak_rss_gb() - before]))
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The native model's Qwen3 / Gemma 2 / Gemma 3 features against transformers' own models.
 
 Tiny random fp32 models (every parameter randomised, norm weights included) are built by transformers, their
-weights copied into the native model by a test-only renamer (the real converters live in converters/), and the
+weights converted into the native model by the family's converter (``waypoint.families``), and the
 logits compared on a [2, 13] batch with a sliding window of 4. Each feature is then switched off to show the
 comparison depends on it.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from waypoint.converters.ops import RopePermute
+from waypoint.families import family_of, model_args_from_hf_config
 from waypoint.models.transformer import (ModelArgs, Transformer, rope_cache, rope_frequencies, sliding_window_mask,
                                          softcapped_attention)
 
@@ -48,62 +48,18 @@ def hf_config(family: str):
 
 
 def native_args(config) -> ModelArgs:
-    """Test scaffolding: the ModelArgs these three families' configs mean (the real reader is models/builders.py)."""
-    gemma = config.model_type in ("gemma2", "gemma3_text")
-    rope = config.rope_parameters
-    per_type = "full_attention" in rope  # Gemma 3: one rope dict per layer type
-    full_rope = rope["full_attention"] if per_type else rope
-    sliding = "sliding_attention" in config.layer_types
-    return ModelArgs(
-        dim=config.hidden_size, n_layers=config.num_hidden_layers, n_heads=config.num_attention_heads,
-        n_kv_heads=config.num_key_value_heads, vocab_size=config.vocab_size, hidden_dim=config.intermediate_size,
-        head_dim=config.head_dim, norm_eps=config.rms_norm_eps, max_seq_len=config.max_position_embeddings,
-        tie_embeddings=config.tie_word_embeddings, norm_plus_one=gemma,
-        embedding_scale=config.hidden_size ** 0.5 if gemma else 1.0,
-        activation=config.hidden_activation if gemma else config.hidden_act,
-        rope_theta=full_rope["rope_theta"], rope_type=full_rope["rope_type"], rope_factor=full_rope.get("factor", 8.0),
-        local_rope_theta=rope["sliding_attention"]["rope_theta"] if per_type else None,
-        sliding_window=config.sliding_window if sliding else None,
-        full_attention_layers=tuple(i for i, t in enumerate(config.layer_types) if t == "full_attention"),
-        qk_norm=config.model_type in ("qwen3", "gemma3_text"),
-        sandwich_norms=gemma,
-        attn_scale=config.query_pre_attn_scalar ** -0.5 if gemma else None,
-        attn_softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,  # Gemma 3 ignores it
-        final_softcap=getattr(config, "final_logit_softcapping", None),
-    )
+    """The ModelArgs the family's config reader makes of ``config``."""
+    return model_args_from_hf_config(config.to_dict())
 
 
 def native_state(hf_model, args: ModelArgs, permute_norms: bool = True) -> dict[str, torch.Tensor]:
-    """Test scaffolding: transformers' keys -> native keys, q/k rows (and the per-head q/k norm weights) permuted
-    from rotate-half to interleaved order."""
-    hd = args.resolved_head_dim
-    norm_op = RopePermute(1, hd) if permute_norms else None
-    layer_keys = {
-        "self_attn.q_proj.weight": ("attn.q_proj.weight", RopePermute(args.n_heads, hd)),
-        "self_attn.k_proj.weight": ("attn.k_proj.weight", RopePermute(args.n_kv_heads, hd)),
-        "self_attn.v_proj.weight": ("attn.v_proj.weight", None),
-        "self_attn.o_proj.weight": ("attn.output_proj.weight", None),
-        "self_attn.q_norm.weight": ("attn.q_norm.weight", norm_op),
-        "self_attn.k_norm.weight": ("attn.k_norm.weight", norm_op),
-        "mlp.gate_proj.weight": ("mlp.w1.weight", None),
-        "mlp.up_proj.weight": ("mlp.w3.weight", None),
-        "mlp.down_proj.weight": ("mlp.w2.weight", None),
-        "input_layernorm.weight": ("sa_norm.weight", None),
-        # Gemma 2/3's post_attention_layernorm normalises the attention output; Qwen3's (Llama's) is the pre-MLP norm
-        "post_attention_layernorm.weight": ("post_attn_norm.weight" if args.sandwich_norms else "mlp_norm.weight", None),
-        "pre_feedforward_layernorm.weight": ("mlp_norm.weight", None),
-        "post_feedforward_layernorm.weight": ("post_mlp_norm.weight", None),
-    }
-    top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-           "lm_head.weight": "output.weight"}
-    state = {}
-    for key, t in hf_model.state_dict().items():
-        if key in top:
-            state[top[key]] = t
-            continue
-        i, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key).groups()
-        name, op = layer_keys[rest]
-        state[f"layers.{i}.{name}"] = op.forward([t])[0] if op is not None else t
+    """transformers' state dict through the family's converter; ``permute_norms=False`` undoes the RoPE permutation
+    of the per-head q/k norm weights, to show that it is needed."""
+    converter = family_of(hf_model.config.to_dict()).converter(args)
+    state = dict(converter.to_native(hf_model.state_dict()))
+    if not permute_norms:
+        undo = RopePermute(1, args.resolved_head_dim)
+        state = {k: undo.inverse([t])[0] if k.endswith(("q_norm.weight", "k_norm.weight")) else t for k, t in state.items()}
     return state
 
 
