@@ -152,7 +152,12 @@ def export(native: Mapping[str, torch.Tensor], args: ModelArgs, model_type: str,
             stage.write_bytes(MODEL_FILE, (json.dumps(describe(args, model_type, source), indent=2) + "\n").encode())
         elif to == "meta":
             # model-parallel files are not shards: one unless asked (--num-shards)
-            _write_meta(stage, meta_converter().from_native(tensors_native), args, num_shards if resharded else 1)
+            try:
+                meta = meta_converter().from_native(tensors_native)
+            except CheckpointError as e:  # a key Llama's reference layout has no place for
+                raise CheckpointError(f"--to meta: Meta's reference layout holds Llama-architecture models; this "
+                                      f"{model_type} model has more ({e}); convert it to hf or native") from e
+            _write_meta(stage, meta, args, num_shards if resharded else 1)
             if source:
                 stage.write_bytes(SOURCE_FILE, (json.dumps(source.to_json(), indent=2) + "\n").encode())
         else:

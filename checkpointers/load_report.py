@@ -12,13 +12,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 _LAYER = re.compile(r"(^|\.)(layers)\.(\d+)\.")
+_EXPERT = re.compile(r"(^|\.)(experts)\.(\d+)\.")
 
 
 def fold_keys(keys: Iterable[str]) -> list[str]:
-    """``layers.0.x, layers.1.x, ... layers.31.x`` -> ``layers.{0..31}.x`` (other keys as they are)."""
+    """``layers.0.x, layers.1.x, ... layers.31.x`` -> ``layers.{0..31}.x``, and the same for MoE experts
+    (``experts.{0..7}``) within each layer (other keys as they are)."""
+    return _fold(_fold(keys, _EXPERT), _LAYER)
+
+
+def _fold(keys: Iterable[str], index: re.Pattern) -> list[str]:
     groups: dict[str, list[int]] = {}
     for key in keys:
-        m = _LAYER.search(key)
+        m = index.search(key)
         if m:
             pattern = key[: m.start(3)] + "{}" + key[m.end(3):]
             groups.setdefault(pattern, []).append(int(m.group(3)))

@@ -22,6 +22,8 @@ def native(tmp_path):
 def test_fold_keys():
     keys = [f"layers.{i}.attn.q_proj.weight" for i in range(32)] + ["layers.3.mlp.w1.weight", "layers.5.mlp.w1.weight", "norm.weight"]
     assert fold_keys(keys) == ["layers.{0..31}.attn.q_proj.weight", "layers.{3,5}.mlp.w1.weight", "norm.weight"]
+    experts = [f"model.layers.{i}.mlp.experts.{e}.gate_proj.weight" for i in range(2) for e in range(8)]
+    assert fold_keys(experts) == ["model.layers.{0..1}.mlp.experts.{0..7}.gate_proj.weight"]
 
 
 def test_report_lists_what_was_assigned(native):

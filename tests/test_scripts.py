@@ -142,3 +142,11 @@ def test_meta_model_parallel_files_split_llama3_embedding_by_vocabulary_rows(tmp
         before = read_tensors(tmp_path / f"hf{vocab}" / "model.safetensors")
         after = read_tensors(tmp_path / f"back{vocab}" / "model.safetensors")
         assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_family_meta_cannot_hold_is_refused_in_one_line(tmp_path, capsys):
+    write_family_checkpoint(tmp_path / "qwen3", tiny_family_config("qwen3"))
+    assert convert.main([str(tmp_path / "qwen3"), str(tmp_path / "meta"), "--to", "meta"]) == 1
+    errors = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Meta's reference layout holds Llama-architecture models" in errors[0]
+    assert "attn.k_norm.weight" in errors[0] and not (tmp_path / "meta").exists()
