@@ -43,11 +43,25 @@ def sliding_window_mask(seq: int, window: int, device=None) -> torch.Tensor:
     return (j <= i) & (j > i - window)
 
 
+def document_mask(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[batch, 1, seq, seq] bool for packed sequences: query i attends key j of its own document, causally
+    (``j <= i``) and, with a ``window``, within it (``i - window < j``)."""
+    i = torch.arange(document_ids.shape[1], device=document_ids.device)
+    allowed = (document_ids[:, :, None] == document_ids[:, None, :]) & (i[None, :] <= i[:, None])
+    if window is not None:
+        allowed &= i[None, :] > i[:, None] - window
+    return allowed[:, None]
+
+
 def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x`` [batch, seq, heads, head_dim] by ``cache`` [seq, head_dim//2, 2]."""
+    """Rotate interleaved pairs of ``x`` [batch, seq, heads, head_dim] by ``cache``: the table [max_seq, head_dim//2, 2]
+    (positions 0, 1, ...) or, for packed sequences, each token's own rows [batch, seq, head_dim//2, 2]."""
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos = cache[: x.shape[1], None, :, 0]
-    sin = cache[: x.shape[1], None, :, 1]
+    if cache.dim() == 4:
+        cos, sin = cache[:, :, None, :, 0], cache[:, :, None, :, 1]
+    else:
+        cos = cache[: x.shape[1], None, :, 0]
+        sin = cache[: x.shape[1], None, :, 1]
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(-2).to(x.dtype)
@@ -57,7 +71,7 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
                          softcap: float, dropout: float = 0.0) -> torch.Tensor:
     """Attention with Gemma 2's score soft-capping, as transformers' eager path: ``q``/``k``/``v`` [batch, heads,
     seq, head_dim] (k/v heads shared by consecutive q heads); scores in q's dtype, capped, then masked (``mask``
-    [seq, seq] bool, None: causal); softmax in fp32 cast back to q's dtype."""
+    [seq, seq] or [batch, 1, seq, seq] bool, None: causal); softmax in fp32 cast back to q's dtype."""
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
@@ -86,7 +100,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: [seq, seq] bool (True: attend) replacing the plain causal mask, e.g. a sliding window."""
+        """``mask``: [seq, seq] or [batch, 1, seq, seq] bool (True: attend) replacing the plain causal mask: a sliding
+        window, or packed documents. ``rope``: the table, or each token's rows (packed)."""
         bsz, seq, _ = x.shape
         q = self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)

@@ -44,11 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from waypoint.models.attention import Attention, RMSNorm, apply_rope, sliding_window_mask, softcapped_attention
+from waypoint.models.attention import Attention, RMSNorm, apply_rope, document_mask, sliding_window_mask, softcapped_attention
 from waypoint.models.moe import MoE, load_balancing_loss, load_balancing_stats
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
-           "apply_rope", "rope_cache", "rope_frequencies", "sliding_window_mask", "softcapped_attention"]
+           "apply_rope", "document_mask", "rope_cache", "rope_frequencies", "sliding_window_mask", "softcapped_attention"]
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -277,7 +277,10 @@ class Transformer(nn.Module):
             return None
         return load_balancing_stats(self.router_logits, self.args.n_experts, self.args.experts_per_token, mask)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens`` [batch, seq] -> logits [batch, seq, vocab]. Packed sequences (``training.packing``) also give
+        each token's ``positions`` (restarting per sample) and ``document_ids`` (attention stays within one)."""
         if tokens.shape[1] > self.rope.shape[0]:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.rope.shape[0]}")
         h = self.tok_embeddings(tokens)
@@ -286,11 +289,17 @@ class Transformer(nn.Module):
             h = h * torch.tensor(self.args.embedding_scale, dtype=torch.float32, device=h.device).to(h.dtype)
         seq = tokens.shape[1]
         window = self.args.sliding_window
-        window_mask = sliding_window_mask(seq, window, h.device) if window is not None and seq > window else None
         local_rope = self.local_rope if self.args.local_rope_theta is not None else self.rope
+        if document_ids is None:
+            full_mask, window_mask = None, sliding_window_mask(seq, window, h.device) if window is not None and seq > window else None
+            global_rope = self.rope
+        else:  # packed: each token's own rope rows, attention within its document
+            full_mask = document_mask(document_ids)
+            window_mask = document_mask(document_ids, window) if window is not None else None
+            global_rope, local_rope = self.rope[positions], local_rope[positions]
         for layer in self.layers:
             sliding = layer.sliding_window is not None
-            mask, rope = (window_mask, local_rope) if sliding else (None, self.rope)
+            mask, rope = (window_mask, local_rope) if sliding else (full_mask, global_rope)
             if self.activation_checkpointing and self.training:
                 h = torch.utils.checkpoint.checkpoint(layer, h, rope, mask, use_reentrant=False)
             else:

@@ -41,6 +41,7 @@ from waypoint.training.entry import run_recipe
 from waypoint.training.fsdp import shard_model
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
+from waypoint.training.packing import PackedDataset
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
 from waypoint.training.optimizer_state import load_sharded_optimizer_state, load_whole_optimizer_state, optimizer_state
 from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
@@ -97,6 +98,9 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # Data: a global batch of batch_size x gradient_accumulation_steps x processes samples per step.
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
+    if cfg.get("packed", False):  # samples concatenated up to max_seq_len; attention and positions kept per sample
+        dataset = PackedDataset(dataset, cfg.dataset.max_seq_len)
+        say(f"packed into {len(dataset)} sequences of up to {dataset.max_seq_len} tokens, {dataset.fill:.0%} filled")
     collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
     global_batch = cfg.batch_size * accumulate * dist.world_size

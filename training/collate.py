@@ -10,13 +10,16 @@ from waypoint.training.loss import IGNORE_INDEX
 def padded_collate(batch: list[dict], pad_id: int, ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
     """``{"tokens", "labels"}`` items -> LongTensors [batch, longest], tokens padded with ``pad_id``
     and labels with ``ignore_index`` on the right, and ``mask`` [batch, longest], True on the items' own tokens
-    (a MoE model's load-balancing loss counts those, as transformers does with the attention mask)."""
+    (a MoE model's load-balancing loss counts those, as transformers does with the attention mask). Packed items'
+    ``positions`` and ``document_ids`` are padded with 0 and -1 (the padding is a document of its own)."""
     if not batch:
         raise ValueError("padded_collate: empty batch")
     longest = max(len(item["tokens"]) for item in batch)
     tokens = torch.full((len(batch), longest), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), longest), ignore_index, dtype=torch.long)
     mask = torch.zeros((len(batch), longest), dtype=torch.bool)
+    packed = {key: torch.full((len(batch), longest), fill, dtype=torch.long)
+              for key, fill in (("positions", 0), ("document_ids", -1)) if key in batch[0]}
     for row, item in enumerate(batch):
         if len(item["labels"]) != len(item["tokens"]):
             raise ValueError(f"padded_collate: item {row} has {len(item['tokens'])} tokens "
@@ -25,4 +28,6 @@ def padded_collate(batch: list[dict], pad_id: int, ignore_index: int = IGNORE_IN
         tokens[row, :n] = torch.as_tensor(item["tokens"], dtype=torch.long)
         labels[row, :n] = torch.as_tensor(item["labels"], dtype=torch.long)
         mask[row, :n] = True
-    return {"tokens": tokens, "labels": labels, "mask": mask}
+        for key, values in packed.items():
+            values[row, :n] = torch.as_tensor(item[key], dtype=torch.long)
+    return {"tokens": tokens, "labels": labels, "mask": mask, **packed}

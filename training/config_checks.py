@@ -112,6 +112,7 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "optimizer.weight_decay": (False, number(0)),
     "lr_scheduler.num_warmup_steps": (False, integer(0)),
     "dataset.max_seq_len": (False, integer(1)),
+    "packed": (False, boolean),
     **{key: (True, lambda v: None if isinstance(v, Mapping) and v.get("_target_") else "a section with a _target_")
        for key in ("checkpointer", "model", "tokenizer", "dataset", "optimizer", "lr_scheduler")},
 }

@@ -35,7 +35,8 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: 
     n_supervised = max(dist.sum(sum(supervised_tokens(b["labels"]) for b in micro_batches)), 1)
     loss_sum, aux_sum, has_aux = 0.0, 0.0, False
     for batch in micro_batches:
-        logits = model(batch["tokens"].to(device))
+        packed = {k: batch[k].to(device) for k in ("positions", "document_ids") if k in batch}
+        logits = model(batch["tokens"].to(device), **packed)
         loss = next_token_loss_sum(logits, batch["labels"].to(device)) / n_supervised
         total = loss
         aux = balance_share(model, dist, batch.get("mask"))
@@ -45,7 +46,8 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: 
             has_aux, aux_sum = True, aux_sum + value / len(micro_batches)
         (total * dist.world_size).backward()
         loss_sum += loss.item()
-    tokens = int(dist.sum(sum(b["tokens"].numel() for b in micro_batches)))
+    # the samples' own tokens (padding aside, where the collate marks it): what packing raises
+    tokens = int(dist.sum(sum(int(b["mask"].sum()) if "mask" in b else b["tokens"].numel() for b in micro_batches)))
     return dist.sum(loss_sum), tokens, aux_sum if has_aux else None
 
 

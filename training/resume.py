@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 # gradient_accumulation_steps may change as long as the global batch (their product times the number
 # of processes) does not: check_global_batch.
 BREAKING_KEYS = ("model", "checkpointer.checkpoint_dir", "checkpointer.checkpoint_files", "checkpointer.model_type",
-                 "tokenizer", "dataset", "seed", "max_steps_per_epoch", "dtype", "optimizer._target_", "lr_scheduler._target_")
+                 "tokenizer", "dataset", "packed", "seed", "max_steps_per_epoch", "dtype", "optimizer._target_", "lr_scheduler._target_")
 SCHEDULE_KEYS = ("optimizer.lr", "epochs")  # beside lr_scheduler.*: what a learning-rate schedule follows
+# options added after checkpoints were written: a saved config without one had the option's default
+ADDED_DEFAULTS = {"packed": False}
 
 
 def choose_checkpoint(output_dir: str | Path, resume: Any, overwrite: bool) -> Verification | None:
@@ -89,7 +91,7 @@ def _flatten(config: Mapping, prefix: str = "") -> dict[str, Any]:
 
 def config_changes(saved: Mapping, current: Mapping) -> tuple[list[str], list[str]]:
     """(breaking, harmless) dotted keys whose values differ between the saved and the current config."""
-    before, after = _flatten(saved), _flatten(current)
+    before, after = {**ADDED_DEFAULTS, **_flatten(saved)}, {**ADDED_DEFAULTS, **_flatten(current)}
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k, "<unset>") != after.get(k, "<unset>"))
     breaking = [k for k in changed if any(k == b or k.startswith(b + ".") for b in BREAKING_KEYS)]
     return breaking, [k for k in changed if k not in breaking]
