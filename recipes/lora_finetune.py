@@ -57,6 +57,7 @@ from waypoint.training.hub import base_model_name
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
 from waypoint.training.packing import PackedDataset
+from waypoint.training.validation import evaluate, split as split_validation
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
 from waypoint.training.optimizer_state import load_whole_optimizer_state, optimizer_state
 from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
@@ -133,6 +134,9 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # Data: a global batch of batch_size x gradient_accumulation_steps x processes samples per step.
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
+    # a held-out share of the records or another file, evaluated every validation.every_n_steps
+    dataset, validation = split_validation(cfg.get("validation"), dataset, seed=cfg.seed,
+                                           make=lambda source: instantiate(cfg.dataset, tokenizer=tokenizer, source=source))
     if cfg.get("packed", False):  # samples concatenated up to max_seq_len; attention and positions kept per sample
         dataset = PackedDataset(dataset, cfg.dataset.max_seq_len)
         say(f"packed into {len(dataset)} sequences of up to {dataset.max_seq_len} tokens, {dataset.fill:.0%} filled")
@@ -227,7 +231,12 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 record["aux_loss"] = aux_loss
             if main:
                 metrics.write(**record)
-            bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if validation and validation.due(global_step, total_steps):
+                record["val_loss"] = evaluate(model, validation.dataset, cfg.batch_size, collate, device, dist)
+                if main:
+                    metrics.write(step=global_step, val_loss=record["val_loss"])
+            bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            **({"val": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
             bar.update()
 
             # Checkpoints at optimizer-step boundaries only; a signal on any rank stops every rank here.

@@ -122,3 +122,28 @@ def test_packed_recipe_trains_and_resumes_bit_exactly(tmp_path, monkeypatch, cap
                                "epochs=2", "max_steps_per_epoch=6", "batch_size=2", "packed=false",
                                "dataset.max_seq_len=256", "lr_scheduler.num_warmup_steps=1"])
     assert code == 1 and "packed" in capsys.readouterr().err
+
+
+# -- validation ----------------------------------------------------------------------------------------------------
+
+def test_validation_fraction_is_held_out_deterministically_and_evaluated(tmp_path, capsys):
+    from waypoint.training.validation import split
+
+    train, validation = split({"fraction": 0.25, "every_n_steps": 2}, Samples([3] * 40), make=None, seed=5)
+    again, _ = split({"fraction": 0.25, "every_n_steps": 2}, Samples([3] * 40), make=None, seed=5)
+    assert len(validation.dataset) == 10 and len(train) == 30 and train.indices == again.indices
+    assert not set(train.indices) & set(validation.dataset.indices), "held-out records never train"
+    assert [validation.due(s, 7) for s in range(1, 8)] == [False, True, False, True, False, True, True]
+    with pytest.raises(Exception, match="either source .* or fraction"):
+        split({"every_n_steps": 2}, Samples([3] * 4), make=None, seed=0)
+
+    out = tmp_path / "run"
+    code = full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={TINY}",
+                               f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", f"output_dir={out}", "epochs=1",
+                               "max_steps_per_epoch=4", "batch_size=4", "validation={fraction: 0.1, every_n_steps: 2}"])
+    assert code == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in val] == [2, 4] and val[1]["val_loss"] < val[0]["val_loss"]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert "val=" in capsys.readouterr().err

@@ -25,10 +25,10 @@ log = logging.getLogger(__name__)
 # gradient_accumulation_steps may change as long as the global batch (their product times the number
 # of processes) does not: check_global_batch.
 BREAKING_KEYS = ("model", "checkpointer.checkpoint_dir", "checkpointer.checkpoint_files", "checkpointer.model_type",
-                 "tokenizer", "dataset", "packed", "seed", "max_steps_per_epoch", "dtype", "optimizer._target_", "lr_scheduler._target_")
+                 "tokenizer", "dataset", "packed", "validation.fraction", "seed", "max_steps_per_epoch", "dtype", "optimizer._target_", "lr_scheduler._target_")
 SCHEDULE_KEYS = ("optimizer.lr", "epochs")  # beside lr_scheduler.*: what a learning-rate schedule follows
 # options added after checkpoints were written: a saved config without one had the option's default
-ADDED_DEFAULTS = {"packed": False}
+ADDED_DEFAULTS = {"packed": False, "validation": None}
 
 
 def choose_checkpoint(output_dir: str | Path, resume: Any, overwrite: bool) -> Verification | None:
