@@ -99,9 +99,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None, cache=None,
+                layer: int = 0) -> torch.Tensor:
         """``mask``: [seq, seq] or [batch, 1, seq, seq] bool (True: attend) replacing the plain causal mask: a sliding
-        window, or packed documents. ``rope``: the table, or each token's rows (packed)."""
+        window, or packed documents. ``rope``: the table, or each token's rows (packed). ``cache``: a
+        ``kv_cache.KVCache`` whose keys and values this layer (``layer``) extends and attends over (``mask`` given)."""
         bsz, seq, _ = x.shape
         q = self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
@@ -110,6 +112,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            k, v = cache.append(layer, k, v)
         dropout = self.dropout if self.training else 0.0
         if self.softcap is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from waypoint.models.attention import Attention, RMSNorm, apply_rope, document_mask, sliding_window_mask, softcapped_attention
+from waypoint.models.kv_cache import KVCache
 from waypoint.models.moe import MoE, load_balancing_loss, load_balancing_stats
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
@@ -203,8 +204,9 @@ class TransformerBlock(nn.Module):
             out = post_norm(out)
         return x + (F.dropout(out, self.resid_dropout, training=True) if self.resid_dropout and self.training else out)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = self._residual(x, self.attn(self.sa_norm(x), rope, mask), self.post_attn_norm)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None, cache=None,
+                layer: int = 0) -> torch.Tensor:
+        h = self._residual(x, self.attn(self.sa_norm(x), rope, mask, cache, layer), self.post_attn_norm)
         if self.moe is None:
             return self._residual(h, self.mlp(self.mlp_norm(h)), self.post_mlp_norm)
         out, self.router_logits = self.moe(self.mlp_norm(h))
@@ -278,11 +280,13 @@ class Transformer(nn.Module):
         return load_balancing_stats(self.router_logits, self.args.n_experts, self.args.experts_per_token, mask)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """``tokens`` [batch, seq] -> logits [batch, seq, vocab]. Packed sequences (``training.packing``) also give
-        each token's ``positions`` (restarting per sample) and ``document_ids`` (attention stays within one)."""
-        if tokens.shape[1] > self.rope.shape[0]:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.rope.shape[0]}")
+        each token's ``positions`` (restarting per sample) and ``document_ids`` (attention stays within one).
+        With a ``cache`` (generation), ``tokens`` follow the cached ones and the cache takes their keys and values."""
+        start = cache.length if cache is not None else 0
+        if start + tokens.shape[1] > self.rope.shape[0]:
+            raise ValueError(f"sequence length {start + tokens.shape[1]} exceeds max_seq_len {self.rope.shape[0]}")
         h = self.tok_embeddings(tokens)
         if self.args.embedding_scale != 1.0:
             # as transformers: the scale rounded to fp32, then to the embedding's dtype
@@ -290,20 +294,25 @@ class Transformer(nn.Module):
         seq = tokens.shape[1]
         window = self.args.sliding_window
         local_rope = self.local_rope if self.args.local_rope_theta is not None else self.rope
-        if document_ids is None:
+        if cache is not None:  # positions start .. start + seq, over the cached keys as well
+            full_mask, window_mask = cache.mask(seq, None, h.device), cache.mask(seq, window, h.device)
+            global_rope, local_rope = self.rope[start:], local_rope[start:]
+        elif document_ids is None:
             full_mask, window_mask = None, sliding_window_mask(seq, window, h.device) if window is not None and seq > window else None
             global_rope = self.rope
         else:  # packed: each token's own rope rows, attention within its document
             full_mask = document_mask(document_ids)
             window_mask = document_mask(document_ids, window) if window is not None else None
             global_rope, local_rope = self.rope[positions], local_rope[positions]
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             sliding = layer.sliding_window is not None
             mask, rope = (window_mask, local_rope) if sliding else (full_mask, global_rope)
             if self.activation_checkpointing and self.training:
                 h = torch.utils.checkpoint.checkpoint(layer, h, rope, mask, use_reentrant=False)
             else:
-                h = layer(h, rope, mask)
+                h = layer(h, rope, mask, cache, index)
+        if cache is not None:
+            cache.length += seq
         logits = self.output(self.norm(h))
         if self.args.n_experts:
             self.router_logits = [layer.router_logits for layer in self.layers if layer.moe is not None]

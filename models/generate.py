@@ -1,0 +1,80 @@
+"""Autoregressive generation with a KV cache, sampling as transformers' ``generate`` does.
+
+The logits of each step go through transformers' processors in its order: repetition penalty, temperature,
+top-k, top-p; greedy decoding (``temperature=0``) takes the arg-max, and then gives transformers' tokens exactly.
+Generation stops at any of ``stop_ids`` (the end-of-sequence and end-of-turn tokens) or after ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from waypoint.models.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    repetition_penalty: float = 1.0  # 1: off
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or self.repetition_penalty <= 0:
+            raise ValueError("sampling: temperature >= 0, top_k >= 0, 0 < top_p <= 1, repetition_penalty > 0")
+
+
+def next_token(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The next token from the last position's ``logits`` [vocab] (fp32), given the ``seen`` token ids."""
+    if sampling.repetition_penalty != 1.0:  # transformers' RepetitionPenaltyLogitsProcessor
+        picked = logits[seen]
+        logits = logits.scatter(0, seen, torch.where(picked < 0, picked * sampling.repetition_penalty,
+                                                     picked / sampling.repetition_penalty))
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:  # transformers' TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p
+        ordered, order = torch.sort(logits, descending=False)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        remove = cumulative <= 1 - sampling.top_p
+        remove[-1] = False
+        logits = logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
+             stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None,
+             generator: torch.Generator | None = None) -> list[int]:
+    """The tokens ``model`` continues ``prompt`` with (a stop token included, as transformers returns it);
+    ``on_token`` sees each as it comes (streaming)."""
+    if not prompt:
+        raise ValueError("generate: the prompt has no tokens")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    stop = set(stop_ids)
+    cache = KVCache(len(model.layers))
+    seen = torch.tensor(prompt, device=device)
+    step_input = seen[None]
+    out: list[int] = []
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(step_input, cache=cache)[0, -1].float()
+            token = next_token(logits, seen, sampling, generator)
+            out.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in stop:
+                break
+            seen = torch.cat([seen, seen.new_tensor([token])])
+            step_input = seen[None, -1:]
+    finally:
+        model.train(was_training)
+    return out
