@@ -193,6 +193,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                           grad_norm=grad_norm, tokens_per_s=tokens / (time.perf_counter() - started))
             if aux_loss is not None:  # mixture of experts: the load-balancing loss, logged beside the loss it joins
                 record["aux_loss"] = aux_loss
+            if resume_from and global_step == first_step:  # where a plot marks the resumed segment
+                record["resumed"] = True
             if main:
                 metrics.write(**record)
             if validation and validation.due(global_step, total_steps):

@@ -76,8 +76,9 @@ def test_family_trains_stops_on_sigterm_and_resumes_bit_exactly(name, tmp_path, 
     assert run(base, tmp_path / "stopped", monkeypatch, stop_at=STOP_AT) == 75
     assert (tmp_path / "stopped" / f"step_{STOP_AT}").is_dir()
     assert run(base, tmp_path / "stopped", monkeypatch) == 0
-    steps = [json.loads(line)["step"] for line in (tmp_path / "stopped/metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, STEPS + 1)), "the rerun continued from the checkpoint, not from the start"
+    records = [json.loads(line) for line in (tmp_path / "stopped/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "the rerun continued from the checkpoint, not from the start"
+    assert [r["step"] for r in records if r.get("resumed")] == [STOP_AT + 1], "the resumed segment is marked"
     final, expected = tmp_path / "stopped" / f"step_{STEPS}", tmp_path / "straight" / f"step_{STEPS}"
     mine, theirs = weights(final), weights(expected)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), f"{name}: resume is not bit-exact"

@@ -160,3 +160,26 @@ def _show(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     return str(value) if not isinstance(value, (dict, list)) else repr(value)
+
+
+def text(v) -> str | None:
+    return None if isinstance(v, str) and v else "a non-empty string"
+
+
+# recipes/generate.py
+GENERATE: dict[str, tuple[bool, Check]] = {
+    "checkpoint_dir": (True, text),
+    "adapter_dir": (False, optional(text)),
+    "prompt": (False, optional(text)),
+    "system": (False, optional(text)),
+    "chat": (True, boolean),
+    "chat_template": (False, optional(text)),
+    "max_new_tokens": (True, integer(1)),
+    "temperature": (True, number(0)),
+    "top_k": (True, integer(0)),
+    "top_p": (True, number(0, inclusive=False, below=1.000001)),
+    "repetition_penalty": (True, number(0, inclusive=False)),
+    "seed": (True, integer(0)),
+    "device": (True, device),
+    "dtype": (True, DTYPES),
+}
