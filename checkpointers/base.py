@@ -59,6 +59,9 @@ class Checkpointer:
             raise CheckpointError(f"output_dtype: {e}") from None
         self.input_dtypes: dict[str, torch.dtype] = {}  # the format's key -> dtype in the input, filled on load
         self.unmapped: list[str] = []  # weight files read into memory on load (legacy pickles cannot be mapped)
+        # files every checkpoint gets in place of the input's of the same name (name -> bytes), e.g. a
+        # generation_config.json that stops at a chat template's end of turn
+        self.output_files: dict[str, bytes] = {}
 
     # -- to implement -------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
@@ -145,9 +148,13 @@ class Checkpointer:
         native, extra = split_extra_state(state_dict["model"])
         write_model = self._model_writer(native)
 
+        files = dict(self.output_files)
+
         def write(stage: StagedDir) -> None:
             write_model(stage)
-            self._copy_side_files(stage)
+            self._copy_side_files(stage, skip=set(files))
+            for name, data in files.items():
+                stage.write_bytes(name, data)
             if extra:
                 stage.write(EXTRA_STATE_FILE, lambda f: torch.save(extra, f))
             recipe_state = state_dict.get("recipe_state")
@@ -157,9 +164,9 @@ class Checkpointer:
                 stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe_state, f))
         return write
 
-    def _copy_side_files(self, stage: StagedDir) -> None:
-        """The input's small non-weight files (tokenizer, generation config, README, ...)."""
-        skip = {MANIFEST, RECIPE_STATE_FILE, EXTRA_STATE_FILE} | set(self.own_files)
+    def _copy_side_files(self, stage: StagedDir, skip: set[str] = frozenset()) -> None:
+        """The input's small non-weight files (tokenizer, generation config, README, ...), but those in ``skip``."""
+        skip = {MANIFEST, RECIPE_STATE_FILE, EXTRA_STATE_FILE} | set(self.own_files) | set(skip)
         for src in sorted(self.checkpoint_dir.iterdir()):
             if (src.is_file() and src.name not in skip and not src.name.startswith(".")
                     and not src.name.endswith(WEIGHT_SUFFIXES) and src.stat().st_size <= SMALL_FILE_LIMIT):

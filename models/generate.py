@@ -50,10 +50,10 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling, gen
 
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-             stop_ids: Iterable[int] = (), on_token: Callable[[int], None] | None = None,
+             stop_ids: Iterable[int] = (), on_token: Callable[[int], bool | None] | None = None,
              generator: torch.Generator | None = None) -> list[int]:
     """The tokens ``model`` continues ``prompt`` with (a stop token included, as transformers returns it);
-    ``on_token`` sees each as it comes (streaming)."""
+    ``on_token`` sees each as it comes (streaming) and stops the generation by returning True (a stop string)."""
     if not prompt:
         raise ValueError("generate: the prompt has no tokens")
     device = next(model.parameters()).device
@@ -69,9 +69,7 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, sam
             logits = model(step_input, cache=cache)[0, -1].float()
             token = next_token(logits, seen, sampling, generator)
             out.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in stop:
+            if (on_token is not None and on_token(token)) or token in stop:
                 break
             seen = torch.cat([seen, seen.new_tensor([token])])
             step_input = seen[None, -1:]

@@ -39,6 +39,8 @@ from waypoint.training.data_order import iterate_batches, optimizer_steps_per_ep
 from waypoint.training.distributed import Distributed
 from waypoint.training.entry import run_recipe
 from waypoint.training.fsdp import shard_model
+from waypoint.training.chat_template import ChatTemplate
+from waypoint.training.inference_bundle import GENERATION_CONFIG, generation_config
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
 from waypoint.training.packing import PackedDataset
@@ -99,6 +101,11 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # Data: a global batch of batch_size x gradient_accumulation_steps x processes samples per step.
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
+    if isinstance(getattr(dataset, "template", None), ChatTemplate):  # conversations: stop at the template's end of turn
+        bundle = generation_config(checkpointer.checkpoint_dir, tokenizer, dataset.template)
+        if bundle is not None:
+            checkpointer.output_files[GENERATION_CONFIG], note = bundle
+            say(note)
     # a held-out share of the records or another file, evaluated every validation.every_n_steps
     dataset, validation = split_validation(cfg.get("validation"), dataset, seed=cfg.seed,
                                            make=lambda source: instantiate(cfg.dataset, tokenizer=tokenizer, source=source))

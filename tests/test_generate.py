@@ -70,3 +70,83 @@ def test_generation_stops_at_a_stop_token_and_streams(tmp_path):
     streamed = []
     stopped = generate(model, [1, 2, 3], 8, stop_ids=[free[3]], on_token=streamed.append)
     assert stopped == free[:free.index(free[3]) + 1] == streamed
+
+
+# -- recipes/generate.py ---------------------------------------------------------------------------------------------
+
+def test_generate_recipe_with_a_peft_adapter_is_transformers_and_peft(tmp_path, capsys, monkeypatch):
+    """Base + adapter in the recipe: the greedy reply is PeftModel.generate's on the same base and adapter, and a
+    chat on stdin goes on from it."""
+    import io
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from recipes import generate as recipe
+    from waypoint.checkpointers.peft_adapter import save_adapter
+    from waypoint.models.lora import apply_lora
+    from waypoint.training.tokenizer import load_tokenizer
+    from tests.conftest import ROOT
+
+    base = ROOT / "assets/tiny_llama"
+    model = load_model(base)
+    apply_lora(model, ["q_proj", "v_proj"], rank=4, alpha=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    from waypoint.checkpointers import HFCheckpointer
+    save_adapter(tmp_path / "adapter", model, HFCheckpointer(base, output_dir=tmp_path / "x").converter, str(base))
+
+    prompt = "Give three tips for staying healthy."
+    code = recipe.main(["--config", str(ROOT / "configs/generate.yaml"), f"checkpoint_dir={base}",
+                        f"adapter_dir={tmp_path / 'adapter'}", f"prompt={prompt}", "max_new_tokens=10"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "tokens/s]" in err
+    tokenizer = load_tokenizer(base)
+    ids = tokenizer.encode(prompt, add_bos=True)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base).eval(), tmp_path / "adapter").eval()
+    theirs = peft.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, eos_token_id=tokenizer.eos_id,
+                           pad_token_id=tokenizer.pad_id)[0, len(ids):].tolist()
+    assert out.rstrip("\n") == tokenizer.decode([t for t in theirs if t != tokenizer.eos_id])
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("And one more?\n\n"))
+    assert recipe.main(["--config", str(ROOT / "configs/generate.yaml"), f"checkpoint_dir={base}", "chat=true",
+                        "chat_template=chatml", "max_new_tokens=5", "temperature=0.8", "top_p=0.9"]) == 0
+    assert capsys.readouterr().err.count("tokens/s]") == 1
+    assert recipe.main(["--config", str(ROOT / "configs/generate.yaml"), f"checkpoint_dir={base}"]) == 1
+    assert "nothing to do" in capsys.readouterr().err
+
+
+# -- the inference bundle --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family,eos,turn", [("llama3", "<|end_of_text|>", "<|eot_id|>"), ("gemma", "<eos>", "<end_of_turn>"),
+                                             ("phi3", "<|endoftext|>", "<|end|>")])
+def test_generation_config_stops_at_the_templates_end_of_turn(tmp_path, family, eos, turn):
+    """A base model's generation config stops at end-of-sequence only: a chat run's checkpoints add the template's
+    end-of-turn token, which transformers' GenerationConfig reads back (and vLLM from it)."""
+    import json
+
+    from transformers import GenerationConfig
+
+    from waypoint.training.chat_template import load_chat_template
+    from waypoint.training.inference_bundle import generation_config
+    from waypoint.training.stop_tokens import stop_token_ids
+    from waypoint.training.tokenizer import load_tokenizer
+    from tests.test_chat_data import FAMILIES as TEMPLATES, write_checkpoint_tokenizer
+
+    d = write_checkpoint_tokenizer(tmp_path / "tok", family, template=TEMPLATES[family][0])
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": eos}))
+    tokenizer = load_tokenizer(d)
+    template = load_chat_template(tokenizer)
+    ids = [tokenizer.encode_with_offsets(t)[0][0] for t in (eos, turn)]
+    data, note = generation_config(d, tokenizer, template)
+    assert json.loads(data)["eos_token_id"] == ids and "written from the chat template" in note
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[0], "temperature": 0.6}))
+    data, note = generation_config(d, tokenizer, template)
+    assert json.loads(data)["eos_token_id"] == ids and json.loads(data)["temperature"] == 0.6 and f"adds {turn}" in note
+    (d / "generation_config.json").write_bytes(data)
+    assert GenerationConfig.from_pretrained(d).eos_token_id == ids
+    assert generation_config(d, tokenizer, template) is None, "a config that already stops there is kept as it is"
+    assert ids == stop_token_ids(tokenizer, template)[:2]

@@ -14,12 +14,12 @@ items costs nothing.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import NamedTuple
 
 from torch.utils.data import Dataset
 
+from waypoint.training import records
 from waypoint.training.loss import IGNORE_INDEX
 
 
@@ -91,44 +91,9 @@ class InstructDataset(Dataset):
 
 
 def read_records(path: Path) -> list[dict[str, str]]:
-    """The checked records of a ``.json`` (list), ``.jsonl`` or ``.parquet`` file; ``input`` defaults to ""."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: dataset file not found")
-    if path.suffix == ".parquet":
-        return [_check(path, f"record {n}", record) for n, record in enumerate(_read_parquet(path), start=1)]
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        numbered = []
-        for line_no, line in enumerate(text.split("\n"), start=1):
-            if line.strip():
-                record = _parse(path, line, f"line {line_no}: ")
-                numbered.append((f"record {len(numbered) + 1} (line {line_no})", record))
-    elif path.suffix == ".json":
-        data = _parse(path, text, "")
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
-        numbered = [(f"record {n}", record) for n, record in enumerate(data, start=1)]
-    else:
-        raise ValueError(f"{path}: unsupported dataset file type {path.suffix!r} (expected .json, .jsonl or .parquet)")
-    return [_check(path, where, record) for where, record in numbered]
-
-
-def _read_parquet(path: Path) -> list[dict]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ValueError(f"{path}: reading parquet needs pyarrow (pip install 'waypoint[parquet]')") from e
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as e:  # pyarrow raises its own error types
-        raise ValueError(f"{path}: unreadable parquet file ({str(e).splitlines()[0]})") from e
-
-
-def _parse(path: Path, text: str, where: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: {where}invalid JSON ({e})") from e
+    """The checked records of a ``.json`` (list), ``.jsonl`` or ``.parquet`` file (or a directory of them);
+    ``input`` defaults to ""."""
+    return [_check(record.file, record.where, record.data) for record in records.read_records(path)]
 
 
 def _check(path: Path, where: str, record) -> dict[str, str]:

@@ -1,0 +1,383 @@
+"""Conversations rendered with a checkpoint's own chat template, as transformers' ``apply_chat_template`` does.
+
+The template is untrusted input (it comes with a checkpoint from the Hub), so it runs in jinja2's
+``ImmutableSandboxedEnvironment``, set up as transformers sets it up (``utils/chat_template_utils.py``):
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}`` tag, the globals
+``raise_exception``, ``strftime_now``, ``dict`` and ``namespace`` (which refuses ``_``-names), and a ``tojson``
+filter that does not escape HTML. A template is rendered with ``messages``, ``tools=None``, ``documents=None``,
+``add_generation_prompt`` and the tokenizer's named special tokens (``bos_token``, ``eos_token``, ...). The text
+is tokenized as ``apply_chat_template(tokenize=True)`` does it: no BOS/EOS added, the special tokens written
+in the text read as those tokens.
+
+Assistant masks (which tokens a model is trained on) come from rendering, whether or not the template marks
+the assistant's text with ``{% generation %}``:
+
+* A template with ``{% generation %}`` blocks: the characters they render, as transformers takes them.
+* Otherwise, for each assistant message: its turn starts where the prompt for it ends, the rendering of the
+  messages before it with ``add_generation_prompt=True`` (when that is a prefix of the whole conversation's
+  rendering; when it is not, as with templates that move the system message, at the place before the content
+  where the conversation's text agrees longest with the end of that prompt, else where the content starts),
+  and ends with its end-of-turn text: the content is rendered
+  between private-use marker characters to find where it ends, and the end-of-turn text is what follows up to
+  and including the first control token (``<|eot_id|>``, ``<|im_end|>``, ``<end_of_turn>``, ``</s>``,
+  ``<|end|>``, ...), or, when the tokenizer has none in that text, the text the template writes after the
+  content both there and when the message ends the conversation, cut at whitespace. So what the model is
+  trained to write is exactly what it must write after the generation prompt to end its turn.
+
+Tokens are in the mask when their character span overlaps an assistant span (transformers maps a span's first
+and last characters to tokens; the two agree whenever every character belongs to a token, as with byte-level
+and byte-fallback tokenizers).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+from collections.abc import Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+
+# Templates for checkpoints without their own (base models), by name: chat.template = "chatml" | "llama3".
+BUILTIN_TEMPLATES: dict[str, str] = {
+    # ChatML (Qwen, many fine-tunes), without a default system prompt.
+    "chatml": (
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    # Meta Llama 3 Instruct's original template (no tools, no date header).
+    "llama3": (
+        "{% set loop_messages = messages %}{% for message in loop_messages %}"
+        "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim"
+        " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+    ),
+}
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_MARK_BASE = 0xE000  # private-use characters marking assistant contents; two per assistant message
+_MARK_LIMIT = 0xF8FF
+
+
+class ChatTemplateError(ValueError):
+    """A template that cannot be compiled or rendered, or whose assistant turns cannot be found."""
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _template_line(error: BaseException) -> str:
+    """`` (line N)`` for the template line an error was raised from, when jinja's traceback has it."""
+    lineno = getattr(error, "lineno", None)
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            lineno = tb.tb_lineno
+        tb = tb.tb_next
+    return f" (line {lineno})" if lineno else ""
+
+
+def _environment():
+    """A sandboxed jinja environment like transformers' (``_cached_compile_jinja_template``)."""
+    try:
+        import jinja2
+        import jinja2.ext
+        import jinja2.nodes
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+        raise ChatTemplateError("chat templates need jinja2 (pip install 'jinja2>=3.1.6')") from e
+
+    class GenerationTracker(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``: records the character span its body renders to."""
+
+        tags = {"generation"}
+
+        def __init__(self, environment):
+            super().__init__(environment)
+            environment.extend(track_generation=self.track)
+            self._blocks = None
+            self._spans = None
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_generation"), [], [], body).set_lineno(lineno)
+
+        def _generation(self, caller):
+            rendered = caller()
+            if self._spans is not None:
+                start = sum(len(block) for block in self._blocks)
+                self._spans.append((start, start + len(rendered)))
+            return rendered
+
+        @contextmanager
+        def track(self, blocks, spans):
+            self._blocks, self._spans = blocks, spans
+            try:
+                yield
+            finally:
+                self._blocks, self._spans = None, None
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    class TemplateDict:  # dict() without the class itself (no attribute tricks through it)
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):  # refuses dunder and private names
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTracker, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template.
+
+    Args:
+        text: the jinja source.
+        source: where it came from (a file, or ``built-in template 'chatml'``), named in every error.
+        special_tokens: ``{"bos_token": "<s>", ...}``, passed to the template as variables.
+        control_tokens: the tokenizer's added tokens (end-of-turn detection).
+        template_kwargs: further variables (e.g. ``enable_thinking``); they override the special tokens.
+    """
+
+    def __init__(self, text: str, source: str, special_tokens: dict[str, str] | None = None,
+                 control_tokens: Sequence[str] = (), template_kwargs: dict | None = None) -> None:
+        if not isinstance(text, str):
+            raise ChatTemplateError(f"{source}: a chat template must be a string, got {type(text).__name__}")
+        self.text = text
+        self.source = source
+        self.variables = {**(special_tokens or {}), **(template_kwargs or {})}
+        self.control_tokens = tuple(sorted({t for t in control_tokens if t and not t.isspace()}, key=len, reverse=True))
+        self._control_re = re.compile("|".join(map(re.escape, self.control_tokens))) if self.control_tokens else None
+        self.marks_generation = bool(_GENERATION_TAG.search(text))
+        self._env = _environment()
+        try:
+            self._template = self._env.from_string(text)
+        except Exception as e:  # TemplateSyntaxError and friends
+            raise ChatTemplateError(f"{source}: chat template does not compile{_template_line(e)}: {_one_line(e)}") from e
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate({self.source})"
+
+    # Rendering --------------------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as text, as ``apply_chat_template(messages, tokenize=False)`` writes it."""
+        return self._render(messages, add_generation_prompt)[0]
+
+    def _render(self, messages, add_generation_prompt, track=False) -> tuple[str, list[tuple[int, int]]]:
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
+        variables = {**self.variables, "messages": messages, "tools": None, "documents": None,
+                     "add_generation_prompt": add_generation_prompt}
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        try:
+            if track:
+                with self._env.track_generation(blocks, spans):
+                    for block in self._template.generate(**variables):
+                        blocks.append(block)
+                return "".join(blocks), spans
+            return self._template.render(**variables), spans
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # raise_exception, SecurityError, UndefinedError, TypeError, ...
+            kind = "refused" if type(e).__name__ == "SecurityError" else "failed"
+            raise ChatTemplateError(f"{self.source}: chat template {kind}{_template_line(e)}: "
+                                    f"{type(e).__name__}: {_one_line(e)}") from e
+
+    # Assistant spans --------------------------------------------------------------------------------------
+
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans the model is trained on (see the module doc)."""
+        if self.marks_generation:
+            return self._render(messages, False, track=True)
+        return self._derive_spans(messages)
+
+    def _derive_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        text = self.render(messages)
+        assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if not assistants:
+            return text, []
+        if _MARK_BASE + 2 * len(assistants) > _MARK_LIMIT:
+            raise ChatTemplateError(f"{self.source}: too many assistant messages ({len(assistants)}) to find their turns")
+        n_marks = 2 * len(assistants)
+        if any(_MARK_BASE <= ord(ch) < _MARK_BASE + n_marks for m in messages for v in m.values() if isinstance(v, str)
+               for ch in v):
+            raise self._cannot("a message holds private-use characters U+E000.. that mark contents")
+        marked_messages = [dict(m) for m in messages]
+        opens, closes = {}, {}
+        for k, i in enumerate(assistants):
+            opens[i], closes[i] = chr(_MARK_BASE + 2 * k), chr(_MARK_BASE + 2 * k + 1)
+            content = marked_messages[i].get("content")
+            if isinstance(content, str):
+                core = content.strip()
+                lead = content[: len(content) - len(content.lstrip())]
+                trail = content[len(content.rstrip()):] if core else ""
+                marked_messages[i]["content"] = lead + opens[i] + core + closes[i] + trail
+        marked = self.render(marked_messages)
+        mark_positions = [p for p, ch in enumerate(marked) if _MARK_BASE <= ord(ch) < _MARK_BASE + n_marks]
+        if "".join(ch for ch in marked if not _MARK_BASE <= ord(ch) < _MARK_BASE + n_marks) != text:
+            raise self._cannot("the template renders a message differently when its content changes")
+
+        def plain(position: int) -> int:  # a position in `marked` -> the same place in `text`
+            return position - bisect.bisect_left(mark_positions, position)
+
+        spans, previous_end = [], 0
+        for number, i in enumerate(assistants, start=1):
+            if marked.count(closes[i]) != 1 or marked.count(opens[i]) > 1:
+                raise self._cannot(f"assistant message {number} (message {i + 1}) is not rendered exactly once")
+            close = marked.index(closes[i])
+            open_ = marked.find(opens[i])
+            start = None
+            try:
+                prompt = self.render(marked_messages[:i], add_generation_prompt=True)
+            except ChatTemplateError:
+                prompt = None
+            content_at = open_ if open_ >= 0 else close
+            if prompt is not None and marked.startswith(prompt) and previous_end <= len(prompt) <= content_at:
+                start = len(prompt)
+            else:  # the prompt for this turn renders differently from the conversation: where it ends in the latter
+                start = _prompt_end(marked, previous_end, content_at, prompt or "")
+                if start is None and open_ < 0:
+                    raise self._cannot(f"the start of assistant message {number} (message {i + 1}) is not found")
+                start = open_ + 1 if start is None else start
+            end = close + 1 + len(self._end_of_turn(marked, close, marked_messages, i, closes[i], 2 * len(assistants)))
+            if start < previous_end:
+                raise self._cannot(f"assistant message {number} (message {i + 1}) overlaps the one before it")
+            previous_end = end
+            spans.append((plain(start), plain(end)))
+        return text, spans
+
+    def _end_of_turn(self, marked: str, close: int, marked_messages: list[dict], i: int, close_mark: str,
+                     n_marks: int) -> str:
+        """The text the template writes after an assistant content to end the turn."""
+        after = marked[close + 1:]
+        limit = next((p for p, ch in enumerate(after) if _MARK_BASE <= ord(ch) < _MARK_BASE + n_marks), len(after))
+        tail = after[:limit]
+        if self._control_re is not None:
+            found = self._control_re.search(tail)
+            if found:
+                return tail[: found.end()]
+        # No control token: what the template writes after the content both here and when the message is the last.
+        last = self.render(marked_messages[: i + 1])
+        last_tail = last[last.index(close_mark) + 1:] if close_mark in last else ""
+        common = 0
+        while common < min(len(tail), len(last_tail)) and tail[common] == last_tail[common]:
+            common += 1
+        eot = tail[:common]
+        if common < len(last_tail) and common < len(tail):  # they part mid-way: keep whole whitespace-separated pieces
+            cut = max((p for p, ch in enumerate(eot) if ch.isspace()), default=-1)
+            eot = eot[: cut + 1]
+        return eot.rstrip()
+
+    def _cannot(self, why: str) -> ChatTemplateError:
+        return ChatTemplateError(f"{self.source}: cannot find the assistant turns in the rendered conversation: {why} "
+                                 "(mark them with {% generation %}...{% endgeneration %} in the template)")
+
+    # Tokens -----------------------------------------------------------------------------------------------
+
+    def encode(self, messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+        """Token ids of the rendered conversation and its assistant mask (1 on the tokens trained on), as
+        ``apply_chat_template(messages, tokenize=True, return_assistant_tokens_mask=True)`` gives them."""
+        text, spans = self.assistant_spans(messages)
+        ids, offsets = tokenizer.encode_with_offsets(text)
+        return ids, spans_to_mask(offsets, spans)
+
+
+def _prompt_end(marked: str, low: int, high: int, prompt: str) -> int | None:
+    """The position in ``marked[low:high]`` after which the text agrees longest with the end of ``prompt`` (the
+    latest on ties), or None if no position ends with the prompt's last character."""
+    best, best_length = None, 0
+    for q in range(max(low, 1), high + 1):
+        if not prompt or marked[q - 1] != prompt[-1]:
+            continue
+        length = 0
+        while length < min(q - low, len(prompt)) and marked[q - 1 - length] == prompt[-1 - length]:
+            length += 1
+        if length >= best_length:
+            best, best_length = q, length
+    return best
+
+
+def spans_to_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[int]:
+    """1 for each token whose character span overlaps one of ``spans`` (sorted, disjoint), else 0."""
+    mask = [0] * len(offsets)
+    starts = [s for s, _ in spans]
+    for t, (a, b) in enumerate(offsets):
+        k = bisect.bisect_right(starts, max(a, b - 1)) - 1
+        while k >= 0:
+            s, e = spans[k]
+            if (a < e and b > s) or (a == b and s <= a < e):
+                mask[t] = 1
+                break
+            if e <= a:
+                break
+            k -= 1
+    return mask
+
+
+def load_chat_template(tokenizer, template: str | None = None, template_kwargs: dict | None = None) -> ChatTemplate:
+    """The template to render with: ``template`` (a name in ``BUILTIN_TEMPLATES`` or a ``.jinja`` file) when given,
+    else the checkpoint's own (``chat_template.jinja``, else ``chat_template`` in tokenizer_config.json; of
+    several named ones, ``default``)."""
+    special = dict(getattr(tokenizer, "special_tokens", {}) or {})
+    controls = tuple(getattr(tokenizer, "added_tokens", ()) or ())
+    if template is not None:
+        if template in BUILTIN_TEMPLATES:
+            return ChatTemplate(BUILTIN_TEMPLATES[template], f"built-in template {template!r}", special, controls, template_kwargs)
+        path = Path(template)
+        if path.suffix == ".jinja" or path.is_file():
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: chat template file not found")
+            return ChatTemplate(path.read_text(encoding="utf-8"), str(path), special, controls, template_kwargs)
+        raise ChatTemplateError(f"template: unknown chat template {template!r}; known: "
+                                f"{', '.join(sorted(BUILTIN_TEMPLATES))}, or a path to a .jinja file")
+    own = getattr(tokenizer, "chat_template", None)
+    where = getattr(tokenizer, "chat_template_source", None) or "the tokenizer"
+    if own is None:
+        directory = getattr(tokenizer, "directory", None) or "the tokenizer"
+        raise ChatTemplateError(f"{directory}: the checkpoint has no chat template (no chat_template.jinja, no chat_template "
+                                f"in tokenizer_config.json); set template to one of {', '.join(sorted(BUILTIN_TEMPLATES))} "
+                                "or a .jinja file")
+    if isinstance(own, dict):
+        if "default" not in own:
+            raise ChatTemplateError(f"{where}: no template named 'default' among {', '.join(sorted(own))}; "
+                                    "set template to a .jinja file")
+        return ChatTemplate(own["default"], f"{where}['default']", special, controls, template_kwargs)
+    return ChatTemplate(own, where, special, controls, template_kwargs)

@@ -1,0 +1,77 @@
+"""Reading record files: ``.json`` (a list of records), ``.jsonl`` (one a line) and ``.parquet``.
+
+Each record comes back with the file it is in and where it is there (``record 3 (line 4)``), so that a
+dataset that checks it can say exactly which one is wrong in a one-line error. The source is a file, or a
+directory holding such files (e.g. a dataset repository the config layer resolved from ``hf://datasets/...``
+to a local snapshot): its data files are read in name order, each numbering its own records.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
+
+SUFFIXES = (".json", ".jsonl", ".parquet")
+# JSON files a dataset directory holds beside its data (datasets' save_to_disk and the Hub's metadata).
+METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
+
+
+class Record(NamedTuple):
+    """One record as read: ``file`` it came from, ``where`` in that file (for messages), its ``data``."""
+
+    file: Path
+    where: str
+    data: Any
+
+
+def read_records(source: str | Path) -> list[Record]:
+    """The records of a data file, or of every data file in a directory (sorted by path)."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES and p.name not in METADATA_FILES
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise FileNotFoundError(f"{path}: no data files in the directory (looked for {', '.join(SUFFIXES)})")
+        return [record for file in files for record in read_file(file)]
+    return read_file(path)
+
+
+def read_file(path: Path) -> list[Record]:
+    """The records of one ``.json``, ``.jsonl`` or ``.parquet`` file, numbered from 1."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: dataset file not found")
+    if path.suffix == ".parquet":
+        return [Record(path, f"record {n}", data) for n, data in enumerate(read_parquet(path), start=1)]
+    if path.suffix not in (".json", ".jsonl"):
+        raise ValueError(f"{path}: unsupported dataset file type {path.suffix!r} (expected .json, .jsonl or .parquet)")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".jsonl":
+        records = []
+        for line_no, line in enumerate(text.split("\n"), start=1):
+            if line.strip():
+                data = parse_json(path, line, f"line {line_no}: ")
+                records.append(Record(path, f"record {len(records) + 1} (line {line_no})", data))
+        return records
+    data = parse_json(path, text, "")
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+    return [Record(path, f"record {n}", item) for n, item in enumerate(data, start=1)]
+
+
+def read_parquet(path: Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ValueError(f"{path}: reading parquet needs pyarrow (pip install 'waypoint[parquet]')") from e
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises its own error types
+        raise ValueError(f"{path}: unreadable parquet file ({str(e).splitlines()[0]})") from e
+
+
+def parse_json(path: Path, text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: {where}invalid JSON ({e})") from e
