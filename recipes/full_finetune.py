@@ -144,7 +144,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     else:
         dist.run_on_main(lambda: start_fresh(output_dir, cfg.overwrite))  # only now: bad input above leaves output_dir as it was
     dist.run_on_main(lambda: remove_stale_staging(output_dir))
-    metrics = MetricsLog(output_dir, keep_through_step=global_step, report=tqdm.write) if main else None
+    metrics = MetricsLog(output_dir, keep_through_step=global_step, report=tqdm.write,
+                         tensorboard_dir=cfg.get("log_dir")) if main else None
     saver = ShardedSaver(dist, output_dir, cfg.keep_last_n_checkpoints, cfg.get("async_checkpoint", False),
                          report=tqdm.write) if dist.enabled else None
 

@@ -176,7 +176,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     else:
         dist.run_on_main(lambda: start_fresh(output_dir, cfg.overwrite))  # only now: bad input above leaves output_dir as it was
     dist.run_on_main(lambda: remove_stale_staging(output_dir))
-    metrics = MetricsLog(output_dir, keep_through_step=global_step, report=tqdm.write) if main else None
+    metrics = MetricsLog(output_dir, keep_through_step=global_step, report=tqdm.write,
+                         tensorboard_dir=cfg.get("log_dir")) if main else None
 
     def save(next_epoch: int, next_step: int) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from tests.conftest import ROOT
 from waypoint.training.config import parse_config
 
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml"))
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem != "generate")  # training configs
 
 
 def targets(node):
@@ -49,3 +49,12 @@ def test_a_saved_config_with_moved_builder_names_maps_to_the_current_ones():
     for new in MOVED.values():
         module, _, name = new.rpartition(".")
         assert hasattr(importlib.import_module(module), name), new
+
+
+def test_generate_config_composes_with_its_own_checks():
+    from waypoint.training.config_checks import GENERATE
+
+    cfg = parse_config(["--config", str(ROOT / "configs/generate.yaml"), "prompt=hi", "temperature=0.7"], checks=GENERATE)
+    assert cfg.prompt == "hi" and cfg.temperature == 0.7 and cfg.max_new_tokens >= 1
+    with pytest.raises(SystemExit):
+        parse_config(["--config", str(ROOT / "configs/generate.yaml"), "top_p=1.5"], checks=GENERATE)

@@ -113,6 +113,7 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "lr_scheduler.num_warmup_steps": (False, integer(0)),
     "dataset.max_seq_len": (False, integer(1)),
     "packed": (False, boolean),
+    "log_dir": (False, optional(lambda v: None if isinstance(v, str) and v else "a directory for TensorBoard event files")),
     "validation": (False, lambda v: None if v is None or isinstance(v, Mapping) else "a section {source or fraction, every_n_steps}"),
     **{key: (True, lambda v: None if isinstance(v, Mapping) and v.get("_target_") else "a section with a _target_")
        for key in ("checkpointer", "model", "tokenizer", "dataset", "optimizer", "lr_scheduler")},

@@ -4,6 +4,9 @@ The file is only ever appended to, never rewritten. When a run starts, a torn la
 the middle of a write) is dropped with a note, and on resume the lines past the resumed step (written
 after the checkpoint the run continues from) are cut off with one ``truncate``, so the log reads like
 an uninterrupted run's and no moment exists at which it is half written.
+
+With ``tensorboard_dir`` (the config's ``log_dir``; ``tensorboard`` installed) every number of a record also
+goes to TensorBoard as a scalar under its key at the record's step.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from waypoint.errors import CheckpointError
 
 class MetricsLog:
     def __init__(self, output_dir: str | os.PathLike, name: str = "metrics.jsonl", keep_through_step: int | None = None,
-                 report: Callable[[str], None] = print) -> None:
+                 report: Callable[[str], None] = print, tensorboard_dir: str | os.PathLike | None = None) -> None:
         self.path = Path(output_dir) / name
+        self._tensorboard = _summary_writer(tensorboard_dir) if tensorboard_dir else None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.exists():
@@ -52,6 +56,21 @@ class MetricsLog:
 
     def write(self, **record) -> None:
         self._file.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key not in ("step", "epoch") and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def _summary_writer(directory: str | os.PathLike):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise CheckpointError("log_dir: TensorBoard logging needs the tensorboard package (pip install tensorboard), "
+                              "or set log_dir: null") from None
+    return SummaryWriter(log_dir=str(directory))
