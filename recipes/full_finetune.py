@@ -40,7 +40,7 @@ from waypoint.training.distributed import Distributed
 from waypoint.training.entry import run_recipe
 from waypoint.training.fsdp import shard_model
 from waypoint.training.chat_template import ChatTemplate
-from waypoint.training.inference_bundle import GENERATION_CONFIG, generation_config
+from waypoint.training.inference_bundle import GENERATION_CONFIG, TEMPLATE_FILE, generation_config, template_file
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
 from waypoint.training.packing import PackedDataset
@@ -102,10 +102,11 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     tokenizer = instantiate(cfg.tokenizer)
     dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
     if isinstance(getattr(dataset, "template", None), ChatTemplate):  # conversations: stop at the template's end of turn
-        bundle = generation_config(checkpointer.checkpoint_dir, tokenizer, dataset.template)
-        if bundle is not None:
-            checkpointer.output_files[GENERATION_CONFIG], note = bundle
-            say(note)
+        for name, bundle in ((GENERATION_CONFIG, generation_config(checkpointer.checkpoint_dir, tokenizer, dataset.template)),
+                             (TEMPLATE_FILE, template_file(tokenizer, dataset.template))):
+            if bundle is not None:
+                checkpointer.output_files[name], note = bundle
+                say(note)
     # a held-out share of the records or another file, evaluated every validation.every_n_steps
     dataset, validation = split_validation(cfg.get("validation"), dataset, seed=cfg.seed,
                                            make=lambda source: instantiate(cfg.dataset, tokenizer=tokenizer, source=source))

@@ -599,3 +599,12 @@ def test_chat_dataset_trains_through_the_recipe(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 3 and all(loss == loss and loss > 0 for loss in losses)
+    # the output renders prompts as the run trained (a base model trained with the built-in chatml): generate
+    # picks the template up from the checkpoint and stops at its end of turn
+    from recipes import generate
+    from waypoint.training.chat_template import BUILTIN_TEMPLATES
+
+    step = out / "step_3"
+    assert (step / "chat_template.jinja").read_text() == BUILTIN_TEMPLATES["chatml"]
+    assert generate.main(["--config", str(ROOT / "configs/generate.yaml"), f"checkpoint_dir={step}", "prompt=Hi",
+                          "max_new_tokens=4"]) == 0

@@ -12,6 +12,7 @@ from waypoint.training.chat_template import ChatTemplate
 from waypoint.training.stop_tokens import end_of_turn
 
 GENERATION_CONFIG = "generation_config.json"
+TEMPLATE_FILE = "chat_template.jinja"  # transformers reads it before tokenizer_config.json's chat_template
 
 
 def generation_config(checkpoint_dir: str | Path, tokenizer, template: ChatTemplate) -> tuple[bytes, str] | None:
@@ -33,3 +34,13 @@ def generation_config(checkpoint_dir: str | Path, tokenizer, template: ChatTempl
     what = (f"eos_token_id {wanted} adds {token}, the chat template's end of turn" if path.is_file()
             else f"written from the chat template and tokenizer (the input has none): eos_token_id {wanted}")
     return (json.dumps(config, indent=2) + "\n").encode(), f"note: {GENERATION_CONFIG}: {what}"
+
+
+def template_file(tokenizer, template: ChatTemplate) -> tuple[bytes, str] | None:
+    """(chat_template.jinja, a note) where the run's template is not the checkpoint's own (a base model trained with
+    ``template: chatml`` or a .jinja file): the output then renders prompts as it was trained. None otherwise."""
+    own = getattr(tokenizer, "chat_template", None)
+    owns = own == template.text or (isinstance(own, dict) and template.text in own.values())
+    if owns:
+        return None
+    return template.text.encode(), f"note: {TEMPLATE_FILE}: the {template.source} the run trains with, for the output"
