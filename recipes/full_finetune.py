@@ -39,12 +39,10 @@ from waypoint.training.data_order import iterate_batches, optimizer_steps_per_ep
 from waypoint.training.distributed import Distributed
 from waypoint.training.entry import run_recipe
 from waypoint.training.fsdp import shard_model
-from waypoint.training.chat_template import ChatTemplate
-from waypoint.training.inference_bundle import GENERATION_CONFIG, TEMPLATE_FILE, generation_config, template_file
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
-from waypoint.training.packing import PackedDataset
-from waypoint.training.validation import evaluate, split as split_validation
+from waypoint.training.run_data import run_data
+from waypoint.training.validation import evaluate
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
 from waypoint.training.optimizer_state import load_sharded_optimizer_state, load_whole_optimizer_state, optimizer_state
 from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
@@ -100,19 +98,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
     # Data: a global batch of batch_size x gradient_accumulation_steps x processes samples per step.
     tokenizer = instantiate(cfg.tokenizer)
-    dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
-    if isinstance(getattr(dataset, "template", None), ChatTemplate):  # conversations: stop at the template's end of turn
-        for name, bundle in ((GENERATION_CONFIG, generation_config(checkpointer.checkpoint_dir, tokenizer, dataset.template)),
-                             (TEMPLATE_FILE, template_file(tokenizer, dataset.template))):
-            if bundle is not None:
-                checkpointer.output_files[name], note = bundle
-                say(note)
-    # a held-out share of the records or another file, evaluated every validation.every_n_steps
-    dataset, validation = split_validation(cfg.get("validation"), dataset, seed=cfg.seed,
-                                           make=lambda source: instantiate(cfg.dataset, tokenizer=tokenizer, source=source))
-    if cfg.get("packed", False):  # samples concatenated up to max_seq_len; attention and positions kept per sample
-        dataset = PackedDataset(dataset, cfg.dataset.max_seq_len)
-        say(f"packed into {len(dataset)} sequences of up to {dataset.max_seq_len} tokens, {dataset.fill:.0%} filled")
+    # the dataset (validation held out, packed on request); a chat dataset's template also goes into each checkpoint
+    dataset, validation = run_data(cfg, tokenizer, checkpointer, say)
     collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
     global_batch = cfg.batch_size * accumulate * dist.world_size

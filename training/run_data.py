@@ -1,0 +1,34 @@
+"""A run's data, as both recipes set it up: the config's dataset, a validation split held out of it (or read from
+another file), packed on request; and for conversations, the files that make every checkpoint an inference
+bundle (``inference_bundle``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch.utils.data import Dataset
+
+from waypoint.training.chat_template import ChatTemplate
+from waypoint.training.inference_bundle import GENERATION_CONFIG, TEMPLATE_FILE, generation_config, template_file
+from waypoint.training.packing import PackedDataset
+from waypoint.training.validation import Validation, split
+
+
+def run_data(cfg: DictConfig, tokenizer, checkpointer, say: Callable[[str], None]) -> tuple[Dataset, Validation | None]:
+    """(the training dataset, the validation or None)."""
+    dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
+    template = getattr(dataset, "template", None)
+    if isinstance(template, ChatTemplate):  # conversations: the output renders and stops as the run trained
+        for name, bundle in ((GENERATION_CONFIG, generation_config(checkpointer.checkpoint_dir, tokenizer, template)),
+                             (TEMPLATE_FILE, template_file(tokenizer, template))):
+            if bundle is not None:
+                checkpointer.output_files[name], note = bundle
+                say(note)
+    dataset, validation = split(cfg.get("validation"), dataset, seed=cfg.seed,
+                                make=lambda source: instantiate(cfg.dataset, tokenizer=tokenizer, source=source))
+    if cfg.get("packed", False):  # samples concatenated up to max_seq_len; attention and positions kept per sample
+        dataset = PackedDataset(dataset, cfg.dataset.max_seq_len)
+        say(f"packed into {len(dataset)} sequences of up to {dataset.max_seq_len} tokens, {dataset.fill:.0%} filled")
+    return dataset, validation
