@@ -264,18 +264,23 @@ def test_lora_on_two_processes_matches_one_and_resumes_on_one(tmp_path):
 
 @pytest.mark.slow
 def test_moe_on_two_processes_matches_one(tmp_path):
-    """Mixtral's stacked experts shard with FSDP2 like any weight (expert parallelism aside): the same losses and
-    load-balancing losses as one process, and the final export in the input's per-expert files and key map."""
+    """Mixtral's stacked experts shard with FSDP2 like any weight (expert parallelism aside): the same losses,
+    load-balancing losses and validation losses (each rank evaluating its share) as one process, and the final
+    export in the input's per-expert files and key map."""
     from tests.test_family_training import base_checkpoint
 
     base = base_checkpoint(tmp_path / "base", "mixtral")
     one, two = tmp_path / "one", tmp_path / "two"
     for out, processes in ((one, 1), (two, 2)):
-        result = run(out, "epochs=1", "save_every_n_steps=null", source=base, processes=processes)
+        result = run(out, "epochs=1", "save_every_n_steps=null", "validation={fraction: 0.05, every_n_steps: 2}", source=base,
+                     processes=processes)
         assert result.returncode == 0, result.stderr[-3000:]
     records = lambda out: [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(records(one), records(two))) < LOSS_TOLERANCE
-    assert max(abs(a["aux_loss"] - b["aux_loss"]) for a, b in zip(records(one), records(two))) < LOSS_TOLERANCE
+    steps = lambda out: [r for r in records(out) if "loss" in r]  # noqa: E731
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(steps(one), steps(two))) < LOSS_TOLERANCE
+    assert max(abs(a["aux_loss"] - b["aux_loss"]) for a, b in zip(steps(one), steps(two))) < LOSS_TOLERANCE
+    val = lambda out: [r["val_loss"] for r in records(out) if "val_loss" in r]  # noqa: E731
+    assert len(val(one)) == 2 and max(abs(a - b) for a, b in zip(val(one), val(two))) < LOSS_TOLERANCE
     final = f"step_{STEPS_PER_EPOCH}"
     assert max_diff(weights(one / final), weights(two / final)) < WEIGHT_TOLERANCE
     index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731

@@ -40,6 +40,16 @@ def shard_model(model: nn.Module, mesh, mixed_precision: Mapping | None = None) 
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP2 unit's parameters back into their shards: a forward without a backward (evaluation) leaves the
+    root's unsharded, and the optimizer and its state dict know the sharded ones. Nothing to do unsharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def grad_norm_value(norm: torch.Tensor) -> float:
     """``clip_grad_norm_``'s result as a number (a DTensor for a sharded model)."""
     from torch.distributed.tensor import DTensor

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from waypoint.errors import CheckpointError
+from waypoint.training.fsdp import reshard
 from waypoint.training.loss import next_token_loss_sum, supervised_tokens
 
 
@@ -71,4 +72,5 @@ def evaluate(model: torch.nn.Module, dataset: Dataset, batch_size: int, collate,
                 tokens += supervised_tokens(batch["labels"])
         return dist.sum(loss_sum) / max(dist.sum(tokens), 1)
     finally:
+        reshard(model)  # under FSDP2, as after a training step
         model.train(was_training)
