@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -47,6 +50,26 @@ def write_hf_checkpoint(path: Path, config, fmt: str = "safetensors", max_shard_
             torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
             (path / "model.safetensors").unlink()
     return model
+
+
+@contextlib.contextmanager
+def sigterm_at_step(step: int | None):
+    """Within the block, this process gets SIGTERM right after optimizer step ``step`` is logged: a preemption
+    arriving mid-run, for recipes run in process (``main([...])``). None: no signal."""
+    from waypoint.training.metrics import MetricsLog
+
+    write = MetricsLog.write
+
+    def signal_at(self, **record):
+        write(self, **record)
+        if record.get("step") == step and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)
+    if step is not None:
+        MetricsLog.write = signal_at
+    try:
+        yield
+    finally:
+        MetricsLog.write = write
 
 
 @pytest.fixture

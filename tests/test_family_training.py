@@ -7,17 +7,14 @@ In-process (``full_finetune.main``) to keep the suite fast; the signal is a real
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 
 import pytest
 import torch
 
 from recipes import full_finetune
 from waypoint.checkpointers.file_formats import read_tensors
-from waypoint.training.metrics import MetricsLog
-from tests.conftest import ROOT, tiny_family_config, write_family_checkpoint
+from tests.conftest import ROOT, sigterm_at_step, tiny_family_config, write_family_checkpoint
 
 TINY = ROOT / "assets/tiny_llama"
 STEPS, STOP_AT = 6, 3
@@ -43,21 +40,12 @@ def base_checkpoint(path, name):
     return path
 
 
-def run(base, out, monkeypatch, stop_at=None):
-    if stop_at is not None:
-        write = MetricsLog.write
-
-        def signal_at(self, **record):
-            write(self, **record)
-            if record["step"] == stop_at:
-                os.kill(os.getpid(), signal.SIGTERM)
-        monkeypatch.setattr(MetricsLog, "write", signal_at)
-    code = full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={base}",
-                               f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", f"output_dir={out}", "epochs=1",
-                               f"max_steps_per_epoch={STEPS}", "batch_size=4", "lr_scheduler.num_warmup_steps=1",
-                               "save_every_epoch=true"])
-    monkeypatch.setattr(MetricsLog, "write", MetricsLog.write if stop_at is None else write)
-    return code
+def run(base, out, stop_at=None):
+    with sigterm_at_step(stop_at):
+        return full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={base}",
+                                   f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", f"output_dir={out}", "epochs=1",
+                                   f"max_steps_per_epoch={STEPS}", "batch_size=4", "lr_scheduler.num_warmup_steps=1",
+                                   "save_every_epoch=true"])
 
 
 def weights(step_dir):
@@ -65,17 +53,17 @@ def weights(step_dir):
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_family_trains_stops_on_sigterm_and_resumes_bit_exactly(name, tmp_path, monkeypatch):
+def test_family_trains_stops_on_sigterm_and_resumes_bit_exactly(name, tmp_path):
     base = base_checkpoint(tmp_path / "base", name)
-    assert run(base, tmp_path / "straight", monkeypatch) == 0
+    assert run(base, tmp_path / "straight") == 0
     records = [json.loads(line) for line in (tmp_path / "straight/metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert len(losses) == STEPS and sum(losses[-2:]) < sum(losses[:2]), f"{name}: the loss did not fall: {losses}"
     assert ("aux_loss" in records[0]) == name.startswith(("mixtral", "qwen3-moe")), "MoE runs log their load-balancing loss"
 
-    assert run(base, tmp_path / "stopped", monkeypatch, stop_at=STOP_AT) == 75
+    assert run(base, tmp_path / "stopped", stop_at=STOP_AT) == 75
     assert (tmp_path / "stopped" / f"step_{STOP_AT}").is_dir()
-    assert run(base, tmp_path / "stopped", monkeypatch) == 0
+    assert run(base, tmp_path / "stopped") == 0
     records = [json.loads(line) for line in (tmp_path / "stopped/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "the rerun continued from the checkpoint, not from the start"
     assert [r["step"] for r in records if r.get("resumed")] == [STOP_AT + 1], "the resumed segment is marked"

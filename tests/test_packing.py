@@ -4,8 +4,6 @@ per sample), for every attention variant; the packed recipe trains, and resumes 
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
 import torch
@@ -15,9 +13,8 @@ from recipes import full_finetune
 from waypoint.families import from_hf_config
 from waypoint.training.collate import padded_collate
 from waypoint.training.loss import IGNORE_INDEX
-from waypoint.training.metrics import MetricsLog
 from waypoint.training.packing import PackedDataset
-from tests.conftest import ROOT, tiny_family_config
+from tests.conftest import ROOT, sigterm_at_step, tiny_family_config
 
 TINY = ROOT / "assets/tiny_llama"
 
@@ -87,29 +84,21 @@ def test_packed_losses_equal_each_sample_alone(fam):
     assert (plain - together).abs().max().item() > 1e-3, "the document masks and positions must matter"
 
 
-def run(out, monkeypatch, stop_at=None):
-    write = MetricsLog.write
-    if stop_at is not None:
-        def signal_at(self, **record):
-            write(self, **record)
-            if record["step"] == stop_at:
-                os.kill(os.getpid(), signal.SIGTERM)
-        monkeypatch.setattr(MetricsLog, "write", signal_at)
-    code = full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={TINY}",
-                               f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", f"output_dir={out}", "epochs=1",
-                               "max_steps_per_epoch=6", "batch_size=2", "packed=true", "dataset.max_seq_len=256",
-                               "lr_scheduler.num_warmup_steps=1"])
-    monkeypatch.setattr(MetricsLog, "write", write)
-    return code
+def run(out, stop_at=None):
+    with sigterm_at_step(stop_at):
+        return full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={TINY}",
+                                   f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", f"output_dir={out}", "epochs=1",
+                                   "max_steps_per_epoch=6", "batch_size=2", "packed=true", "dataset.max_seq_len=256",
+                                   "lr_scheduler.num_warmup_steps=1"])
 
 
-def test_packed_recipe_trains_and_resumes_bit_exactly(tmp_path, monkeypatch, capsys):
-    assert run(tmp_path / "straight", monkeypatch) == 0
+def test_packed_recipe_trains_and_resumes_bit_exactly(tmp_path, capsys):
+    assert run(tmp_path / "straight") == 0
     assert "packed into" in capsys.readouterr().out
     losses = [json.loads(line)["loss"] for line in (tmp_path / "straight/metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 6 and sum(losses[-2:]) < sum(losses[:2])
-    assert run(tmp_path / "stopped", monkeypatch, stop_at=3) == 75
-    assert run(tmp_path / "stopped", monkeypatch) == 0
+    assert run(tmp_path / "stopped", stop_at=3) == 75
+    assert run(tmp_path / "stopped") == 0
     steps = [json.loads(line)["step"] for line in (tmp_path / "stopped/metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 7))
     from waypoint.checkpointers.file_formats import read_tensors
