@@ -112,10 +112,7 @@ def from_hf_config(config: Mapping[str, Any] | str | os.PathLike, attn_dropout: 
     return Transformer(args if attn_dropout is None else replace(args, attn_dropout=attn_dropout))
 
 
-def lora_targets(model_type: str) -> tuple[str, ...]:
-    return family_named(model_type).lora_targets
-
 
 __all__ = ["FAMILIES", "HF_MODEL_TYPES", "MODEL_TYPES", "Family", "checked_model_args", "detect_model_type", "family_named",
-           "family_of", "from_hf_config", "get_converter", "hf_config_for", "lora_targets", "model_args_from_hf_config",
+           "family_of", "from_hf_config", "get_converter", "hf_config_for", "model_args_from_hf_config",
            "read_hf_config"]

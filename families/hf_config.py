@@ -122,9 +122,9 @@ def common_args(cfg: HFConfig, model_type: str, rope_types: tuple[str, ...] = ("
 
 # -- ModelArgs -> config.json ------------------------------------------------------------------------------
 
-def rope_fields(args: ModelArgs, theta: float | None = None) -> dict[str, Any]:
+def rope_fields(args: ModelArgs) -> dict[str, Any]:
     """v5's ``rope_parameters`` for the model's global rope (v4 readers take ``rope_theta`` too)."""
-    params: dict[str, Any] = {"rope_type": args.rope_type, "rope_theta": theta or args.rope_theta}
+    params: dict[str, Any] = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
     if args.rope_type == "linear":
         params["factor"] = args.rope_factor
     if args.rope_type == "llama3":
