@@ -186,8 +186,7 @@ class Converter:
         sources = [hf_state[k] for k in group.sources]
         out = self.apply_groups([group], dict(zip(group.sources, sources)), True, where)[target]
         if len(sources) > 1 and out.untyped_storage().data_ptr() not in {s.untyped_storage().data_ptr() for s in sources}:
-            for source in sources:
-                release_pages(source)
+            release_pages(*sources)
         return out
 
     def from_native(self, native_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -111,30 +111,33 @@ def local_shard(full: torch.Tensor, like: DTensor, device: torch.device | str | 
                               stride=torch.empty(full.shape, device="meta").stride())
 
 
-def _file_backed(start: int, end: int) -> bool:
-    """Whether [start, end) lies in one mapping of a file (per /proc/self/maps), so its pages can be re-read."""
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges this process maps from files (per /proc/self/maps): their pages can be re-read."""
     try:
         maps = open("/proc/self/maps").read().splitlines()
     except OSError:
-        return False
+        return []
+    ranges = []
     for line in maps:
         fields = line.split(maxsplit=5)
-        low, high = (int(x, 16) for x in fields[0].split("-"))
-        if low <= start and end <= high:
-            return len(fields) == 6 and fields[5].startswith("/") and fields[3] != "00:00"
-    return False
+        if len(fields) == 6 and fields[5].startswith("/") and fields[3] != "00:00":
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((low, high))
+    return ranges
 
 
-def release_pages(tensor: torch.Tensor) -> None:
-    """Drop the resident pages of a memory-mapped, read-only checkpoint tensor from this process (the page cache
-    keeps them; reading the tensor again faults them back in from the file). Whole pages inside the tensor only,
+def release_pages(*tensors: torch.Tensor) -> None:
+    """Drop the resident pages of memory-mapped, read-only checkpoint tensors from this process (the page cache
+    keeps them; reading a tensor again faults them back in from the file). Whole pages inside each tensor only,
     so neighbours sharing a page are untouched; anything not mapped from a file is left alone."""
-    if sys.platform != "linux" or tensor.device.type != "cpu" or not tensor.numel():
+    tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
+    if sys.platform != "linux" or not tensors:
         return
     page = os.sysconf("SC_PAGE_SIZE")
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    low, high = -(-start // page) * page, end // page * page
-    if high - low < page or not _file_backed(start, end):
-        return
-    ctypes.CDLL(None).madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), 4)  # MADV_DONTNEED
+    mappings = _file_mappings()  # read once for all the tensors
+    for tensor in tensors:
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        low, high = -(-start // page) * page, end // page * page
+        if high - low >= page and any(a <= start and end <= b for a, b in mappings):
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), 4)  # MADV_DONTNEED
