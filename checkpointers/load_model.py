@@ -17,13 +17,15 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from waypoint.lazy import local_shard
+from waypoint.lazy import local_shard, release_heap, release_pages
 from waypoint.checkpointers.extra_state import is_extra_state_key
 from waypoint.checkpointers.load_report import LoadReport, fold_keys
 from waypoint.converters import CheckpointError
 from waypoint.lazy import spec_of
 from waypoint.families import from_hf_config, model_args_from_hf_config
 from waypoint.models import ModelArgs, Transformer, parse_dtype
+from waypoint.models.nf4 import is_nf4, nf4_local_shard
+from waypoint.models.swap import swapping_conversions
 
 
 log = logging.getLogger(__name__)
@@ -109,16 +111,42 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
         raise CheckpointError(f"checkpoint has key {_fold(fold_keys(others))} that the model does not")
 
     def place(value, like):
-        if not isinstance(value, torch.Tensor):
-            return value
         cast = dtype if dtype is not None and value.is_floating_point() else None
         if isinstance(like, DTensor):  # a sharded (FSDP2) model: this rank's piece only
+            if is_nf4(like):  # quantized whole (the shards keep one set of scales), then cut
+                return nf4_local_shard(value, like, device=device)
             return local_shard(value, like, device=device, dtype=cast)
         return value.to(device=device, dtype=cast)
 
+    # One tensor at a time, each through load_state_dict with swapping on: the parameter object stays (an
+    # optimizer or FSDP2 holding it stays valid) and decides how to take the tensor (module_load: an NF4
+    # placeholder quantizes it). Memory-mapped tensors the model does not keep (cast, quantized or sharded
+    # copies) have their pages dropped as soon as they are placed, so a load that converts holds about one
+    # full-precision tensor at a time, never the whole checkpoint.
+    held: dict[str, int | None] = {}  # model key -> data pointer of what the checkpoint gave it (None: quantized)
+    taken: set[int] = set()  # parameter objects already filled (a tied pair is one object: filled once)
+    with swapping_conversions():
+        for target, key in matched.items():
+            owner_name, _, leaf = target.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            if id(getattr(owner, leaf)) in taken:
+                report.retied.append(target)
+                continue
+            raw = state[key]
+            value = place(raw, expected[target])
+            owner.load_state_dict({leaf: value}, strict=False, assign=True)
+            now = getattr(owner, leaf)
+            taken.add(id(now))
+            held[target] = None if is_nf4(now) else _ptr(value)
+            if is_nf4(now) or held[target] != _ptr(raw):
+                release_pages(raw)
+            del raw, value
+            if is_nf4(now):  # the quantizer's temporaries, returned to the system rather than kept as heap
+                release_heap()
+    # Extra state last, in one pass over every module (also with none: a module whose extra state the checkpoint
+    # predates says so, and keeps its own)
     extra = {k: state[k] for k in state if is_extra_state_key(k) and k in own}
-    placed = {target: place(state[key], expected[target]) for target, key in matched.items()}
-    model.load_state_dict({**placed, **extra}, strict=False, assign=True)
+    model.load_state_dict(extra, strict=False)
     refresh_derived(model)
 
     for key in missing:  # new heads (strict=False): materialise and initialise what the checkpoint lacks
@@ -126,9 +154,13 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
 
     # From the model as it now is: which parameters hold a checkpoint tensor, which were re-tied.
     after = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    report.loaded = sorted(k for k, t in placed.items() if after.get(k) is not None and _ptr(after[k]) == _ptr(t))
-    report.retied = sorted(k for k, t in placed.items() if k not in report.loaded and k in after)
+    report.quantized = sorted(k for k, ptr in held.items() if ptr is None and k in after and is_nf4(after[k]))
+    report.loaded = sorted(k for k, ptr in held.items() if ptr is not None and k in after and not is_nf4(after[k])
+                           and _ptr(after[k]) == ptr)
+    report.retied += sorted(k for k, ptr in held.items() if k in after and k not in report.loaded and k not in report.quantized)
     report.retied += [k for k in tied if not after[k].is_meta]
+    report.retied.sort()
+    report.sources = dict(matched)
     report.missing = sorted(missing)
     report.extra_state = sorted(extra)
     still_meta = sorted(k for k, t in after.items() if t.is_meta and k not in fill_later)

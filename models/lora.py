@@ -201,22 +201,32 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
 class MergedState(Mapping):
     """A lazy ``merged_state``: ``state`` (a model's state dict, or its gathered view on rank 0) with each LoRA
     update folded into its base weight as the key is read, so a checkpointer writing file by file holds one
-    file's worth. ``scalings``: LoRA module path -> alpha / rank."""
+    file's worth. ``scalings``: LoRA module path -> alpha / rank.
 
-    def __init__(self, state: Mapping[str, torch.Tensor], scalings: Mapping[str, float]) -> None:
+    ``original`` (the input checkpoint's lazy state) and ``sources`` (model key -> its key there): every base
+    tensor the model was loaded from is read again from the input, so the merge starts from the
+    full-precision original, never from the model's 4-bit (QLoRA) or dtype-cast copy of it, and the output
+    holds the input's values (and dtype) wherever no adapter changed them."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], scalings: Mapping[str, float],
+                 original: Mapping[str, torch.Tensor] | None = None, sources: Mapping[str, str] | None = None) -> None:
         self._state, self._scalings = state, dict(scalings)
+        self._original, self._sources = original, dict(sources or {}) if original is not None else {}
 
     def _is_adapter(self, key: str) -> bool:
         return ".lora_A." in f".{key}" or ".lora_B." in f".{key}"
+
+    def _base(self, key: str) -> torch.Tensor:
+        return self._original[self._sources[key]] if key in self._sources else self._state[key]
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if self._is_adapter(key):
             raise KeyError(key)
         owner, _, leaf = key.rpartition(".")
         if leaf == "weight" and owner in self._scalings:
-            return merge_weight(self._state[key], self._state[f"{owner}.lora_A.weight"],
+            return merge_weight(self._base(key), self._state[f"{owner}.lora_A.weight"],
                                 self._state[f"{owner}.lora_B.weight"], self._scalings[owner])
-        return self._state[key]
+        return self._base(key)
 
     def __iter__(self):
         return (k for k in self._state if not self._is_adapter(k))
@@ -225,7 +235,7 @@ class MergedState(Mapping):
         return sum(1 for _ in self)
 
     def spec(self, key: str):
-        return spec_of(self._state, key)
+        return spec_of(self._original, self._sources[key]) if key in self._sources else spec_of(self._state, key)
 
 
 def merge_state_dict(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:

@@ -6,7 +6,10 @@ The same loop, config keys, logging, resume and preemption handling as recipes/f
 LoRA differences:
 
 - the base model is always loaded from ``checkpointer.checkpoint_dir`` (frozen); ``apply_lora`` wraps the
-  ``lora.targets`` after loading, and only the adapter parameters reach the optimizer;
+  ``lora.targets``, and only the adapter parameters reach the optimizer;
+- ``quantize_base: nf4`` (QLoRA) holds the frozen base linears in 4 bits (torchao's NF4Tensor), each quantized
+  as the checkpoint's tensor is read; the merged model is still computed from the input's full-precision
+  weights, and step checkpoints never hold the 4-bit base (a resume quantizes the input again, identically);
 - ``output_dir/step_N`` holds ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's format:
   ``PeftModel.from_pretrained(base, step_N)`` loads it), ``recipe_state.pt`` and ``MANIFEST.json``;
 - the merged model (W + alpha/r * B @ A) goes to ``step_N/merged/``: a complete checkpoint in the input's
@@ -61,6 +64,7 @@ from waypoint.training.validation import evaluate
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
 from waypoint.training.optimizer_state import load_whole_optimizer_state, optimizer_state
 from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.training.quantize import quantize_base
 from waypoint.training.recipe_state import build_recipe_state, load_recipe_state
 from waypoint.training.resume import (apply_changes, check_config, check_global_batch, choose_checkpoint, restore_position,
                                       start_fresh)
@@ -68,7 +72,8 @@ from waypoint.training.rng_state import capture_rng
 from waypoint.training.seed import seed_everything
 
 MERGED_DIR = "merged"
-LORA_BREAKING = ("lora",)  # beside training.resume.BREAKING_KEYS: another adapter (targets, rank, alpha, dropout)
+# beside training.resume.BREAKING_KEYS: another adapter (targets, rank, alpha, dropout) or another base (4-bit or not)
+LORA_BREAKING = ("lora", "quantize_base", "nf4")
 
 
 def check_lora_config(saved: dict, current: dict, checkpoint: Path) -> None:
@@ -102,12 +107,16 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
     # Model: the base (always the input checkpoint) on the meta device with the adapters added, sharded
     # (FSDP2) under torchrun, given the base's tensors (each rank its piece) and fresh adapter weights.
+    # With quantize_base: nf4 (QLoRA) the frozen linears become 4-bit placeholders first, each quantized as
+    # its tensor is read: the full-precision base is never in memory.
     checkpointer = instantiate(cfg.checkpointer)
     state = checkpointer.load_checkpoint()
     with torch.device("meta"):
         model = instantiate(cfg.model)
     lora = cfg.lora
     wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
+    for line in quantize_base(model, cfg, dist.world_size):
+        say(line)
     if dist.enabled:
         shard_model(model, dist.mesh, cfg.get("mixed_precision"))
     adapter_keys = list(adapter_state_keys(model))
@@ -116,6 +125,9 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     init_adapters(model, device)
     say("\n".join(report.lines() + checkpointer.notes))
     say(f"merged models are written in {checkpointer.output_dtype_note()}")
+    # The merge reads the base again from the input (lazily, a tensor at a time): the full-precision
+    # original, not the model's 4-bit or dtype-cast copy.
+    original, sources = state["model"], report.sources
     del state
     converter = hf_converter(checkpointer, model.args)  # names the adapter's modules as HF does
     check_targets(model, converter, checkpointer.family)  # a target PEFT cannot name (Phi-3's fused qkv) fails now, not at the first save
@@ -193,7 +205,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                     stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe, f))
                     if merge:  # its own atomic commit, inside step_N's staging directory
                         with GatheredState(model_state) if dist.enabled else nullcontext(model_state) as whole:
-                            checkpointer.save_to({"model": MergedState(whole, scalings)}, stage.path / MERGED_DIR)
+                            folded = MergedState(whole, scalings, original, sources)
+                            checkpointer.save_to({"model": folded}, stage.path / MERGED_DIR)
             except OSError as e:
                 raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
                                       "nothing was committed and earlier checkpoints are intact") from e

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
 from waypoint.training.config import parse_config
+from waypoint.training.config_checks import COMMON, LORA
 
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem != "generate")  # training configs
 
@@ -23,7 +24,8 @@ def targets(node):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_composes_and_its_targets_import(path):
-    cfg = OmegaConf.to_container(parse_config(["--config", str(path), "device=cpu"]), resolve=True)  # GPU configs, checked here
+    checks = COMMON | LORA if "lora" in OmegaConf.load(path) else COMMON  # each with its recipe's checks
+    cfg = OmegaConf.to_container(parse_config(["--config", str(path), "device=cpu"], checks=checks), resolve=True)  # GPU configs, checked here
     for key in ("output_dir", "seed", "epochs", "batch_size", "gradient_accumulation_steps", "checkpointer", "dataset",
                 "optimizer", "resume", "save_every_n_steps", "keep_last_n_checkpoints"):
         assert key in cfg, f"{path.name} lacks {key}"

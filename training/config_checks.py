@@ -114,6 +114,7 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "dataset.max_seq_len": (False, integer(1)),
     "packed": (False, boolean),
     "log_dir": (False, optional(lambda v: None if isinstance(v, str) and v else "a directory for TensorBoard event files")),
+    "quantize_base": (False, lambda v: None if v is None else "null (a 4-bit base is frozen: QLoRA is recipes/lora_finetune.py)"),
     "validation": (False, lambda v: None if v is None or isinstance(v, Mapping) else "a section {source or fraction, every_n_steps}"),
     **{key: (True, lambda v: None if isinstance(v, Mapping) and v.get("_target_") else "a section with a _target_")
        for key in ("checkpointer", "model", "tokenizer", "dataset", "optimizer", "lr_scheduler")},
@@ -127,6 +128,10 @@ LORA: dict[str, tuple[bool, Check]] = {
     "max_lora_rank": (False, integer(1)),
     "save_merged": (False, one_of("final", "every", "never")),
     "save_adapter_weights_only": (False, boolean),
+    "quantize_base": (False, optional(one_of("nf4"))),
+    "nf4.block_size": (False, lambda v: None if integer(2)(v) is None and v % 2 == 0 else "an even integer >= 2"),
+    "nf4.scaler_block_size": (False, integer(1)),
+    "nf4.output": (False, boolean),
 }
 
 _MISSING = object()

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 from omegaconf import DictConfig
 
+from waypoint.models.swap import swapping_conversions
 from waypoint.training.cli import run_command
 from waypoint.training.config import parse_config
 from waypoint.training.config_checks import COMMON, Check
@@ -26,7 +27,9 @@ def run_recipe(train: Callable[[DictConfig, Distributed], int], argv: list[str] 
     def run() -> int:
         dist = init_distributed(cfg.device)  # under torchrun: one process per GPU (or CPU), else a single process
         try:
-            with hold_output_dir(cfg, dist):  # one run per output_dir, apart from everything it reads
+            # swapping_conversions: a parameter converted or loaded after the optimizer exists stays the object
+            # the optimizer holds (waypoint.models.swap)
+            with hold_output_dir(cfg, dist), swapping_conversions():  # one run per output_dir, apart from everything it reads
                 return train(cfg, dist)
         finally:
             dist.close()

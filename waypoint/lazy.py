@@ -141,3 +141,14 @@ def release_pages(*tensors: torch.Tensor) -> None:
         low, high = -(-start // page) * page, end // page * page
         if high - low >= page and any(a <= start and end <= b for a, b in mappings):
             ctypes.CDLL(None).madvise(ctypes.c_void_p(low), ctypes.c_size_t(high - low), 4)  # MADV_DONTNEED
+
+
+def release_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``). Freed temporaries of a few MB
+    stay in the allocator's per-thread arenas otherwise, and a loop that makes them per tensor (quantizing a
+    checkpoint) grows the process by their fragments: measured, 300 MB for 100 quantized 0.8M-value tensors."""
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except AttributeError:  # not glibc (musl has no malloc_trim)
+            pass
