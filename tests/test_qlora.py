@@ -136,7 +136,7 @@ def family_base(path, family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_qlora_recipe_resumes_bit_exactly_and_merges_from_the_full_precision_base(tmp_path, family):
+def test_qlora_recipe_resumes_bit_exactly_and_merges_from_the_full_precision_base(tmp_path, family, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -179,6 +179,23 @@ def test_qlora_recipe_resumes_bit_exactly_and_merges_from_the_full_precision_bas
     assert to_peft <= 1e-5
     assert 1e-3 < error < 0.2 and gap <= 1e-5
     assert all(torch.equal(merged[k], original[k]) for k in merged if k not in deltas)  # untouched: the input's bits
+    if family != "llama":
+        return
+
+    # scripts/merge_lora.py needs nothing special for a QLoRA adapter: the same merge, bit for bit
+    from scripts.merge_lora import main as merge_lora
+
+    assert merge_lora([str(base), str(final), str(tmp_path / "offline")]) == 0
+    offline = {k: v for f in sorted((tmp_path / "offline").glob("*.safetensors")) for k, v in read_tensors(f).items()}
+    assert offline.keys() == merged.keys() and all(torch.equal(offline[k], merged[k]) for k in merged)
+    # the adapter loads in PEFT over the bf16 base too (no bitsandbytes anywhere)
+    bf16 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16), final)
+    loaded = {k.replace(".default", ""): v for k, v in bf16.state_dict().items() if ".lora_" in k}
+    assert loaded.keys() == adapter.keys() and all(torch.equal(loaded[k].float(), adapter[k].float()) for k in adapter)
+    # another base (not 4-bit, or other blocks) is another model: resuming onto it is refused
+    capsys.readouterr()
+    assert run(base, tmp_path / "stopped", targets, "quantize_base=null") == 1
+    assert "the config changed quantize_base" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -235,3 +252,12 @@ def test_the_meta_placeholder_is_what_the_quantizer_makes_without_its_data():
         a, b = getattr(made, name), getattr(placeholder, name)
         assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device), name
     assert placeholder.__tensor_flatten__()[1] == context and placeholder.shape == made.shape
+
+
+def test_the_full_recipe_refuses_a_4_bit_base(capsys):
+    from recipes import full_finetune
+
+    with pytest.raises(SystemExit) as exited:  # a config error: one line, before anything is read or written
+        full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), "+quantize_base=nf4"])
+    assert exited.value.code == 1
+    assert "quantize_base=nf4: expected null (a 4-bit base is frozen: QLoRA is recipes/lora_finetune.py)" in capsys.readouterr().err
