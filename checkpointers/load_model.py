@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from waypoint.lazy import local_shard, release_heap, release_pages
 from waypoint.checkpointers.extra_state import is_extra_state_key
+from waypoint.models.extra_state import EXTRA_STATE_SUFFIX
 from waypoint.checkpointers.load_report import LoadReport, fold_keys
 from waypoint.converters import CheckpointError
 from waypoint.lazy import spec_of
@@ -134,7 +135,10 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
                 continue
             raw = state[key]
             value = place(raw, expected[target])
-            owner.load_state_dict({leaf: value}, strict=False, assign=True)
+            piece = {leaf: value}
+            if f"{owner_name}.{EXTRA_STATE_SUFFIX}".lstrip(".") in own:  # its extra state loads below, once; kept as is here
+                piece[EXTRA_STATE_SUFFIX] = owner.get_extra_state()
+            owner.load_state_dict(piece, strict=False, assign=True)
             now = getattr(owner, leaf)
             taken.add(id(now))
             held[target] = None if is_nf4(now) else _ptr(value)

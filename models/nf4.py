@@ -68,16 +68,17 @@ def _nf4_module_load(dest: torch.Tensor, src: torch.Tensor, assign: bool = False
     (the loader moves it first, so a GPU quantizes on the GPU); an NF4 ``src`` is taken as it is (assign) or
     copied into ``dest``'s buffers. Returns a new tensor, never ``dest`` or ``src``, as the contract asks."""
     NF4Tensor = type(dest)
-    if isinstance(src, NF4Tensor):
-        return src.detach() if assign or dest.is_meta else dest.copy_(src).detach()
-    quantized = NF4Tensor.from_tensor(src.detach().to(dest.dtype).contiguous(), dest.block_size, dest.scaler_block_size)
+    if not isinstance(src, NF4Tensor):
+        src = NF4Tensor.from_tensor(src.detach().to(dest.dtype).contiguous(), dest.block_size, dest.scaler_block_size)
     if assign or dest.is_meta:
-        return quantized
-    return dest.copy_(quantized).detach()
+        return src.detach()
+    dest.copy_(src)  # into dest's own buffers (torchao's copy_ re-quantizes an NF4 of other blocks); returns None
+    return dest.detach()
 
 
 def is_nf4(t: torch.Tensor) -> bool:
-    """Whether ``t`` (or the local piece of a sharded ``t``) is an NF4Tensor."""
+    """Whether ``t`` (or the local piece of a sharded ``t``) is an NF4Tensor; by name, so that asking (every load
+    does, for every tensor) never imports torchao."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return type(local).__name__ == "NF4Tensor" and hasattr(local, "quantized_data")
 

@@ -135,7 +135,7 @@ def family_base(path, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
 def test_qlora_recipe_resumes_bit_exactly_and_merges_from_the_full_precision_base(tmp_path, family, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -261,3 +261,23 @@ def test_the_full_recipe_refuses_a_4_bit_base(capsys):
         full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), "+quantize_base=nf4"])
     assert exited.value.code == 1
     assert "quantize_base=nf4: expected null (a 4-bit base is frozen: QLoRA is recipes/lora_finetune.py)" in capsys.readouterr().err
+
+
+def test_module_load_quantizes_into_an_nf4_weight_in_place_or_by_assignment():
+    """load_state_dict with swapping on, into a loaded NF4 weight: without assign the data goes into the existing
+    buffers (re-quantized with its blocks), with assign a new NF4 tensor takes its place; the Parameter object
+    stays either way."""
+    NF4Tensor = nf4_tensor_class()
+    linear = torch.nn.Linear(64, 96, bias=False)
+    quantize_linears(torch.nn.ModuleDict({"w1": linear}), torch.float32, 64, 8)  # a loaded weight: quantized at once
+    param, buffer = linear.weight, linear.weight.quantized_data
+    new = torch.randn(96, 64)
+    expected = NF4Tensor.from_tensor(new, 64, 8).get_original_weight()
+    with swapping_conversions():
+        linear.load_state_dict({"weight": new})
+        assert linear.weight is param and is_nf4(param) and param.quantized_data.data_ptr() == buffer.data_ptr()
+        assert torch.equal(param.get_original_weight(), expected)
+        linear.load_state_dict({"weight": new * 2}, assign=True)
+        assert linear.weight is param and param.quantized_data.data_ptr() != buffer.data_ptr()
+        assert torch.allclose(param.get_original_weight(), 2 * expected, atol=1e-6)
+        assert not param.requires_grad
