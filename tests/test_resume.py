@@ -16,7 +16,7 @@ import torch
 
 from waypoint.checkpointers.commit import verify
 from waypoint.checkpointers.file_formats import read_tensors
-from tests.conftest import ROOT
+from tests.conftest import ROOT, sigterm_at_step
 
 STEPS_PER_EPOCH, EPOCHS = 8, 2
 BASE = [f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}",
@@ -276,19 +276,22 @@ def tiny_in_format(fmt, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["hf", "meta", "native"])
 def test_extra_state_survives_resume(tmp_path, fmt):
+    from recipes import full_finetune
+
     source = tiny_in_format(fmt, tmp_path)
     lazy = ["model._target_=tests.lazy_state_model.build", "save_every_n_steps=null", "epochs=1",
             f"checkpointer={fmt}", f"checkpointer.checkpoint_dir={source}"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    done = run(whole, *lazy)
-    assert done.returncode == 0, done.stderr[-2000:]
-    stopped = run(parts, *lazy, fault=["signal-at-step", "3", "SIGTERM"])
-    assert stopped.returncode == 75, stopped.stderr[-2000:]
+
+    def run_in_process(out, stop_at=None):  # in this process (the signal is a real one): no interpreter start-up
+        with sigterm_at_step(stop_at):
+            return full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *lazy])
+    assert run_in_process(whole) == 0
+    assert run_in_process(parts, stop_at=3) == 75
     saved = torch.load(parts / "step_3" / "extra_state.pt", weights_only=True)
     assert saved["calibration._extra_state"]["draws"] == 1 and saved["calibration._extra_state"]["p"].shape == (128,)
     assert "extra_state.pt" in json.loads((parts / "step_3" / "MANIFEST.json").read_text())["files"]
-    resumed = run(parts, *lazy)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert run_in_process(parts) == 0
     assert losses(parts) == losses(whole), "the lazily drawn tensor was not restored"
 
 

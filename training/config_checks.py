@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from waypoint.errors import CheckpointError
 from waypoint.models.dtypes import DTYPE_NAMES
+from waypoint.models.nf4 import QUANTIZE_BASE
 
 Check = Callable[[Any], "str | None"]
 
@@ -128,7 +129,7 @@ LORA: dict[str, tuple[bool, Check]] = {
     "max_lora_rank": (False, integer(1)),
     "save_merged": (False, one_of("final", "every", "never")),
     "save_adapter_weights_only": (False, boolean),
-    "quantize_base": (False, optional(one_of("nf4"))),
+    "quantize_base": (False, optional(one_of(*QUANTIZE_BASE))),
     "nf4.block_size": (False, lambda v: None if integer(2)(v) is None and v % 2 == 0 else "an even integer >= 2"),
     "nf4.scaler_block_size": (False, integer(1)),
     "nf4.output": (False, boolean),
