@@ -152,6 +152,9 @@ def test_qlora_recipe_resumes_bit_exactly_and_merges_from_the_full_precision_bas
                                                         "recipe_state.pt"]  # the 4-bit base is re-derived, never saved
     assert run(base, tmp_path / "stopped", targets) == 0
     final, expected = tmp_path / "stopped/step_6", tmp_path / "straight/step_6"
+    index = "model.safetensors.index.json"  # the merged model: the input's files and key -> file map
+    assert sorted(p.name for p in (final / "merged").glob("*.safetensors")) == sorted(p.name for p in base.glob("*.safetensors"))
+    assert json.loads((final / "merged" / index).read_text())["weight_map"] == json.loads((base / index).read_text())["weight_map"]
     for name in ["adapter_model.safetensors"] + [f"merged/{p.name}" for p in base.glob("*.safetensors")]:
         mine, theirs = read_tensors(final / name), read_tensors(expected / name)
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), f"{name}: not bit-exact"
