@@ -28,6 +28,7 @@ weight whose size does not divide into NF4 blocks stays in the compute dtype and
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -123,11 +124,11 @@ def quantize_linears(model: nn.Module, dtype: torch.dtype, block_size: int = 64,
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     result = QuantizedBase()
     for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if name.rpartition(".")[2] not in names or not isinstance(weight, torch.Tensor) or is_nf4(weight):
+        weight, leaf = getattr(module, "weight", None), name.rpartition(".")[2]
+        if leaf not in names or not isinstance(weight, torch.Tensor) or is_nf4(weight):
             continue
         key = f"{name}.weight"
-        if name.rpartition(".")[2] == "output" and tied:
+        if leaf == "output" and tied:
             result.kept[key] = "tied to the embedding"
             continue
         problem = block_problem(weight.shape, block_size, scaler_block_size, shards)
@@ -146,8 +147,6 @@ def quantize_linears(model: nn.Module, dtype: torch.dtype, block_size: int = 64,
 def nf4_placeholder(shape: torch.Size, dtype: torch.dtype, block_size: int, scaler_block_size: int) -> torch.Tensor:
     """A meta-device NF4Tensor of ``shape``: the inner tensors ``NF4Tensor.from_tensor`` would make, without data
     (running the quantizer on the meta device costs about 2 s for an 8B model's linears)."""
-    import sys
-
     NF4Tensor = nf4_tensor_class()
     numel, n_blocks = shape.numel(), shape.numel() // block_size
     meta = torch.empty(shape, dtype=dtype, device="meta")
