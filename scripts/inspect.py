@@ -6,7 +6,8 @@ Prints the detected format and family, the weight files with their sizes, the ke
 folded by layer with shapes and dtypes, total parameters and bytes, tied tensors,
 and whether a Waypoint manifest verifies (the exit status is 1 when it does not, or when the
 checkpoint cannot be read). Nothing is loaded beyond the headers (safetensors) or memory-mapped
-(PyTorch files).
+(PyTorch files). DIR may also be an intermediate step of a torchrun run (``step_N/sharded/``, DCP):
+its model keys come from DCP's metadata, and the run's input from ``recipe_state.pt``'s config.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from waypoint.checkpointers.commit import MANIFEST, verify  # noqa: E402
 from waypoint.checkpointers.file_formats import SAFETENSORS, format_of, load_pickle  # noqa: E402
 from waypoint.checkpointers.load_report import fold_keys  # noqa: E402
 from waypoint.checkpointers.native_checkpointer import ALIASES_KEY  # noqa: E402
+from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
 
 
@@ -66,7 +68,50 @@ def _bytes_per(dtype: str) -> int:
     return getattr(torch, dtype).itemsize if hasattr(torch, dtype) else 1
 
 
+def describe_sharded(directory: Path) -> list[str]:
+    """A torchrun step: the model's keys, shapes and dtypes from DCP's metadata, its files, the run's input."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from waypoint.checkpointers.sharded_checkpoint import SHARDED_DIR, read_metadata
+    from waypoint.training.recipe_state import load_recipe_state
+
+    state = load_recipe_state(directory)
+    config = state.get("config") or {}
+    source = (config.get("checkpointer") or {}).get("checkpoint_dir", "?")
+    shards = sorted((directory / SHARDED_DIR).glob("*.distcp"))
+    lines = [f"{directory}: sharded step checkpoint of a {state.get('world_size', '?')}-process torchrun run (DCP), "
+             f"step {state.get('global_step', '?')}; the run's input: {source}",
+             f"{len(shards)} shard file(s) in {SHARDED_DIR}/, {sum(p.stat().st_size for p in shards) / 1e6:.2f} MB; "
+             "python scripts/convert.py DIR OUT --to hf|meta|native writes it in a checkpoint format"]
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    total_params = total_bytes = others = 0
+    for key, meta in read_metadata(directory / SHARDED_DIR).state_dict_metadata.items():
+        if not key.startswith("model.") or not isinstance(meta, TensorStorageMetadata):
+            others += 1
+            continue
+        shape, dtype = tuple(meta.size), str(meta.properties.dtype).removeprefix("torch.")
+        groups[(shape, dtype)].append(key.removeprefix("model."))
+        total_params += meta.size.numel()
+        total_bytes += meta.size.numel() * meta.properties.dtype.itemsize
+    lines.append("model keys (native, folded by layer):")
+    rows = [(pattern, shape, dtype) for (shape, dtype), keys in groups.items() for pattern in fold_keys(keys)]
+    lines += [f"  {pattern:<60} {str(list(shape)):<16} {dtype}" for pattern, shape, dtype in sorted(rows)]
+    lines.append(f"total: {total_params:,} parameters, {total_bytes / 1e9:.3f} GB of model tensors; "
+                 f"{others} optimizer and other entries")
+    return lines + [manifest_line(directory)]
+
+
+def manifest_line(directory: Path) -> str:
+    if not (directory / MANIFEST).is_file():
+        return "manifest: none (not written by waypoint)"
+    checked = verify(directory)
+    return (f"manifest: {'verified' if checked.ok else 'FAILS: ' + checked.problem}"
+            + (f", {checked.files} files, {checked.bytes / 1e9:.3f} GB" if checked.ok else ""))
+
+
 def describe(directory: Path) -> list[str]:
+    if holds_sharded_model(directory):
+        return describe_sharded(directory)
     fmt = detect_format(directory)
     ckpt = checkpointer_for(directory)
     lines = [f"{directory}: {fmt} checkpoint, model type {ckpt.model_type}"]
@@ -98,13 +143,7 @@ def describe(directory: Path) -> list[str]:
         lines.append("tied: lm_head.weight = model.embed_tokens.weight (stored once)")
     else:
         lines.append("tied: none")
-    if (directory / MANIFEST).is_file():
-        checked = verify(directory)
-        lines.append(f"manifest: {'verified' if checked.ok else 'FAILS: ' + checked.problem}"
-                     + (f", {checked.files} files, {checked.bytes / 1e9:.3f} GB" if checked.ok else ""))
-    else:
-        lines.append("manifest: none (not written by waypoint)")
-    return lines
+    return lines + [manifest_line(directory)]
 
 
 def main(argv: list[str] | None = None) -> int:

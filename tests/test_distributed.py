@@ -167,6 +167,18 @@ def test_sharded_step_converts_to_the_input_format(tmp_path, one_process, two_pr
     assert max_diff(weights(out), weights(one_process / "step_6")) < WEIGHT_TOLERANCE
 
 
+def test_inspect_shows_a_sharded_step(two_processes, capsys):
+    """scripts/inspect.py reads a torchrun intermediate step like any checkpoint: its model keys from DCP's
+    metadata, its files, the run's input, the manifest."""
+    from scripts import inspect as inspect_script
+
+    assert inspect_script.main([str(two_processes / "step_6")]) == 0
+    out = capsys.readouterr().out
+    assert "sharded step checkpoint of a 2-process torchrun run (DCP), step 6" in out and "2 shard file(s)" in out
+    assert "layers.{0..3}.mlp.w1.weight" in out and "[352, 128]" in out and "total: 869,504 parameters" in out
+    assert "manifest: verified" in out
+
+
 @pytest.mark.slow
 def test_mixed_precision_computes_in_bf16_over_fp32_shards(tmp_path, two_processes):
     out = tmp_path / "bf16"
