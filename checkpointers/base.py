@@ -125,13 +125,17 @@ class Checkpointer:
         """
         return self.save_to(state_dict, self.output_dir / f"step_{step}")
 
-    def save_to(self, state_dict: Mapping[str, Any], target: str | os.PathLike) -> Path:
-        """``save_checkpoint`` into a directory of your choosing (it must not exist yet)."""
+    def save_to(self, state_dict: Mapping[str, Any], target: str | os.PathLike,
+                check: Callable[[Path], Any] | None = None) -> Path:
+        """``save_checkpoint`` into a directory of your choosing (it must not exist yet). ``check(staged_dir)`` runs
+        on the written files before they are committed (an ``ExportCheck``); if it raises, nothing is committed."""
         target = Path(target)
         write = self.writer(state_dict)
         try:
             with StagedDir(target) as stage:
                 write(stage)
+                if check is not None:
+                    check(stage.path)
         except OSError as e:
             raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
                                   "nothing was committed and earlier checkpoints are intact") from e

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -118,7 +119,8 @@ def meta_params(args: ModelArgs) -> dict:
 
 def export(native: Mapping[str, torch.Tensor], args: ModelArgs, model_type: str, to: str, target: str | os.PathLike,
            side_files: list[Path] = (), num_shards: int | None = None, max_shard_bytes: int | None = None,
-           source: HFSource | None = None, input_files: int = 1, special_tokens: dict | None = None) -> Path:
+           source: HFSource | None = None, input_files: int = 1, special_tokens: dict | None = None,
+           check: Callable[[Path], Any] | None = None) -> Path:
     """Write ``native`` as a new ``to``-format checkpoint at ``target`` (committed atomically).
 
     ``source``: the HF checkpoint the weights came from (``hf_source.source_of``). HF output then has its
@@ -165,6 +167,8 @@ def export(native: Mapping[str, torch.Tensor], args: ModelArgs, model_type: str,
         for path in side_files:
             if not (to == "meta" and Path(path).name == SOURCE_FILE):
                 stage.copy_file(Path(path))
+        if check is not None:  # read back before the commit: a mismatch leaves nothing committed
+            check(stage.path)
     return Path(target)
 
 

@@ -1,12 +1,13 @@
 """Convert a checkpoint between the HF, Meta and native formats (or re-shard it), offline.
 
     python scripts/convert.py IN_DIR OUT_DIR --to hf|meta|native [--from ...] [--model-type ...]
-                              [--max-shard-size 5GB | --num-shards N] [--overwrite]
+                              [--max-shard-size 5GB | --num-shards N] [--overwrite] [--no-verify]
 
 By default the output has as many files as the input (for the same format: the very
 same files and key -> file map). OUT_DIR must not exist or be empty, unless --overwrite, which
 replaces it only once the new output is complete. OUT_DIR may not be IN_DIR, lie inside it or
-contain it (real paths: symlinks are followed).
+contain it (real paths: symlinks are followed). Before the output is committed it is read back into a
+fresh model whose logits on a fixed 2x64-token probe must match the input's (``--no-verify`` skips it).
 
 IN_DIR may also be a sharded step checkpoint of a torchrun run (``step_N/sharded/``): its
 model is read from the shards and written in the format, files and key -> file map of the
@@ -16,6 +17,7 @@ whole model for this.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import shutil
@@ -31,6 +33,7 @@ if importlib.util.find_spec("waypoint") is None:
 from waypoint.checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
 from waypoint.checkpointers.base import SMALL_FILE_LIMIT  # noqa: E402
 from waypoint.checkpointers.export import export, parse_size  # noqa: E402
+from waypoint.checkpointers.export_check import ExportCheck  # noqa: E402
 from waypoint.checkpointers.hf_source import source_of  # noqa: E402
 from waypoint.checkpointers.load_model import model_args_for  # noqa: E402
 from waypoint.checkpointers.overlap import refuse_overlap  # noqa: E402
@@ -61,7 +64,8 @@ def special_token_ids(directory: Path) -> dict[str, int]:
 
 
 def sharded_run_model(step_dir: Path, output_dir: Path):
-    """(checkpointer of the run's input, the run's model filled from the step's shards) for a sharded step."""
+    """(checkpointer of the run's input, the state to write, the run's model filled from the step's shards) for a
+    sharded step."""
     import torch
     from hydra.utils import instantiate
 
@@ -74,11 +78,12 @@ def sharded_run_model(step_dir: Path, output_dir: Path):
     with torch.device("meta"):
         model = instantiate(config["model"])
     load_sharded_into(model, step_dir, dtype=config.get("dtype"))
-    return ckpt, {"model": model.state_dict()}
+    return ckpt, {"model": model.state_dict()}, model
 
 
 def convert(src: Path, dst: Path, to: str, source_format: str | None = None, model_type: str | None = None,
-            max_shard_size: str | None = None, num_shards: int | None = None, overwrite: bool = False) -> Path:
+            max_shard_size: str | None = None, num_shards: int | None = None, overwrite: bool = False,
+            verify: bool = True, say=print) -> Path:
     refuse_overlap(dst, {"the input": src}, "the output")  # before anything is read or written
     sharded = holds_sharded_model(src)
     fmt = None if sharded else detect_format(src)
@@ -87,23 +92,49 @@ def convert(src: Path, dst: Path, to: str, source_format: str | None = None, mod
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
         raise CheckpointError(f"{dst}: not empty; choose another directory or pass --overwrite")
     if sharded:
-        ckpt, state = sharded_run_model(src, dst.parent)
+        ckpt, state, model = sharded_run_model(src, dst.parent)
         fmt, src = detect_format(ckpt.checkpoint_dir), ckpt.checkpoint_dir
         refuse_overlap(dst, {"the run's input": src}, "the output")
     else:
         kwargs = {"model_type": model_type} if model_type and fmt != "native" else {}
         ckpt = checkpointer_for(src, output_dir=dst.parent, **kwargs)
         state = ckpt.load_checkpoint()
+        model = input_model(ckpt, state["model"]) if verify else None
+    # The output is read back into a fresh model before it is committed, and must compute what the input does
+    check = ExportCheck(model) if verify else None
+    del model
 
     def write(target: Path) -> Path:
         if to == fmt and not (max_shard_size or num_shards):
-            return ckpt.save_to(state, target)  # the same files, keys and split as the input
+            return ckpt.save_to(state, target, check=check)  # the same files, keys and split as the input
         files = getattr(ckpt, "files", None) or ckpt.layout.files
         return export(state["model"], model_args_for(ckpt), model_type or ckpt.model_type, to, target, source=source_of(ckpt),
                       side_files=side_files(src), num_shards=num_shards, input_files=len(files),
                       max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
-                      special_tokens=special_token_ids(src))
-    return replace_dir(dst, write) if dst.exists() else write(dst)
+                      special_tokens=special_token_ids(src), check=check)
+    out = replace_dir(dst, write) if dst.exists() else write(dst)
+    if check is not None:
+        say(check.line)
+    return out
+
+
+def input_model(ckpt, state):
+    """The input as a model (memory-mapped, as loading always is): what the output must compute."""
+    import logging
+
+    import torch
+
+    from waypoint.checkpointers import load_into
+    from waypoint.models import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(model_args_for(ckpt))
+    logging.disable(logging.INFO)
+    try:
+        load_into(model, state)
+    finally:
+        logging.disable(logging.NOTSET)
+    return model
 
 
 def replace_dir(dst: Path, write) -> Path:
@@ -145,11 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     shard.add_argument("--num-shards", type=int, help="number of output files (Meta: model-parallel files)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty output directory (only once the new one is complete)")
+    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                        help="read the output back before committing it and compare its logits with the input's on "
+                             "a 2x64-token probe (default: on; --no-verify skips it)")
     args = parser.parse_args(argv)
 
     def run() -> int:
         out = convert(args.input, args.output, args.to, args.source_format, args.model_type, args.max_shard_size,
-                      args.num_shards, args.overwrite)
+                      args.num_shards, args.overwrite, verify=args.verify)
         print(f"wrote {out}")
         return 0
     return run_command(run)

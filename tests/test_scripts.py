@@ -33,6 +33,22 @@ def test_hf_to_meta_to_native_to_hf_keeps_the_model(tmp_path, capsys):
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (TINY / "tokenizer.json").read_bytes()
 
 
+def test_every_conversion_is_read_back_before_it_is_committed(tmp_path, capsys, monkeypatch):
+    """The output goes through a checkpointer into a fresh model whose logits must match the input's; a converter
+    that writes a broken model (here the RoPE permutation undone on the way out) fails in one line and leaves
+    no output, committed or half-written."""
+    from waypoint.converters.ops import RopePermute
+
+    assert convert.main([str(TINY), str(tmp_path / "meta"), "--to", "meta"]) == 0
+    assert "export verified: max |dlogit| 0 over 2x64 tokens" in capsys.readouterr().out
+    monkeypatch.setattr(RopePermute, "inverse", lambda self, tensors: list(tensors))
+    assert convert.main([str(TINY), str(tmp_path / "broken"), "--to", "hf", "--num-shards", "2"]) == 1
+    assert "error: the export does not compute what was written" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta"]  # no output, no staging left
+    assert convert.main([str(TINY), str(tmp_path / "unchecked"), "--to", "hf", "--num-shards", "2", "--no-verify"]) == 0
+    assert "export verified" not in capsys.readouterr().out
+
+
 def test_same_format_keeps_files_and_reshards_on_request(tmp_path):
     assert convert.main([str(TINY), str(tmp_path / "same"), "--to", "hf"]) == 0
     for f in TINY.glob("*.safetensors"):
