@@ -51,7 +51,7 @@ class ExportCheck:
     found (``export verified: max |dlogit| 3.1e-07 over 2x64 tokens (0.4 s)``)."""
 
     def __init__(self, model: nn.Module, shape: tuple[int, int] = PROBE_SHAPE) -> None:
-        self.tokens = probe_tokens(model.args.vocab_size, shape)
+        self.tokens = probe_tokens(model.args.vocab_size, (shape[0], min(shape[1], model.args.max_seq_len)))
         self.expected = probe_logits(model, self.tokens)
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.line = ""
