@@ -280,7 +280,11 @@ def build_model(checkpoint_dir: str | os.PathLike, attn_dropout: float | None = 
 def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None) -> Transformer:
     """The ready native model for a checkpoint directory (format and family detected from its files)."""
     checkpointer = checkpointer_for(path)
-    state = checkpointer.load_checkpoint()["model"]
+    return model_from(checkpointer, checkpointer.load_checkpoint()["model"], dtype)
+
+
+def model_from(checkpointer, state: Mapping[str, torch.Tensor], dtype: torch.dtype | str | None = None) -> Transformer:
+    """The native model a loaded checkpointer describes, given ``state`` (its ``load_checkpoint()["model"]``)."""
     with torch.device("meta"):
         model = Transformer(model_args_for(checkpointer))
     load_into(model, state, dtype)

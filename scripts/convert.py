@@ -35,7 +35,7 @@ from waypoint.checkpointers.base import SMALL_FILE_LIMIT  # noqa: E402
 from waypoint.checkpointers.export import export, parse_size  # noqa: E402
 from waypoint.checkpointers.export_check import ExportCheck  # noqa: E402
 from waypoint.checkpointers.hf_source import source_of  # noqa: E402
-from waypoint.checkpointers.load_model import model_args_for  # noqa: E402
+from waypoint.checkpointers.load_model import model_args_for, model_from  # noqa: E402
 from waypoint.checkpointers.overlap import refuse_overlap  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from waypoint.checkpointers.shard_layout import WEIGHT_SUFFIXES  # noqa: E402
@@ -99,7 +99,7 @@ def convert(src: Path, dst: Path, to: str, source_format: str | None = None, mod
         kwargs = {"model_type": model_type} if model_type and fmt != "native" else {}
         ckpt = checkpointer_for(src, output_dir=dst.parent, **kwargs)
         state = ckpt.load_checkpoint()
-        model = input_model(ckpt, state["model"]) if verify else None
+        model = model_from(ckpt, state["model"]) if verify else None  # what the output must compute
     # The output is read back into a fresh model before it is committed, and must compute what the input does
     check = ExportCheck(model) if verify else None
     del model
@@ -116,25 +116,6 @@ def convert(src: Path, dst: Path, to: str, source_format: str | None = None, mod
     if check is not None:
         say(check.line)
     return out
-
-
-def input_model(ckpt, state):
-    """The input as a model (memory-mapped, as loading always is): what the output must compute."""
-    import logging
-
-    import torch
-
-    from waypoint.checkpointers import load_into
-    from waypoint.models import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(model_args_for(ckpt))
-    logging.disable(logging.INFO)
-    try:
-        load_into(model, state)
-    finally:
-        logging.disable(logging.NOTSET)
-    return model
 
 
 def replace_dir(dst: Path, write) -> Path:
