@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,10 +48,14 @@ def probe_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 class ExportCheck:
     """``check(directory)``: load ``directory`` (any format) into a fresh model and compare its probe logits with
-    those of ``model``, taken now. Raises a one-line CheckpointError on a mismatch; ``self.line`` says what was
+    those of ``model``, taken now. ``reload(directory)`` builds that model (a recipe's: its config's model class,
+    filled through its checkpointer); by default the model the directory's own files describe. Raises a one-line CheckpointError on a mismatch; ``self.line`` says what was
     found (``export verified: max |dlogit| 3.1e-07 over 2x64 tokens (0.4 s)``)."""
 
-    def __init__(self, model: nn.Module, shape: tuple[int, int] = PROBE_SHAPE) -> None:
+    def __init__(self, model: nn.Module, shape: tuple[int, int] = PROBE_SHAPE,
+                 report: Callable[[str], None] | None = None, reload: Callable[[Path], nn.Module] | None = None) -> None:
+        self.report = report
+        self.reload = reload  # directory -> a fresh model holding its weights (default: load_model, from its own files)
         self.tokens = probe_tokens(model.args.vocab_size, (shape[0], min(shape[1], model.args.max_seq_len)))
         self.expected = probe_logits(model, self.tokens)
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -63,7 +68,7 @@ class ExportCheck:
         started = time.perf_counter()
         logging.disable(logging.INFO)  # the reload's own load report is not the run's
         try:
-            model = load_model(directory)
+            model = (self.reload or load_model)(Path(directory))
         finally:
             logging.disable(logging.NOTSET)
         got = probe_logits(model, self.tokens)
@@ -81,4 +86,6 @@ class ExportCheck:
         self.max_diff = diff
         self.line = f"export verified: max |dlogit| {diff:.3g} over {batch}x{length} tokens ({time.perf_counter() - started:.2f} s)"
         log.info(self.line)
+        if self.report is not None:
+            self.report(self.line)
         return diff

@@ -16,20 +16,17 @@ the end of training, wait for it), and the time training was blocked is reported
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from waypoint.checkpointers.commit import StagedDir, hash_file
 from waypoint.checkpointers.retention import prune_checkpoints
-from waypoint.checkpointers.dtensor_state import GatheredState, serve_gathers
+from waypoint.checkpointers.step_saver import StepContent, StepSaver
 from waypoint.checkpointers.sharded_checkpoint import DCP_ERRORS, SHARDED_DIR, describe_error, rank_files, save_sharded
 from waypoint.errors import CheckpointError
 
-class ShardedSaver:
+class ShardedSaver(StepSaver):
     """Saves of a multi-process run; ``dist`` is a :class:`waypoint.training.distributed.Distributed`."""
 
     def __init__(self, dist, output_dir: str | Path, keep_last_n: int | None = None, asynchronous: bool = False,
@@ -43,14 +40,10 @@ class ShardedSaver:
         self._pending: Future | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharded-save")
 
-    def save(self, step: int, sharded: Mapping[str, Any], files: Mapping[str, Any],
-             export: tuple[Any, Mapping[str, Any]] | None = None, asynchronous: bool | None = None) -> Path:
-        """Stage and commit ``output_dir/step_{step}``; every rank calls this with its own shards.
-
-        ``sharded``: nested dicts of (D)tensors for DCP; ``files``: name -> object that rank 0 writes
-        with ``torch.save`` (the same on every rank, or only rank 0's is used); ``export``:
-        ``(checkpointer, model_state)`` to write the model in the checkpointer's format as well.
-        """
+    def save(self, step: int, content: StepContent, final: bool = False) -> Path:
+        """Stage and commit ``output_dir/step_{step}``; every rank calls this with its own ``content.sharded``;
+        rank 0 writes ``content.state`` (a final save also the model in the input's format, whose gathers the
+        other ranks serve meanwhile: ``content.serve``). A final save is never asynchronous."""
         started = time.perf_counter()
         self.wait()
         target = self.output_dir / f"step_{step}"
@@ -62,9 +55,10 @@ class ShardedSaver:
             return str(stage.path)
 
         path = Path(self.dist.run_on_main(open_stage))
-        asynchronous = self.asynchronous if asynchronous is None else asynchronous
+        asynchronous = self.asynchronous and not final
         try:
-            writing = save_sharded(sharded, path / SHARDED_DIR, group=self.dist.checkpoint_group, asynchronous=asynchronous)
+            writing = save_sharded(content.sharded, path / SHARDED_DIR, group=self.dist.checkpoint_group,
+                                   asynchronous=asynchronous)
         except DCP_ERRORS as e:  # DCP fails on every rank together
             if stage is not None:
                 stage.discard()
@@ -72,15 +66,11 @@ class ShardedSaver:
         problem = None
         if stage is not None:  # rank 0's part; the others only serve the export's gathers
             try:
-                for name, obj in files.items():
-                    stage.write(name, lambda f, obj=obj: torch.save(obj, f))
-                if export is not None:
-                    with GatheredState(export[1]) as gathered:
-                        export[0].writer({"model": gathered})(stage)
+                content.writer(content.state)(stage)
             except Exception as e:  # reported to every rank below, so none is left waiting
                 problem = f"could not write {target}: {describe_error(e)}"
-        elif export is not None:
-            serve_gathers(export[1])
+        elif content.serve is not None:
+            content.serve()
         problem = self.dist.broadcast(problem)
         if problem is not None:  # every rank stops here, nothing committed
             if writing is not None:
@@ -124,7 +114,12 @@ class ShardedSaver:
                 except Exception as e:  # commit() has removed the staged directory
                     problem = f"could not write {target}: {describe_error(e)}"
                 else:
-                    prune_checkpoints(self.output_dir, self.keep_last_n)
+                    try:
+                        prune_checkpoints(self.output_dir, self.keep_last_n)
+                        if self.publish is not None:
+                            self.publish(target)
+                    except CheckpointError as e:
+                        problem = str(e)
         problem = self.dist.broadcast(problem, group=self.dist.checkpoint_group)
         if problem is not None:
             raise CheckpointError(problem + "; earlier checkpoints are intact")
@@ -142,6 +137,9 @@ class ShardedSaver:
         if self.dist.is_main:
             self.report(f"saved {target} (training waited {waited:.2f} s for it)")
         return target
+
+    def check(self) -> None:
+        pass  # DCP's background write fails on every rank together: wait() raises it at the next save
 
     def close(self) -> None:
         try:

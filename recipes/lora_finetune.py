@@ -31,7 +31,6 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 if importlib.util.find_spec("waypoint") is None:  # a checkout that is not installed: its root holds `waypoint`
@@ -39,17 +38,12 @@ if importlib.util.find_spec("waypoint") is None:  # a checkout that is not insta
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from waypoint.checkpointers import CheckpointError, detect_format, load_into
-from waypoint.checkpointers.base import RECIPE_STATE_FILE
-from waypoint.checkpointers.commit import StagedDir, remove_stale_staging
-from waypoint.checkpointers.dtensor_state import GatheredState, serve_gathers
-from waypoint.checkpointers.peft_adapter import check_targets, hf_converter, load_adapter, write_adapter
-from waypoint.checkpointers.retention import prune_checkpoints
-from waypoint.models.lora import (MergedState, adapter_state, adapter_state_keys, apply_lora, init_adapters, load_adapter_state,
-                                  lora_modules)
+from waypoint.checkpointers.peft_adapter import check_targets, hf_converter, load_adapter
+from waypoint.models.lora import adapter_state_keys, apply_lora, init_adapters, load_adapter_state
 from waypoint.training.collate import padded_collate
 from waypoint.training.config_checks import COMMON, LORA
 from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
@@ -59,28 +53,29 @@ from waypoint.training.fsdp import shard_model
 from waypoint.training.hub import base_model_name
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
-from waypoint.training.run_data import run_data
-from waypoint.training.validation import evaluate
+from waypoint.training.object_store_run import config_as_given
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
-from waypoint.training.optimizer_state import load_whole_optimizer_state, optimizer_state
 from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from waypoint.training.quantize import quantize_base
-from waypoint.training.recipe_state import build_recipe_state, load_recipe_state
-from waypoint.training.resume import (apply_changes, check_config, check_global_batch, choose_checkpoint, restore_position,
-                                      start_fresh)
-from waypoint.training.rng_state import capture_rng
+from waypoint.training.recipe_state import capture_recipe_state
+from waypoint.training.run_data import run_data
+from waypoint.training.run_plan import RunPlan
+from waypoint.training.run_start import RunStart
 from waypoint.training.seed import seed_everything
+from waypoint.training.step_content import ExportReload, MERGED_DIR, adapter_step
+from waypoint.training.step_savers import step_saver
+from waypoint.training.validation import evaluate
 
-MERGED_DIR = "merged"
 # beside training.resume.BREAKING_KEYS: another adapter (targets, rank, alpha, dropout) or another base (4-bit or not)
 LORA_BREAKING = ("lora", "quantize_base", "nf4")
 
 
-def check_lora_config(saved: dict, current: dict, checkpoint: Path) -> None:
+def check_lora_config(saved: dict, current: dict, checkpoint: Path) -> tuple[str, ...]:
     changed = [k for k in LORA_BREAKING if saved.get(k) != current.get(k)]
     if changed:
         raise CheckpointError(f"cannot resume from {checkpoint}: the config changed {', '.join(changed)}; "
                               "restore them, or start a new run with another output_dir (or resume=false overwrite=true)")
+    return LORA_BREAKING
 
 
 def train(cfg: DictConfig, dist: Distributed) -> int:
@@ -89,20 +84,14 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     output_dir = Path(cfg.output_dir)
     device, main = dist.device, dist.is_main
     say = print if main else (lambda *a, **k: None)  # noqa: E731
-    config = OmegaConf.to_container(cfg, resolve=True)
-    if not dist.enabled and (cfg.get("async_checkpoint") or cfg.get("mixed_precision")):
-        say("note: async_checkpoint and mixed_precision apply under torchrun (FSDP2); one process computes in dtype "
-            "and writes each checkpoint before going on")
+    config = config_as_given(cfg)  # what each checkpoint records (URLs, not this machine's local copies)
+    if not dist.enabled and cfg.get("mixed_precision"):
+        say("note: mixed_precision applies under torchrun (FSDP2); one process computes in dtype")
     save_merged = "never" if cfg.get("save_adapter_weights_only", False) else cfg.get("save_merged", "final")
     max_lora_rank = cfg.get("max_lora_rank", 16)
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
-    resume_from = dist.run_on_main(lambda: choose_checkpoint(output_dir, cfg.resume, cfg.overwrite))
-    recipe_state = load_recipe_state(resume_from.path) if resume_from else None
-    changes = check_config(recipe_state["config"], config, resume_from.path) if recipe_state else []
-    if recipe_state:
-        check_lora_config(recipe_state["config"], config, resume_from.path)
-        changes = [c for c in changes if not c[0].startswith(LORA_BREAKING)]
+    start = RunStart(cfg, config, dist, check=check_lora_config)
     seed_everything(cfg.seed)
 
     # Model: the base (always the input checkpoint) on the meta device with the adapters added, sharded
@@ -134,8 +123,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     base_name = base_model_name(checkpointer.checkpoint_dir)
     base_format = detect_format(checkpointer.checkpoint_dir)  # Meta/native inputs get the adapter in their keys too
     own_layout = (base_format, checkpointer.converter) if base_format in ("meta", "native") else None
-    if resume_from:
-        adapter, _ = load_adapter(resume_from.path, converter)
+    if start.checkpoint:
+        adapter, _ = load_adapter(start.path, converter)
         load_adapter_state(model, adapter)
     trainable = [p for p in model.parameters() if p.requires_grad]
     say(f"lora: {len(wrapped)} layers ({', '.join(lora.targets)}), rank {lora.rank}, alpha {lora.alpha}: "
@@ -149,79 +138,41 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     dataset, validation = run_data(cfg, tokenizer, checkpointer, say)
     collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
-    global_batch = cfg.batch_size * accumulate * dist.world_size
-    steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size, cfg.max_steps_per_epoch)
-    total_steps = cfg.epochs * steps_per_epoch
+    plan = RunPlan.from_config(cfg, optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
+                                                              cfg.max_steps_per_epoch), cfg.batch_size * accumulate * dist.world_size)
 
     # Optimizer over the adapter parameters only.
     optimizer = instantiate(cfg.optimizer, params=trainable)
-    scheduler = instantiate(cfg.lr_scheduler, optimizer=optimizer, num_training_steps=total_steps)
+    scheduler = instantiate(cfg.lr_scheduler, optimizer=optimizer, num_training_steps=plan.total_steps)
 
-    global_step, start_epoch, start_step = 0, 0, 0
-    if recipe_state:
-        check_global_batch(recipe_state, global_batch, cfg.batch_size, accumulate, dist.world_size, resume_from.path)
-        if recipe_state["global_step"] >= total_steps:
-            say(f"run already finished: {resume_from.path} is step {recipe_state['global_step']} of {total_steps}; nothing to do")
-            return 0
-        load_whole_optimizer_state(model, optimizer, recipe_state["optimizer"])
-        scheduler.load_state_dict(recipe_state["lr_scheduler"])
-        apply_changes(optimizer, scheduler, changes)  # changed settings take effect now, or are refused
-        global_step, start_epoch, start_step, resume_lines = restore_position(recipe_state, dist.rank, dist.world_size, global_batch)
-        say(f"resuming from {resume_from.path.name} (epoch {start_epoch}, sample {start_step * global_batch}/"
-            f"{steps_per_epoch * global_batch}), {resume_from.files} files verified, {resume_from.bytes / 1e9:.2f} GB")
-        for key, old, new in changes:
-            say(f"note: {key}: {old} -> {new} (takes effect from step {global_step + 1})")
-        for line in resume_lines:
-            say(line)
-    else:
-        dist.run_on_main(lambda: start_fresh(output_dir, cfg.overwrite))  # only now: bad input above leaves output_dir as it was
-    dist.run_on_main(lambda: remove_stale_staging(output_dir))
+    # A resumed run gets its optimizer, scheduler, random states and data position back; a fresh one starts at 0.
+    position = start.restore(optimizer, scheduler, model, plan.global_batch, plan.total_steps, say)
+    if position is None:
+        return 0
+    global_step, start_epoch, start_step = position
     metrics = MetricsLog(output_dir, keep_through_step=global_step, report=tqdm.write,
                          tensorboard_dir=cfg.get("log_dir")) if main else None
+    saver = step_saver(cfg, dist, sharded=False, report=tqdm.write)  # the adapters are small: gathered whole
 
-    def save(next_epoch: int, next_step: int) -> Path:
+    verify = ExportReload(cfg) if cfg.get("verify_export", True) else None  # the final model read back before its commit
+
+    def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
-        # Adapters and their optimizer state are small: gathered whole, written by rank 0, in the same
-        # files whatever the number of processes. The merged model is gathered a tensor at a time.
-        adapter = adapter_state(model)
-        optim = optimizer_state(model, optimizer, whole=True)
-        rng = dist.gather(capture_rng())
-        recipe = build_recipe_state(
-            optimizer=optim, lr_scheduler=scheduler, global_step=global_step, epoch=next_epoch,
-            step_in_epoch=next_step, steps_per_epoch=steps_per_epoch, total_steps=total_steps, seed=cfg.seed,
-            epochs=cfg.epochs, rng=rng[0] if main else None, config=config, world_size=dist.world_size,
-            rng_per_rank=rng if dist.enabled else None,
-            data_position={"epoch": next_epoch, "samples_seen_in_epoch": next_step * global_batch,
-                           "global_batch_size": global_batch, "permutation_seed": cfg.seed})
-        target = output_dir / f"step_{global_step}"
-        merge = save_merged == "every" or (save_merged == "final" and global_step == total_steps)
-        model_state = model.state_dict()
-        scalings = {name: m.scaling for name, m in lora_modules(model).items()}
-
-        def write() -> Path:
-            try:
-                with StagedDir(target) as stage:
-                    write_adapter(stage, model, converter, base_name, max_lora_rank, layout=own_layout, adapter=adapter)
-                    stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe, f))
-                    if merge:  # its own atomic commit, inside step_N's staging directory
-                        with GatheredState(model_state) if dist.enabled else nullcontext(model_state) as whole:
-                            folded = MergedState(whole, scalings, original, sources)
-                            checkpointer.save_to({"model": folded}, stage.path / MERGED_DIR)
-            except OSError as e:
-                raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
-                                      "nothing was committed and earlier checkpoints are intact") from e
-            prune_checkpoints(output_dir, cfg.keep_last_n_checkpoints)
-            return target
-        return dist.run_on_main(write, others=(lambda: serve_gathers(model_state)) if merge else None)
+        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist)
+        content = adapter_step(model, optimizer, recipe, checkpointer, converter=converter, base_name=base_name,
+                               max_lora_rank=max_lora_rank, layout=own_layout, original=original, sources=sources,
+                               merge=save_merged == "every" or (save_merged == "final" and final), dist=dist,
+                               verify=verify, report=tqdm.write)
+        return saver.save(global_step, content, final=final or preempted)
 
     preemption = PreemptionWatch(cfg.preemption_signals)
-    bar = tqdm(total=total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)
+    bar = tqdm(total=plan.total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)
     first_step, saved = global_step + 1, None
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=collate,
                                   start_batch=first * accumulate, rank=dist.rank, world_size=dist.world_size)
-        for step_in_epoch in range(first, steps_per_epoch):
+        for step_in_epoch in range(first, plan.steps_per_epoch):
             started = time.perf_counter()
             micro_batches = [next(batches)[1] for _ in range(accumulate)]
             loss_sum, tokens, aux_loss = forward_backward(model, micro_batches, device, dist)
@@ -238,11 +189,11 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                           grad_norm=grad_norm, tokens_per_s=tokens / (time.perf_counter() - started))
             if aux_loss is not None:  # mixture of experts: the load-balancing loss, logged beside the loss it joins
                 record["aux_loss"] = aux_loss
-            if resume_from and global_step == first_step:  # where a plot marks the resumed segment
+            if start.checkpoint and global_step == first_step:  # where a plot marks the resumed segment
                 record["resumed"] = True
             if main:
                 metrics.write(**record)
-            if validation and validation.due(global_step, total_steps):
+            if validation and validation.due(global_step, plan.total_steps):
                 record["val_loss"] = evaluate(model, validation.dataset, cfg.batch_size, collate, device, dist)
                 if main:
                     metrics.write(step=global_step, val_loss=record["val_loss"])
@@ -251,22 +202,19 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             bar.update()
 
             # Checkpoints at optimizer-step boundaries only; a signal on any rank stops every rank here.
+            saver.check()  # a background save that failed stops the run here
             preempted = dist.any(preemption.requested)
-            epoch_done = step_in_epoch + 1 == steps_per_epoch
-            due = (global_step == total_steps or preempted
-                   or (cfg.save_every_n_steps and global_step % cfg.save_every_n_steps == 0)
-                   or (epoch_done and cfg.save_every_epoch))
-            if due:
-                saved = save(epoch + 1, 0) if epoch_done else save(epoch, step_in_epoch + 1)
-                if main:
-                    bar.write(f"saved {saved}")
-            if preempted and global_step < total_steps:
+            if plan.save_due(global_step, step_in_epoch, preempted):
+                saved = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted)
+            if preempted and global_step < plan.total_steps:
+                saver.close()
                 bar.close()
                 say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
                     "rerun the same command to resume")
                 if cfg.requeue and main:
                     requeue_slurm_job()
                 return PREEMPTED_EXIT_CODE
+    saver.close()
     bar.close()
     if metrics:
         metrics.close()

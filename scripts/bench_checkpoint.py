@@ -9,6 +9,9 @@ the best and the spread (this machine's disk swings several-fold between runs):
   raw      write the same bytes to the same number of files, fsync each
   save     HFCheckpointer.save_checkpoint of an in-memory model, durable (fsync), with its manifest
   save-nohash  the same with the manifest's hashing switched off (the manifest's cost)
+  async    the time training is blocked by an ``async_checkpoint`` save of the same model (WholeStepSaver: the
+           copy into reused CPU staging buffers and the checks; the second save, as in a run past its first),
+           and the host memory those buffers hold
   load     HFCheckpointer.load_checkpoint + meta-device build + assign, every parameter touched
   hf-save  transformers save_pretrained + sync          (when transformers is installed)
   hf-load  transformers from_pretrained, every parameter touched
@@ -138,6 +141,25 @@ def step_save(ckpt: Path, out: Path) -> float:
     return time.perf_counter() - start
 
 
+def step_async(ckpt: Path, out: Path) -> tuple[float, float]:
+    """(seconds training was blocked by the second of two background saves, bytes of staging buffers)."""
+    from waypoint.checkpointers import HFCheckpointer
+    from waypoint.checkpointers.step_saver import StepContent, WholeStepSaver
+    from waypoint.training.distributed import init_distributed
+
+    checkpointer = HFCheckpointer(ckpt, output_dir=out)
+    state = {"model": {k: v.clone() for k, v in checkpointer.load_checkpoint()["model"].items()}}
+    saver = WholeStepSaver(init_distributed("cpu"), out, asynchronous=True, report=lambda line: None)
+    saver.save(1, StepContent(state, checkpointer.writer))
+    saver.wait()
+    reset_peak_rss()
+    start = time.perf_counter()
+    saver.save(2, StepContent(state, checkpointer.writer))
+    blocked = time.perf_counter() - start
+    saver.close()
+    return blocked, saver.staging_bytes
+
+
 def step_save_nohash(ckpt: Path, out: Path) -> float:
     """The same save with the manifest's hashing replaced by nothing: what the manifest costs."""
     import waypoint.checkpointers.commit as commit
@@ -196,11 +218,12 @@ def step_hf_load(ckpt: Path, out: Path) -> float:
     return time.perf_counter() - start
 
 
-WRITERS = ("raw", "save", "save-nohash", "hf-save")
-STEPS = {"raw": step_raw, "save": step_save, "save-nohash": step_save_nohash, "load": step_load, "hf-save": step_hf_save, "hf-load": step_hf_load}
+WRITERS = ("raw", "save", "save-nohash", "async", "hf-save")
+STEPS = {"raw": step_raw, "save": step_save, "save-nohash": step_save_nohash, "async": step_async, "load": step_load,
+         "hf-save": step_hf_save, "hf-load": step_hf_load}
 
 
-def run_child(step: str, ckpt: Path, work: Path) -> tuple[float, float]:
+def run_child(step: str, ckpt: Path, work: Path) -> tuple[float, float, float | None]:
     out = work / f"out-{step}"
     shutil.rmtree(out, ignore_errors=True)
     result = subprocess.run([sys.executable, __file__, "--child", step, str(ckpt), str(out)],
@@ -209,8 +232,7 @@ def run_child(step: str, ckpt: Path, work: Path) -> tuple[float, float]:
     os.sync()  # leave no dirty pages behind: on ext4 one file's fsync can wait for everyone's writeback
     if result.returncode:
         raise RuntimeError(f"step {step} failed:\n{result.stderr[-3000:]}")
-    seconds, rss = json.loads(result.stdout.strip().splitlines()[-1])
-    return seconds, rss
+    return tuple(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
 def main() -> None:
@@ -223,15 +245,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         step, ckpt, out = args.child
-        seconds = STEPS[step](Path(ckpt), Path(out))
-        print(json.dumps([seconds, peak_rss_gb()]))
+        seconds, extra = STEPS[step](Path(ckpt), Path(out)), None
+        if isinstance(seconds, tuple):
+            seconds, extra = seconds
+        print(json.dumps([seconds, peak_rss_gb(), extra]))
         return
 
     try:
         import transformers  # noqa: F401  (is it installed?)
         steps = list(STEPS)
     except ImportError:
-        steps = ["raw", "save", "save-nohash", "load"]
+        steps = ["raw", "save", "save-nohash", "async", "load"]
     work = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench_checkpoint_"))
     try:
         ckpt = work / "ckpt"
@@ -240,11 +264,13 @@ def main() -> None:
         print(f"checkpoint: {total / 1e9:.3f} GB bf16 in {args.shards} shards at {ckpt}")
         times: dict[str, list[float]] = {s: [] for s in steps}
         rss: dict[str, float] = {}
+        staging = 0.0
         for r in range(args.repeats):  # interleaved and rotated, so a slow spell of the disk hits every step alike
             for step in steps[r % len(steps):] + steps[: r % len(steps)]:
                 if step in WRITERS:
                     run_child("raw", ckpt, work)  # untimed: every timed write follows the same disk state
-                seconds, peak = run_child(step, ckpt, work)
+                seconds, peak, extra = run_child(step, ckpt, work)
+                staging = extra if step == "async" else staging
                 times[step].append(seconds)
                 rss[step] = max(rss.get(step, 0.0), peak)
         print(f"{'step':8} {'best s':>8} {'median s':>9} {'spread':>7} {'GB/s':>6} {'peak RSS GB':>11}")
@@ -254,6 +280,8 @@ def main() -> None:
                   f"{total / 1e9 / best:6.2f} {rss[step]:11.2f}")
         best = {s: min(t) for s, t in times.items()}
         print(f"save speed / raw write speed: {best['raw'] / best['save']:.2f}x   (target >= 0.9x)")
+        print(f"async save: training blocked {best['async']:.3f} s = {best['async'] / best['save']:.1%} of a sync save "
+              f"(target < 10%); extra host memory {staging / 1e9:.2f} GB of staging buffers, reused between saves")
         print(f"manifest (hash while writing) cost: {best['save'] / best['save-nohash'] - 1:+.1%} of save time, best vs best; "
               f"{statistics.median(times['save']) / statistics.median(times['save-nohash']) - 1:+.1%} median vs median   (target <= 10%)")
         print(f"load peak RSS / model bytes: {rss['load'] / (total / 1e9):.2f}x; "

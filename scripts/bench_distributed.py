@@ -48,6 +48,7 @@ def worker(checkpoint: str, work: str, device: str, steps: int, seq: int, batch:
 
     from waypoint.checkpointers import HFCheckpointer, build_model, load_into
     from waypoint.checkpointers.sharded_saver import ShardedSaver
+    from waypoint.training.step_content import export_step, shards_step
     from waypoint.training.distributed import init_distributed
     from waypoint.training.fsdp import shard_model
     from waypoint.training.optimizer_state import optimizer_state
@@ -69,7 +70,7 @@ def worker(checkpoint: str, work: str, device: str, steps: int, seq: int, batch:
         Path("/proc/self/clear_refs").write_text("5")
     rss_before = _status_kb("VmRSS")
     t0 = time.perf_counter()
-    ShardedSaver(dist, Path(work) / "export", report=quiet).save(1, {}, {}, export=(checkpointer, model.state_dict()))
+    ShardedSaver(dist, Path(work) / "export", report=quiet).save(1, export_step(checkpointer, model.state_dict()), final=True)
     export_s = time.perf_counter() - t0
     rss_peak = _status_kb("VmHWM")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -100,12 +101,12 @@ def worker(checkpoint: str, work: str, device: str, steps: int, seq: int, batch:
 
     sync = ShardedSaver(dist, Path(work) / "sync", report=quiet)
     t0 = time.perf_counter()
-    sync.save(1, sharded_state(), {})
+    sync.save(1, shards_step(sharded_state()))
     sync_blocked = time.perf_counter() - t0
 
     background = ShardedSaver(dist, Path(work) / "async", asynchronous=True, report=quiet)
     t0 = time.perf_counter()
-    background.save(1, sharded_state(), {})
+    background.save(1, shards_step(sharded_state()))
     async_blocked = time.perf_counter() - t0
     overlapped = train_steps(steps)  # training while the shards are written
     t1 = time.perf_counter()

@@ -23,6 +23,7 @@ import torch  # noqa: E402
 
 from waypoint.checkpointers import HFCheckpointer, build_model, load_into  # noqa: E402
 from waypoint.checkpointers.sharded_saver import ShardedSaver  # noqa: E402
+from waypoint.training.step_content import export_step  # noqa: E402
 from waypoint.training.distributed import init_distributed  # noqa: E402
 from waypoint.training.fsdp import shard_model  # noqa: E402
 
@@ -45,7 +46,7 @@ def main(source: str, output: str) -> None:
     if dist.is_main:
         Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     before = status_kb("VmRSS")
-    ShardedSaver(dist, output, report=lambda line: None).save(1, {}, {}, export=(checkpointer, model.state_dict()))
+    ShardedSaver(dist, output, report=lambda line: None).save(1, export_step(checkpointer, model.state_dict()), final=True)
     peak = status_kb("VmHWM")
     if dist.is_main:
         largest = max(p.stat().st_size for p in (Path(output) / "step_1").glob("*.safetensors"))

@@ -5,6 +5,7 @@ as a cluster would inflict it.
     python tests/interrupt.py signal-twice K SIGNAL -- <recipe args>
     python tests/interrupt.py kill-in-save STEP MOMENT -- <recipe args>
     torchrun ... tests/interrupt.py kill-group-at-step K - -- <recipe args>
+    python tests/interrupt.py kill-in-upload STEP - -- <recipe args>   (an object-store output_dir)
 
 signal-at-step: sends SIGNAL to itself right after optimizer step K is logged (a
 preemption arriving mid-run). kill-in-save: SIGKILLs itself while step STEP's
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import waypoint.checkpointers.commit as commit  # noqa: E402
-from waypoint.checkpointers import HFCheckpointer  # noqa: E402
+from waypoint.checkpointers.step_saver import WholeStepSaver  # noqa: E402
 from recipes import full_finetune, lora_finetune  # noqa: E402
 from waypoint.training.metrics import MetricsLog  # noqa: E402
 
@@ -77,12 +78,12 @@ def kill_in_save(target: int, moment: str) -> None:
     saving = {"now": False}
     files = {"n": 0}
     calls = {"n": 0}
-    save = HFCheckpointer.save_checkpoint
+    save = WholeStepSaver.save
 
-    def patched_save(self, state_dict, step):
+    def patched_save(self, step, content, **kw):
         saving["now"] = step == target
         files["n"] = calls["n"] = 0
-        return save(self, state_dict, step)
+        return save(self, step, content, **kw)
 
     def die():
         os.kill(os.getpid(), signal.SIGKILL)
@@ -112,16 +113,35 @@ def kill_in_save(target: int, moment: str) -> None:
             if (moment, calls["n"]) in (("before-rename", 1), ("after-rename", 2)):
                 die()
 
-    HFCheckpointer.save_checkpoint = patched_save
+    WholeStepSaver.save = patched_save
     commit.HashingFile.close_durably = patched_close
     commit.StagedDir._commit = patched_commit
     commit.fsync_dir = patched_fsync_dir
+
+
+def kill_in_upload(target: int, _: str) -> None:
+    """SIGKILL once step ``target``'s first file is in the object store, before its manifest."""
+    from waypoint.checkpointers.object_store import ObjectStore
+
+    upload = ObjectStore.upload
+
+    def patched(self, local, name=None):
+        if local.name == f"step_{target}":
+            put_file = self.fs.put_file
+
+            def put_then_die(lpath, rpath, **kw):
+                put_file(lpath, rpath, **kw)
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.fs.put_file = put_then_die
+        return upload(self, local, name)
+
+    ObjectStore.upload = patched
 
 
 if __name__ == "__main__":
     mode, a, b, sep, *recipe_args = sys.argv[1:]
     assert sep == "--", "usage: interrupt.py MODE A B -- <recipe args>"
     {"signal-at-step": signal_at_step, "signal-twice": signal_twice, "kill-in-save": kill_in_save,
-     "kill-group-at-step": kill_group_at_step}[mode](int(a), b)
+     "kill-group-at-step": kill_group_at_step, "kill-in-upload": kill_in_upload}[mode](int(a), b)
     recipe = lora_finetune if os.environ.get("INTERRUPT_RECIPE") == "lora" else full_finetune
     sys.exit(recipe.main(recipe_args))

@@ -108,6 +108,7 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "preemption_signals": (True, signals),
     "requeue": (True, boolean),
     "async_checkpoint": (False, boolean),
+    "verify_export": (False, boolean),
     "on_nonfinite": (False, one_of("stop", "skip_step")),
     "optimizer.lr": (False, number(0)),
     "optimizer.weight_decay": (False, number(0)),

@@ -16,6 +16,7 @@ from waypoint.training.cli import run_command
 from waypoint.training.config import parse_config
 from waypoint.training.config_checks import COMMON, Check
 from waypoint.training.distributed import Distributed, init_distributed
+from waypoint.training.object_store_run import object_store_output
 from waypoint.training.run_dir import hold_output_dir
 
 
@@ -29,7 +30,7 @@ def run_recipe(train: Callable[[DictConfig, Distributed], int], argv: list[str] 
         try:
             # swapping_conversions: a parameter converted or loaded after the optimizer exists stays the object
             # the optimizer holds (waypoint.models.swap)
-            with hold_output_dir(cfg, dist), swapping_conversions():  # one run per output_dir, apart from everything it reads
+            with object_store_output(cfg, dist), hold_output_dir(cfg, dist), swapping_conversions():  # one run per output_dir, apart from everything it reads
                 return train(cfg, dist)
         finally:
             dist.close()

@@ -5,6 +5,7 @@ Tensors and plain Python values only, so it loads with ``torch.load(weights_only
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ import torch
 from waypoint.checkpointers.base import RECIPE_STATE_FILE
 from waypoint.checkpointers.file_formats import load_pickle
 from waypoint.errors import CheckpointError
+from waypoint.training.rng_state import capture_rng
+
 FORMAT_VERSION = 1
 # Import names before everything moved under `waypoint` (a saved config's `_target_: checkpointers.build_model`).
 LEGACY_PACKAGES = ("checkpointers.", "converters.", "models.", "training.")
@@ -31,30 +34,52 @@ def _version(package: str) -> str:
         return "unknown"
 
 
-def build_recipe_state(*, optimizer, lr_scheduler, global_step: int, epoch: int, step_in_epoch: int,
-                       steps_per_epoch: int, total_steps: int, seed: int, epochs: int, data_position: dict,
-                       rng: dict, config: dict, **more: Any) -> dict[str, Any]:
-    """The state to resume from: ``epoch``/``step_in_epoch`` name the next optimizer step to take.
+@dataclass
+class RecipeState:
+    """The state to resume from. ``epoch``/``step_in_epoch`` name the next optimizer step to take; the data
+    position is kept in samples of the epoch's permutation, so it holds on another number of processes.
 
-    ``optimizer``: an optimizer, its state dict, or None when a sharded checkpoint holds its tensors;
-    ``more``: further plain entries (``rng_per_rank``, ``optimizer_param_groups``, ``world_size``).
-    """
-    return {
-        "format_version": FORMAT_VERSION,
-        "optimizer": optimizer if optimizer is None or isinstance(optimizer, dict) else optimizer.state_dict(),
-        "lr_scheduler": lr_scheduler.state_dict(),
-        "global_step": global_step,
-        "epoch": epoch,
-        "step_in_epoch": step_in_epoch,
-        "steps_per_epoch": steps_per_epoch,
-        "total_steps": total_steps,
-        "epochs": epochs,
-        "seed": seed,
-        "data_position": data_position,
-        "rng": rng,
-        "config": config,
-        "versions": {"waypoint": _version("waypoint"), "torch": str(torch.__version__)},
-    } | more
+    ``optimizer``: the whole optimizer state dict, or None when a sharded checkpoint's files hold its tensors
+    (then ``optimizer_param_groups`` holds the rest); ``rng``: rank 0's random states, ``rng_per_rank`` every
+    rank's under torchrun. Saved as a plain dict (``as_dict``), so it loads with ``weights_only=True``."""
+
+    global_step: int
+    epoch: int
+    step_in_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    epochs: int
+    seed: int
+    global_batch: int
+    config: dict
+    lr_scheduler: dict
+    optimizer: dict | None
+    rng: dict | None
+    world_size: int = 1
+    rng_per_rank: list | None = None
+    optimizer_param_groups: list | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "global_batch"}
+        plain = {k: v for k, v in plain.items() if v is not None or k in ("optimizer", "rng")}
+        return {"format_version": FORMAT_VERSION} | plain | {
+            "data_position": {"epoch": self.epoch, "samples_seen_in_epoch": self.step_in_epoch * self.global_batch,
+                              "global_batch_size": self.global_batch, "permutation_seed": self.seed},
+            "versions": {"waypoint": _version("waypoint"), "torch": str(torch.__version__)}}
+
+
+def capture_recipe_state(plan, global_step: int, epoch: int, step_in_epoch: int, scheduler, config: dict,
+                         dist) -> RecipeState:
+    """The recipe state after ``global_step`` (the ``step_in_epoch``-th of ``epoch``), for the checkpoint saved
+    there: the next position, the scheduler, every rank's random states (a collective under torchrun). The
+    optimizer state is added by what writes the step (whole, or in a sharded checkpoint's files)."""
+    next_epoch, next_step = plan.next_position(epoch, step_in_epoch)
+    rng = dist.gather(capture_rng())
+    return RecipeState(global_step=global_step, epoch=next_epoch, step_in_epoch=next_step,
+                       steps_per_epoch=plan.steps_per_epoch, total_steps=plan.total_steps, epochs=plan.epochs,
+                       seed=plan.seed, global_batch=plan.global_batch, config=config,
+                       lr_scheduler=scheduler.state_dict(), optimizer=None, rng=rng[0] if rng else None,
+                       world_size=dist.world_size, rng_per_rank=rng if dist.enabled else None)
 
 
 def load_recipe_state(checkpoint_dir: str | Path) -> dict[str, Any]:

@@ -1,0 +1,213 @@
+"""Step checkpoints in an object store (``s3://``, ``gs://``, ``az://``: any fsspec URL whose package is
+installed), committed without a rename.
+
+Object stores have no atomic rename, so a step is committed by its manifest, written last:
+
+1. every file of ``step_N/`` is uploaded (several files at once, large ones as parallel multipart parts);
+2. ``MANIFEST.json`` (each file's size and BLAKE3 hash, from the local commit) is uploaded last;
+3. a step counts as committed only when its manifest exists and every object it lists has the listed size;
+   the hashes are checked on the copy downloaded to resume from.
+
+Retention deletes a step's manifest first, then its objects, so a half-deleted step is never taken for a good
+one. An upload killed half way leaves objects without a manifest, which nothing takes for a checkpoint; a later
+save of the same step first moves them aside (``step_N.partial``), so nothing is deleted silently.
+Endpoint, region and credentials come from the client's usual environment variables and config files
+(``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...) and are never printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tqdm import tqdm
+
+from waypoint.checkpointers.commit import MANIFEST, MANIFEST_VERSION, STEP_DIR, Verification, _safe_relative, fsync_dir, verify
+from waypoint.errors import CheckpointError
+
+URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
+PARALLEL_FILES = 4  # files uploaded at once (each large one in parallel parts as well)
+
+
+def is_url(path) -> bool:
+    """An object-store location (``s3://bucket/prefix``); ``file://`` and plain paths are local."""
+    text = str(path)
+    return bool(URL.match(text)) and not text.startswith("file://")
+
+
+class ObjectStore:
+    """``url``'s prefix, holding ``step_N/`` the way ``output_dir`` holds them on disk."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.url = str(url).rstrip("/")
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        except (ImportError, ValueError) as e:
+            scheme = self.url.split("://")[0]
+            package = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}.get(scheme, f"an fsspec package for {scheme}://")
+            raise CheckpointError(f"{self.url}: cannot open this object store ({e.__class__.__name__}); pip install {package}") from None
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}" if name else self.root
+
+    def where(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    # -- reading ---------------------------------------------------------------------
+    def steps(self) -> list[str]:
+        """Names of the ``step_N`` prefixes, newest (highest N) first, committed or not."""
+        try:
+            entries = self.fs.ls(self.root, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
+        numbered = [(int(STEP_DIR.match(n).group(1)), n) for n in names if STEP_DIR.match(n)]
+        return [n for _, n in sorted(numbered, reverse=True)]
+
+    def manifest(self, name: str) -> dict | None:
+        try:
+            return json.loads(self.fs.cat_file(self.path(f"{name}/{MANIFEST}")))
+        except FileNotFoundError:
+            return None
+
+    def check(self, name: str) -> Verification:
+        """Whether ``name`` is committed: its manifest exists and every object it lists has the listed size."""
+        where = Path(self.where(name))
+        try:
+            manifest = self.manifest(name)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return Verification(where, False, problem=f"unreadable {MANIFEST} ({e.__class__.__name__})")
+        if manifest is None:
+            return Verification(where, False, problem=f"no {MANIFEST} (an upload that did not finish)")
+        if manifest.get("format_version") != MANIFEST_VERSION or not isinstance(manifest.get("files"), dict):
+            return Verification(where, False, problem=f"{MANIFEST} is not a manifest of this version")
+        sizes = {p[len(self.path(name)) + 1:]: info["size"] for p, info in self.fs.find(self.path(name), detail=True).items()}
+        total = 0
+        for file, entry in manifest["files"].items():
+            if not _safe_relative(file):
+                return Verification(where, False, problem=f"{MANIFEST} names {file!r}, outside the checkpoint")
+            if file not in sizes:
+                return Verification(where, False, problem=f"{file} is missing")
+            if sizes[file] != entry["size"]:
+                return Verification(where, False, problem=f"{file} has {sizes[file]} bytes, manifest says {entry['size']}")
+            total += entry["size"]
+        return Verification(where, True, files=len(manifest["files"]), bytes=total)
+
+    def download(self, name: str, local: Path) -> Verification:
+        """Copy committed step ``name`` to ``local`` (which must not exist) and verify every hash there; the copy
+        is staged under a hidden name, so a kill leaves no ``local`` that is half there."""
+        manifest = self.manifest(name)
+        staging = local.with_name(f".{local.name}.download-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        files = list(manifest["files"]) + [MANIFEST]
+        total = sum(e["size"] for e in manifest["files"].values())
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"download {name}", leave=False) as bar:
+            def get(file: str) -> None:
+                target = staging / file
+                target.parent.mkdir(parents=True, exist_ok=True)
+                self.fs.get_file(self.path(f"{name}/{file}"), str(target))
+                bar.update(target.stat().st_size if file != MANIFEST else 0)
+            with ThreadPoolExecutor(PARALLEL_FILES) as pool:
+                list(pool.map(get, files))
+        checked = verify(staging)
+        if not checked.ok:
+            shutil.rmtree(staging, ignore_errors=True)
+            return Verification(Path(self.where(name)), False, problem=checked.problem)
+        os.rename(staging, local)
+        fsync_dir(local.parent)
+        return verify(local, hash_contents=False)
+
+    # -- writing ---------------------------------------------------------------------
+    def upload(self, local: Path, name: str | None = None) -> int:
+        """Upload the committed local step directory ``local`` as ``name``: its files, then its manifest last.
+        Objects already under ``name`` (an upload that did not finish) are moved aside first. Returns the bytes sent."""
+        name = name or local.name
+        manifest = json.loads((local / MANIFEST).read_text())
+        if self.fs.exists(self.path(name)):
+            self.set_aside(name, "partial")
+        files = sorted(manifest["files"], key=lambda f: -manifest["files"][f]["size"])  # the largest first
+        total = sum(e["size"] for e in manifest["files"].values())
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"upload {name}", leave=False) as bar:
+            def put(file: str) -> None:
+                self.fs.put_file(str(local / file), self.path(f"{name}/{file}"))
+                bar.update(manifest["files"][file]["size"])
+            with ThreadPoolExecutor(PARALLEL_FILES) as pool:
+                list(pool.map(put, files))
+        self.fs.put_file(str(local / MANIFEST), self.path(f"{name}/{MANIFEST}"))  # the commit
+        return total
+
+    def delete(self, name: str) -> None:
+        """Remove step ``name``: its manifest first (from then on it is not a checkpoint), then its objects."""
+        try:
+            self.fs.rm_file(self.path(f"{name}/{MANIFEST}"))
+        except FileNotFoundError:
+            pass
+        if self.fs.exists(self.path(name)):
+            self.fs.rm(self.path(name), recursive=True)
+
+    def set_aside(self, name: str, suffix: str) -> str:
+        """Move ``name``'s objects to ``name.<suffix>`` (or ``.<suffix>2``...): copied, then deleted, manifest first."""
+        existing = {e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False, refresh=True)}
+        aside, n = f"{name}.{suffix}", 1
+        while aside in existing:
+            n += 1
+            aside = f"{name}.{suffix}{n}"
+        prefix = self.path(name)
+        for source in self.fs.find(prefix):
+            self.fs.copy(source, self.path(aside) + source[len(prefix):])
+        self.delete(name)
+        return aside
+
+    def prune(self, keep_last_n: int | None) -> list[str]:
+        """Delete committed steps beyond the newest ``keep_last_n`` (only after a newer one committed: the caller
+        prunes after its upload); uncommitted leftovers are never counted or touched."""
+        if not keep_last_n:
+            return []
+        committed = [n for n in self.steps() if self.manifest(n) is not None]
+        for name in committed[keep_last_n:]:
+            self.delete(name)
+        return committed[keep_last_n:]
+
+    def fetch(self, local: Path) -> tuple[int, int]:
+        """Copy everything under the prefix (a checkpoint directory, or one file) to ``local``, skipping files
+        already there with the object's size; (files fetched, bytes fetched). A file is fetched under a hidden
+        name and renamed into place, so a kill never leaves a short file that the size check would take."""
+        if self.fs.isfile(self.root):
+            objects = {"": self.fs.info(self.root)["size"]}
+        else:
+            objects = {p[len(self.root) + 1:]: info["size"] for p, info in self.fs.find(self.root, detail=True).items()}
+        if not objects:
+            raise CheckpointError(f"{self.url}: nothing there")
+        fetched = [(name, size) for name, size in objects.items()
+                   if not ((local / name) if name else local).is_file() or ((local / name) if name else local).stat().st_size != size]
+        total = sum(size for _, size in fetched)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"download {self.url}", leave=False) as bar:
+            def get(item: tuple[str, int]) -> None:
+                name, size = item
+                target = (local / name) if name else local
+                target.parent.mkdir(parents=True, exist_ok=True)
+                part = target.with_name(f".{target.name}.part-{os.getpid()}")
+                self.fs.get_file(self.path(name) if name else self.root, str(part))
+                os.replace(part, target)
+                bar.update(size)
+            with ThreadPoolExecutor(PARALLEL_FILES) as pool:
+                list(pool.map(get, fetched))
+        return len(fetched), total
+
+    def put(self, local: Path, name: str) -> None:
+        """A run file beside the steps (``metrics.jsonl``), replaced whole."""
+        self.fs.put_file(str(local), self.path(name))
+
+    def get(self, name: str, local: Path) -> bool:
+        """Fetch a run file if the store has it."""
+        try:
+            self.fs.get_file(self.path(name), str(local))
+        except FileNotFoundError:
+            return False
+        return True

@@ -1,0 +1,191 @@
+"""One way to save a step: the recipe says what a step checkpoint holds (:class:`StepContent`), a saver writes
+and commits it. ``WholeStepSaver`` has rank 0 write whole files (a single process; LoRA's adapters under
+torchrun), synchronously or, on one process, in the background; ``ShardedSaver`` (``sharded_saver``) has every
+rank write its DCP shards. Both take the same content and commit ``output_dir/step_N`` the same way.
+
+An asynchronous save copies the step's tensors into CPU buffers kept from one save to the next (pinned when the
+model is on CUDA) at the step boundary, checks what it will write, and leaves writing, hashing and committing to
+a background thread while training goes on. At most one save is in flight: the next one waits for it and says
+so. A failure in the background is raised by :meth:`check` at the next step, as one line, and nothing of that
+save is committed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from waypoint.checkpointers.commit import StagedDir
+from waypoint.checkpointers.retention import prune_checkpoints
+from waypoint.errors import CheckpointError
+
+
+@dataclass
+class StepContent:
+    """What one step checkpoint holds.
+
+    ``state``: what rank 0 writes, nested dicts of tensors and plain values (copied at the step boundary for an
+    asynchronous save); ``writer(state)``: checks it and returns the function that writes it into the staged
+    directory; ``sharded``: every rank's tensors for DCP's ``sharded/`` (torchrun); ``serve``: what the other
+    ranks do while rank 0 writes (serve the gathers of a sharded model's export)."""
+
+    state: Mapping[str, Any]
+    writer: Callable[[Mapping[str, Any]], Callable[[StagedDir], None]]
+    sharded: Mapping[str, Any] | None = None
+    serve: Callable[[], None] | None = None
+
+
+class StepSaver:
+    """What the recipes call: ``save`` once per due step, ``check`` every step, ``close`` at the end."""
+
+    blocked_s: float = 0.0  # training time spent in saves, all saves together
+    publish: Callable[[Path], None] | None = None  # after each commit (rank 0): the upload to an object store
+
+    def save(self, step: int, content: StepContent, final: bool = False) -> Path:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise the error of a background save that failed (nothing of it was committed)."""
+
+    def close(self) -> None:
+        """Wait for the save in flight, if any."""
+
+
+class CpuStaging:
+    """Copies of a step's tensors in CPU buffers that are reused by the next save of the same shapes (pinned when
+    the tensors are on CUDA, so the copies are asynchronous DMA), and plain values copied as they are."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._seen: dict[tuple, torch.Tensor] = {}
+        self.nbytes = 0  # host memory the buffers hold
+
+    def copy(self, state: Any, path: str = "") -> Any:
+        self._seen = {}  # one tensor under two names (tied embeddings) stays one tensor in the copy
+        copied = self._copy(state, path)
+        self._seen = {}
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies have landed
+        return copied
+
+    def _copy(self, value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, path)
+        if isinstance(value, Mapping):
+            return {k: self._copy(v, f"{path}/{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(v, f"{path}/{i}") for i, v in enumerate(value))
+        return value  # ints, floats, strings, None: immutable
+
+    def _tensor(self, tensor: torch.Tensor, path: str) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.device.type == "meta" or type(tensor) is not torch.Tensor:
+            return tensor.clone()  # tensor subclasses (NF4) and placeholders: a plain copy
+        view = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                tensor.stride(), tensor.dtype)
+        if view in self._seen:
+            return self._seen[view]
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            pin = tensor.device.type == "cuda"
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+            if path in self._buffers:
+                self.nbytes -= self._buffers[path].nbytes
+            self._buffers[path] = buffer
+            self.nbytes += buffer.nbytes
+        buffer.copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        self._seen[view] = buffer
+        return buffer
+
+
+class WholeStepSaver(StepSaver):
+    """Rank 0 writes the step's files and commits them; the other ranks run ``content.serve`` meanwhile.
+    ``asynchronous`` (one process only): non-final saves are written in the background."""
+
+    def __init__(self, dist, output_dir: str | Path, keep_last_n: int | None = None, asynchronous: bool = False,
+                 report: Callable[[str], None] = print) -> None:
+        self.dist, self.output_dir, self.keep_last_n, self.report = dist, Path(output_dir), keep_last_n, report
+        self.asynchronous = asynchronous and not dist.enabled
+        self.blocked_s = 0.0
+        self._staging = CpuStaging()
+        self._pending: Future | None = None
+        self._failure: BaseException | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-save") if self.asynchronous else None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held for asynchronous saves."""
+        return self._staging.nbytes
+
+    def save(self, step: int, content: StepContent, final: bool = False, background: bool | None = None) -> Path:
+        """Write and commit ``output_dir/step_{step}``; in the background unless ``final`` (or ``background=False``:
+        a preemption's save, which must be on disk before the process exits)."""
+        started = time.perf_counter()
+        self.wait()
+        target = self.output_dir / f"step_{step}"
+        background = self.asynchronous and not final and background is not False
+        if background:
+            write = content.writer(self._staging.copy(content.state))  # checked now, at the step boundary
+            self._pending = self._executor.submit(self._write, target, write)
+            blocked = time.perf_counter() - started
+            self.blocked_s += blocked
+            self.report(f"saving {target.name} in the background; training blocked {blocked:.2f} s")
+            return target
+
+        def write_now() -> Path:
+            return self._write(target, content.writer(content.state))
+        saved = self.dist.run_on_main(write_now, others=content.serve)
+        blocked = time.perf_counter() - started
+        self.blocked_s += blocked
+        if self.dist.is_main:
+            self.report(f"saved {saved} in {blocked:.2f} s")
+        return saved
+
+    def _write(self, target: Path, write: Callable[[StagedDir], None]) -> Path:
+        try:
+            with StagedDir(target) as stage:
+                write(stage)
+        except OSError as e:
+            raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
+                                  "nothing was committed and earlier checkpoints are intact") from e
+        prune_checkpoints(self.output_dir, self.keep_last_n)
+        if self.publish is not None:
+            self.publish(target)
+        return target
+
+    def check(self) -> None:
+        if self._pending is not None and self._pending.done():
+            self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (if any) is committed; its error is raised here."""
+        if self._pending is None:
+            return None
+        started, pending = time.perf_counter(), self._pending
+        if not pending.done():
+            self.report("waiting for the previous checkpoint to finish writing")
+        self._pending = None
+        try:
+            target = pending.result()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"the background checkpoint save failed: {e} ({e.__class__.__name__}); nothing of it "
+                                  "was committed and earlier checkpoints are intact") from e
+        waited = time.perf_counter() - started
+        self.blocked_s += waited
+        self.report(f"saved {target}" + (f" (training waited {waited:.2f} s for it)" if waited > 0.01 else ""))
+        return target
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)

@@ -1,0 +1,159 @@
+"""Checkpoints in an object store: a real S3 API (moto's server on 127.0.0.1) through the real s3fs client.
+
+The commit protocol (files, then the manifest), what counts as committed (a truncated object, a deleted manifest,
+a missing part, a corrupt byte), retention, the lock, and a fine-tune to ``s3://`` killed during an upload and
+resumed bit-exactly on a machine without the local mirror."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from waypoint.checkpointers.commit import StagedDir
+from waypoint.errors import CheckpointError
+from tests.conftest import ROOT
+from tests.test_resume import weights
+from tests.s3_server import new_bucket, s3_server
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    with s3_server() as url:
+        yield url
+
+
+@pytest.fixture
+def store(endpoint):
+    from waypoint.checkpointers.object_store import ObjectStore
+
+    return ObjectStore(f"s3://{new_bucket()}/run")
+
+
+def committed_step(tmp_path, name, files):
+    with StagedDir(tmp_path / name) as stage:
+        for file, data in files.items():
+            stage.write_bytes(file, data)
+    return tmp_path / name
+
+
+def test_a_step_is_committed_by_its_manifest_and_every_object_it_lists(store, tmp_path):
+    local = committed_step(tmp_path, "step_2", {"model.safetensors": os.urandom(3000), "recipe_state.pt": b"x" * 100})
+    assert store.upload(local) == 3100
+    assert store.check("step_2").ok and store.steps() == ["step_2"]
+
+    fs, path = store.fs, store.path
+    fs.pipe_file(path("step_2/model.safetensors"), b"short")  # a truncated object
+    assert "has 5 bytes, manifest says 3000" in store.check("step_2").problem
+    fs.rm_file(path("step_2/model.safetensors"))  # a missing part
+    assert store.check("step_2").problem == "model.safetensors is missing"
+    fs.rm_file(path("step_2/MANIFEST.json"))  # an upload that never finished
+    assert "no MANIFEST.json" in store.check("step_2").problem
+
+
+def test_download_verifies_every_hash(store, tmp_path):
+    data = os.urandom(5000)
+    store.upload(committed_step(tmp_path, "step_1", {"a.bin": data}))
+    (tmp_path / "copy").mkdir()
+    got = store.download("step_1", tmp_path / "copy" / "step_1")
+    assert got.ok and (tmp_path / "copy/step_1/a.bin").read_bytes() == data
+    store.fs.pipe_file(store.path("step_1/a.bin"), bytes([data[0] ^ 1]) + data[1:])  # same size, one bit flipped
+    bad = store.download("step_1", tmp_path / "copy" / "again")
+    assert not bad.ok and "does not match its hash" in bad.problem
+    assert not (tmp_path / "copy/again").exists() and not list((tmp_path / "copy").glob(".*"))
+
+
+def test_retention_deletes_only_committed_steps_older_than_the_newest(store, tmp_path):
+    for step in (1, 2, 3):
+        store.upload(committed_step(tmp_path, f"step_{step}", {"w": bytes([step]) * 10}))
+    store.fs.pipe_file(store.path("step_9/w"), b"partial")  # a killed upload: never counted, never deleted
+    assert store.prune(2) == ["step_1"]
+    assert store.steps() == ["step_9", "step_3", "step_2"]
+    # a new upload over leftover objects moves them aside first: nothing is deleted silently
+    store.upload(committed_step(tmp_path, "step_9", {"w": b"z" * 10}))
+    assert store.check("step_9").ok and store.fs.cat_file(store.path("step_9.partial/w")) == b"partial"
+
+
+def test_one_run_per_prefix(store):
+    from waypoint.training.object_store_run import StoreLease
+
+    first = StoreLease(store)
+    first.acquire()
+    second = StoreLease(store)
+    second.me = second.me | {"host": "elsewhere"}
+    try:
+        store.fs.pipe_file(first.path, json.dumps(first.me | {"host": "node7", "expires": 4e9}).encode())
+        with pytest.raises(CheckpointError, match=r"is in use by another run \(host node7, pid"):
+            second.acquire()
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        store.fs.pipe_file(first.path, json.dumps(first.me | {"pid": int(gone.stdout), "expires": 4e9}).encode())
+        second.me = first.me | {"pid": os.getpid()}
+        second.acquire()  # its holder was a process of this host that is gone (a SIGKILL): taken over
+        second.release()
+        assert not store.fs.exists(first.path)
+    finally:
+        first._stop.set()
+
+
+def run(out, *overrides, fault=None, cache=None):
+    cmd = [sys.executable, str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [sys.executable, str(ROOT / "recipes/full_finetune.py")]
+    cmd += ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides]
+    if not any(o.startswith("checkpointer.checkpoint_dir=") for o in overrides):
+        cmd.append(f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}")
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "WAYPOINT_CACHE": str(cache)})
+
+
+BASE = [f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", "epochs=1", "max_steps_per_epoch=8",
+        "model.attn_dropout=0.1", "keep_last_n_checkpoints=1", "save_every_n_steps=3"]
+
+
+def losses(lines):
+    return [json.loads(line)["loss"] for line in lines.splitlines() if '"loss"' in line]
+
+
+@pytest.mark.slow
+def test_fine_tune_to_s3_killed_during_an_upload_resumes_bit_exactly(endpoint, tmp_path):
+    from waypoint.checkpointers.object_store import ObjectStore
+
+    reference = tmp_path / "local"
+    done = run(reference, cache=tmp_path / "unused")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    bucket = new_bucket()  # the input comes from the store too: cached on each machine with a size check
+    model = ObjectStore(f"s3://{bucket}/models/tiny_llama")
+    for f in (ROOT / "assets/tiny_llama").iterdir():
+        model.fs.put_file(str(f), model.path(f.name))
+    url, source = f"s3://{bucket}/runs/tiny", f"checkpointer.checkpoint_dir={model.url}"
+    killed = run(url, source, fault=["kill-in-upload", "6", "-"], cache=tmp_path / "node_a")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    store = ObjectStore(url)
+    assert store.steps() == ["step_6", "step_3"] and not store.check("step_6").ok  # half uploaded: not a checkpoint
+    assert store.check("step_3").ok
+
+    # another machine: no local mirror; it resumes from the newest committed step
+    resumed = run(url, source, cache=tmp_path / "node_b")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"{model.url}: {len(list((ROOT / 'assets/tiny_llama').iterdir()))} files" in resumed.stdout
+    assert "downloaded s3://" in resumed.stdout and "resuming from step_3" in resumed.stdout
+    assert "uploaded s3://" in resumed.stdout and "MB/s" in resumed.stdout
+    assert store.steps() == ["step_8"] and store.check("step_8").ok
+    assert store.fs.exists(store.path("step_6.partial")), "the killed upload's objects were deleted, not set aside"
+    assert not store.fs.exists(store.path(".waypoint.lock")), "the lock outlived the run"
+
+    # the same losses as the run that never stopped, and the same final weights
+    assert losses(store.fs.cat_file(store.path("metrics.jsonl")).decode()) == losses((reference / "metrics.jsonl").read_text())
+    copy = tmp_path / "final"
+    copy.mkdir()
+    store.download("step_8", copy / "step_8")
+    mine, theirs = weights(copy / "step_8"), weights(reference / "step_8")
+    assert mine and mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    shutil.rmtree(copy)
