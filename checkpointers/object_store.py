@@ -39,6 +39,28 @@ def is_url(path) -> bool:
     return bool(URL.match(text)) and not text.startswith("file://")
 
 
+def cache_dir() -> Path:
+    """Where object-store inputs and run mirrors are kept locally: ``$WAYPOINT_CACHE`` or ``~/.cache/waypoint``."""
+    return Path(os.environ.get("WAYPOINT_CACHE", "~/.cache/waypoint")).expanduser()
+
+
+def input_copy_path(url: str) -> Path:
+    return cache_dir() / "inputs" / str(url).rstrip("/").replace("://", "/", 1)
+
+
+def local_copy(path, say=None) -> Path:
+    """``path`` itself when local; for a URL its local copy (``fetch``: files already cached with the object's size
+    are kept). Every script that reads a checkpoint goes through this, so a step in an object store is read by
+    the same code as one on disk."""
+    if not is_url(path):
+        return Path(path)
+    local = input_copy_path(str(path))
+    files, size = ObjectStore(str(path)).fetch(local)
+    if say is not None:
+        say(f"{path}: {files} files ({size / 1e9:.2f} GB) downloaded to {local}" if files else f"{path}: cached at {local}")
+    return local
+
+
 class ObjectStore:
     """``url``'s prefix, holding ``step_N/`` the way ``output_dir`` holds them on disk."""
 

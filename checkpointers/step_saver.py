@@ -123,14 +123,13 @@ class WholeStepSaver(StepSaver):
         """Host memory held for asynchronous saves."""
         return self._staging.nbytes
 
-    def save(self, step: int, content: StepContent, final: bool = False, background: bool | None = None) -> Path:
-        """Write and commit ``output_dir/step_{step}``; in the background unless ``final`` (or ``background=False``:
-        a preemption's save, which must be on disk before the process exits)."""
+    def save(self, step: int, content: StepContent, final: bool = False) -> Path:
+        """Write and commit ``output_dir/step_{step}``; in the background unless ``final`` (the run's last save, or
+        a preemption's, which must be on disk before the process exits)."""
         started = time.perf_counter()
         self.wait()
         target = self.output_dir / f"step_{step}"
-        background = self.asynchronous and not final and background is not False
-        if background:
+        if self.asynchronous and not final:
             write = content.writer(self._staging.copy(content.state))  # checked now, at the step boundary
             self._pending = self._executor.submit(self._write, target, write)
             blocked = time.perf_counter() - started

@@ -4,7 +4,8 @@
     python recipes/generate.py --config configs/generate.yaml checkpoint_dir=... chat=true      # a conversation on stdin
     python recipes/generate.py --config configs/generate.yaml checkpoint_dir=BASE adapter_dir=outputs/run/step_N
 
-``checkpoint_dir`` is any checkpoint the checkpointers read (HF, Meta, native; a run's ``step_N`` or its ``merged/``);
+``checkpoint_dir`` is any checkpoint the checkpointers read (HF, Meta, native; a run's ``step_N`` or its ``merged/``;
+a torchrun run's sharded step; on disk or an object-store URL, copied to the local cache first);
 ``adapter_dir`` a PEFT LoRA adapter (ours or PEFT's) merged onto it for the session. Prompts go through the
 checkpoint's chat template (or ``chat_template``: a built-in name or a .jinja file) when it has one, as plain text
 otherwise; generation stops at the end-of-sequence and the template's end-of-turn tokens. Each reply ends with the
@@ -25,6 +26,8 @@ import torch  # noqa: E402
 
 from waypoint.checkpointers import checkpointer_for, load_into  # noqa: E402
 from waypoint.checkpointers.load_model import model_args_for  # noqa: E402
+from waypoint.checkpointers.object_store import local_copy  # noqa: E402
+from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from waypoint.checkpointers.peft_adapter import hf_converter, load_adapter  # noqa: E402
 from waypoint.models import Transformer, parse_dtype  # noqa: E402
 from waypoint.models.generate import Sampling, generate  # noqa: E402
@@ -33,30 +36,38 @@ from waypoint.training.chat_template import ChatTemplateError, load_chat_templat
 from waypoint.training.cli import run_command  # noqa: E402
 from waypoint.training.config import parse_config  # noqa: E402
 from waypoint.training.config_checks import GENERATE  # noqa: E402
+from waypoint.training.step_model import sharded_step_model  # noqa: E402
 from waypoint.training.stop_tokens import end_of_turn, end_of_turn_text, stop_token_ids  # noqa: E402
 from waypoint.training.tokenizer import load_tokenizer  # noqa: E402
 
 
-def load(cfg) -> Transformer:
-    """The checkpoint's model, with ``adapter_dir``'s LoRA merged in, in ``dtype`` on ``device``, for inference."""
-    checkpointer = checkpointer_for(cfg.checkpoint_dir, output_dir=Path(cfg.checkpoint_dir).parent)
-    state = checkpointer.load_checkpoint()["model"]
+def load(cfg) -> tuple[Transformer, Path]:
+    """The checkpoint's model, with ``adapter_dir``'s LoRA merged in, in ``dtype`` on ``device``, for inference; and
+    the directory holding its tokenizer (a torchrun step's is its run's input)."""
+    directory = local_copy(cfg.checkpoint_dir, say=lambda line: print(line, file=sys.stderr))  # s3://...: a local copy
+    if holds_sharded_model(directory):  # a torchrun step: the run's model class and input, the weights from the shards
+        checkpointer, loaded, _ = sharded_step_model(directory)
+        state, tokenizer_dir = loaded["model"], checkpointer.checkpoint_dir
+    else:
+        checkpointer = checkpointer_for(directory, output_dir=directory.parent)
+        state, tokenizer_dir = checkpointer.load_checkpoint()["model"], directory
     args = model_args_for(checkpointer)
     if cfg.get("adapter_dir"):
-        adapter, config = load_adapter(cfg.adapter_dir, hf_converter(checkpointer, args))
+        adapter_dir = local_copy(cfg.adapter_dir, say=lambda line: print(line, file=sys.stderr))
+        adapter, config = load_adapter(adapter_dir, hf_converter(checkpointer, args))
         state = merge_state_dict(state, adapter, float(config["lora_alpha"]) / int(config["r"]))
     with torch.device("meta"):
         model = Transformer(args)
     load_into(model, state, parse_dtype(cfg.dtype))
-    return model.to(cfg.device).eval()
+    return model.to(cfg.device).eval(), Path(tokenizer_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv, description=__doc__.splitlines()[0], example="configs/generate.yaml", checks=GENERATE)
 
     def run() -> int:
-        model = load(cfg)
-        tokenizer = load_tokenizer(cfg.checkpoint_dir)
+        model, tokenizer_dir = load(cfg)
+        tokenizer = load_tokenizer(tokenizer_dir)
         try:
             template = load_chat_template(tokenizer, cfg.get("chat_template"))
         except ChatTemplateError:

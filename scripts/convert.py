@@ -9,6 +9,7 @@ replaces it only once the new output is complete. OUT_DIR may not be IN_DIR, lie
 contain it (real paths: symlinks are followed). Before the output is committed it is read back into a
 fresh model whose logits on a fixed 2x64-token probe must match the input's (``--no-verify`` skips it).
 
+IN_DIR may be an object-store URL (``s3://bucket/run/step_400``): it is copied to the local cache first.
 IN_DIR may also be a sharded step checkpoint of a torchrun run (``step_N/sharded/``): its
 model is read from the shards and written in the format, files and key -> file map of the
 run's input checkpoint (``--to`` its format), or converted further. One process holds the
@@ -36,10 +37,12 @@ from waypoint.checkpointers.export import export, parse_size  # noqa: E402
 from waypoint.checkpointers.export_check import ExportCheck  # noqa: E402
 from waypoint.checkpointers.hf_source import source_of  # noqa: E402
 from waypoint.checkpointers.load_model import model_args_for, model_from  # noqa: E402
+from waypoint.checkpointers.object_store import local_copy  # noqa: E402
 from waypoint.checkpointers.overlap import refuse_overlap  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from waypoint.checkpointers.shard_layout import WEIGHT_SUFFIXES  # noqa: E402
 from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
+from waypoint.training.step_model import sharded_step_model  # noqa: E402
 
 SKIPPED = {"config.json", "params.json", "waypoint_model.json", "MANIFEST.json", "model.safetensors.index.json",
            "pytorch_model.bin.index.json", "recipe_state.pt", "extra_state.pt", "hf_source.json"}
@@ -63,24 +66,6 @@ def special_token_ids(directory: Path) -> dict[str, int]:
     return {k: v for k, v in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id)) if v is not None}
 
 
-def sharded_run_model(step_dir: Path, output_dir: Path):
-    """(checkpointer of the run's input, the state to write, the run's model filled from the step's shards) for a
-    sharded step."""
-    import torch
-    from hydra.utils import instantiate
-
-    from waypoint.checkpointers.load_model import load_sharded_into
-    from waypoint.training.recipe_state import load_recipe_state
-
-    config = load_recipe_state(step_dir)["config"]
-    ckpt = instantiate(config["checkpointer"], output_dir=str(output_dir))
-    ckpt.load_checkpoint()  # the input's layout, for writing the same files
-    with torch.device("meta"):
-        model = instantiate(config["model"])
-    load_sharded_into(model, step_dir, dtype=config.get("dtype"))
-    return ckpt, {"model": model.state_dict()}, model
-
-
 def convert(src: Path, dst: Path, to: str, source_format: str | None = None, model_type: str | None = None,
             max_shard_size: str | None = None, num_shards: int | None = None, overwrite: bool = False,
             verify: bool = True, say=print) -> Path:
@@ -92,7 +77,7 @@ def convert(src: Path, dst: Path, to: str, source_format: str | None = None, mod
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not overwrite:
         raise CheckpointError(f"{dst}: not empty; choose another directory or pass --overwrite")
     if sharded:
-        ckpt, state, model = sharded_run_model(src, dst.parent)
+        ckpt, state, model = sharded_step_model(src, dst.parent)
         fmt, src = detect_format(ckpt.checkpoint_dir), ckpt.checkpoint_dir
         refuse_overlap(dst, {"the run's input": src}, "the output")
     else:
@@ -147,7 +132,7 @@ def size(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("input", type=Path)
+    parser.add_argument("input", help="a checkpoint directory, or its object-store URL (s3://bucket/run/step_400)")
     parser.add_argument("output", type=Path)
     parser.add_argument("--to", required=True, choices=["hf", "meta", "native"])
     parser.add_argument("--from", dest="source_format", choices=["hf", "meta", "native"], help="default: detected")
@@ -163,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> int:
-        out = convert(args.input, args.output, args.to, args.source_format, args.model_type, args.max_shard_size,
+        out = convert(local_copy(args.input, say=print), args.output, args.to, args.source_format, args.model_type, args.max_shard_size,
                       args.num_shards, args.overwrite, verify=args.verify)
         print(f"wrote {out}")
         return 0

@@ -7,7 +7,8 @@ folded by layer with shapes and dtypes, total parameters and bytes, tied tensors
 and whether a Waypoint manifest verifies (the exit status is 1 when it does not, or when the
 checkpoint cannot be read). Nothing is loaded beyond the headers (safetensors) or memory-mapped
 (PyTorch files). DIR may also be an intermediate step of a torchrun run (``step_N/sharded/``, DCP):
-its model keys come from DCP's metadata, and the run's input from ``recipe_state.pt``'s config.
+its model keys come from DCP's metadata, and the run's input from ``recipe_state.pt``'s config. DIR may be
+an object-store URL (``s3://bucket/run/step_400``), copied to the local cache first and read the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from waypoint.checkpointers.commit import MANIFEST, verify  # noqa: E402
 from waypoint.checkpointers.file_formats import SAFETENSORS, format_of, load_pickle  # noqa: E402
 from waypoint.checkpointers.load_report import fold_keys  # noqa: E402
 from waypoint.checkpointers.native_checkpointer import ALIASES_KEY  # noqa: E402
+from waypoint.checkpointers.object_store import local_copy  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
 
@@ -149,11 +151,11 @@ def describe(directory: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0 when the checkpoint reads (and its manifest, if any, verifies), 1 otherwise."""
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("directory", type=Path)
+    parser.add_argument("directory", help="a checkpoint directory, or its object-store URL (s3://bucket/run/step_400)")
     args = parser.parse_args(argv)
 
     def run() -> int:
-        lines = describe(args.directory)
+        lines = describe(local_copy(args.directory, say=print))
         print("\n".join(lines))
         return 1 if any(line.startswith("manifest: FAILS") for line in lines) else 0
     return run_command(run)

@@ -61,3 +61,19 @@ def test_a_failed_background_save_stops_the_run_with_nothing_committed(tmp_path,
     assert not list(tmp_path.glob(".step_*")), "a half-written step was left behind"
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert max(steps) <= 6, "the run went on long after its save failed"
+
+
+def test_lora_async_saves_hold_the_adapters_and_merged_models_of_their_step(tmp_path):
+    """Adapters, their optimizer state and the merged model (save_merged=every) written in the background are those
+    of the step they were staged at, bitwise the synchronous run's."""
+    from recipes import lora_finetune
+
+    lora = ["--config", str(ROOT / "configs/tiny_lora.yaml"), f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}",
+            f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", "epochs=1", "max_steps_per_epoch=6",
+            "save_every_n_steps=2", "keep_last_n_checkpoints=null", "save_merged=every"]
+    for mode in ("false", "true"):
+        assert lora_finetune.main([*lora, f"output_dir={tmp_path / mode}", f"async_checkpoint={mode}"]) == 0
+    for step in ("step_2", "step_4", "step_6"):
+        for sub in ("", "merged"):
+            mine, theirs = weights(tmp_path / "true" / step / sub), weights(tmp_path / "false" / step / sub)
+            assert mine and mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), (step, sub)

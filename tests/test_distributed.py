@@ -29,7 +29,7 @@ WEIGHT_TOLERANCE = 2e-5  # after 8 AdamW steps at lr 3e-3 (measured: 3e-6)
 
 
 def run(out: Path, *overrides: str, processes: int = 1, fault: list[str] | None = None,
-        source: Path | None = None, recipe: str = "full") -> subprocess.CompletedProcess:
+        source: Path | None = None, recipe: str = "full", env: dict | None = None) -> subprocess.CompletedProcess:
     """A recipe (``full`` or ``lora``) on ``processes`` CPU processes (torchrun when more than one), global batch 8."""
     script = ([str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault
               else [str(ROOT / f"recipes/{recipe}_finetune.py")])
@@ -40,7 +40,7 @@ def run(out: Path, *overrides: str, processes: int = 1, fault: list[str] | None 
     config = ROOT / ("configs/tiny.yaml" if recipe == "full" else "configs/tiny_lora.yaml")
     cmd = [*launcher, *script, "--config", str(config), f"output_dir={out}", *BASE, *overrides]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_RECIPE": recipe})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_RECIPE": recipe, **(env or {})})
 
 
 def losses(out: Path) -> list[float]:
@@ -177,6 +177,25 @@ def test_inspect_shows_a_sharded_step(two_processes, capsys):
     assert "sharded step checkpoint of a 2-process torchrun run (DCP), step 6" in out and "2 shard file(s)" in out
     assert "layers.{0..3}.mlp.w1.weight" in out and "[352, 128]" in out and "total: 869,504 parameters" in out
     assert "manifest: verified" in out
+
+
+def test_generate_reads_a_sharded_step(two_processes, tmp_path):
+    """recipes/generate.py talks to a torchrun intermediate step as to any checkpoint: the model it builds from the
+    shards is bitwise the one from that step converted to the input's format, and it replies."""
+    from omegaconf import OmegaConf
+
+    from recipes import generate
+    from scripts import convert
+
+    assert convert.main([str(two_processes / "step_6"), str(tmp_path / "hf"), "--to", "hf", "--no-verify"]) == 0
+    models = [generate.load(OmegaConf.create({"checkpoint_dir": str(d), "dtype": "fp32", "device": "cpu"}))
+              for d in (two_processes / "step_6", tmp_path / "hf")]
+    (sharded, tokenizer_dir), (converted, _) = models
+    assert tokenizer_dir == ROOT / "assets/tiny_llama"  # the run's input: a sharded step has no tokenizer of its own
+    mine, theirs = sharded.state_dict(), converted.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert generate.main(["--config", str(ROOT / "configs/generate.yaml"), f"checkpoint_dir={two_processes / 'step_6'}",
+                          "prompt=Hi", "max_new_tokens=4"]) == 0
 
 
 @pytest.mark.slow

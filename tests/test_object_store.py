@@ -121,7 +121,7 @@ def losses(lines):
 
 
 @pytest.mark.slow
-def test_fine_tune_to_s3_killed_during_an_upload_resumes_bit_exactly(endpoint, tmp_path):
+def test_fine_tune_to_s3_killed_during_an_upload_resumes_bit_exactly(endpoint, tmp_path, monkeypatch):
     from waypoint.checkpointers.object_store import ObjectStore
 
     reference = tmp_path / "local"
@@ -149,6 +149,11 @@ def test_fine_tune_to_s3_killed_during_an_upload_resumes_bit_exactly(endpoint, t
     assert store.fs.exists(store.path("step_6.partial")), "the killed upload's objects were deleted, not set aside"
     assert not store.fs.exists(store.path(".waypoint.lock")), "the lock outlived the run"
 
+    # a step in the store is read by the same code as one on disk
+    from scripts import inspect as inspect_script
+    monkeypatch.setenv("WAYPOINT_CACHE", str(tmp_path / "inspecting"))
+    assert inspect_script.main([f"{url}/step_8"]) == 0
+
     # the same losses as the run that never stopped, and the same final weights
     assert losses(store.fs.cat_file(store.path("metrics.jsonl")).decode()) == losses((reference / "metrics.jsonl").read_text())
     copy = tmp_path / "final"
@@ -157,3 +162,20 @@ def test_fine_tune_to_s3_killed_during_an_upload_resumes_bit_exactly(endpoint, t
     mine, theirs = weights(copy / "step_8"), weights(reference / "step_8")
     assert mine and mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     shutil.rmtree(copy)
+
+
+@pytest.mark.slow
+def test_torchrun_to_s3_resumes_on_another_number_of_processes(endpoint, tmp_path):
+    from waypoint.checkpointers.object_store import ObjectStore
+    from tests.test_distributed import run as run_distributed
+
+    url = f"s3://{new_bucket()}/runs/sharded"
+    env = {"WAYPOINT_CACHE": str(tmp_path / "node_a")}
+    killed = run_distributed(url, processes=2, fault=["kill-group-at-step", "5", "-"], env=env)
+    assert killed.returncode != 0
+    store = ObjectStore(url)
+    assert store.check("step_4").ok and any(f.startswith("sharded/") for f in store.manifest("step_4")["files"])
+    resumed = run_distributed(url, processes=1, env={"WAYPOINT_CACHE": str(tmp_path / "node_b")})
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from step_4" in resumed.stdout and "2 -> 1 processes" in resumed.stdout
+    assert store.check("step_8").ok

@@ -28,7 +28,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from waypoint.checkpointers.commit import step_dirs
-from waypoint.checkpointers.object_store import ObjectStore, is_url
+from waypoint.checkpointers.object_store import ObjectStore, cache_dir, input_copy_path, is_url, local_copy
 from waypoint.errors import CheckpointError
 
 LOCK = ".waypoint.lock"
@@ -39,8 +39,7 @@ METRICS = "metrics.jsonl"
 
 def mirror_dir(url: str) -> Path:
     """Where a run on ``url`` works locally."""
-    cache = Path(os.environ.get("WAYPOINT_CACHE", "~/.cache/waypoint")).expanduser()
-    return cache / "runs" / url.rstrip("/").replace("://", "/", 1)
+    return cache_dir() / "runs" / url.rstrip("/").replace("://", "/", 1)
 
 
 class StoreLease:
@@ -113,19 +112,14 @@ def cache_inputs(cfg, dist, say=print) -> None:
     kept), and the config points at the copies; a URL inside one already copied (the checkpoint's tokenizer,
     interpolated from it) points inside that copy."""
     found = sorted({v for k, v in _strings(OmegaConf.to_container(cfg, resolve=True)) if k != "output_dir" and is_url(v)}, key=len)
-    cache = Path(os.environ.get("WAYPOINT_CACHE", "~/.cache/waypoint")).expanduser() / "inputs"
     local: dict[str, Path] = {}
     for url in found:
         inside = next((u for u in local if url.startswith(u.rstrip("/") + "/")), None)
         if inside is not None:
             local[url] = local[inside] / url[len(inside.rstrip("/")) + 1:]
             continue
-        local[url] = cache / url.rstrip("/").replace("://", "/", 1)
-
-        def fetch(url=url) -> None:
-            files, size = ObjectStore(url).fetch(local[url])
-            say(f"{url}: {files} files ({size / 1e9:.2f} GB) downloaded to {local[url]}" if files else f"{url}: cached at {local[url]}")
-        dist.run_on_main(fetch)
+        local[url] = input_copy_path(url)
+        dist.run_on_main(lambda url=url: local_copy(url, say) and None)
     if local:
         _replace(cfg, {u: str(p) for u, p in local.items()})
         with open_dict(cfg):
