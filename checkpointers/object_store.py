@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -55,10 +56,24 @@ def local_copy(path, say=None) -> Path:
     if not is_url(path):
         return Path(path)
     local = input_copy_path(str(path))
-    files, size = ObjectStore(str(path)).fetch(local)
+    with store_errors(str(path), "read it"):
+        files, size = ObjectStore(str(path)).fetch(local)
     if say is not None:
         say(f"{path}: {files} files ({size / 1e9:.2f} GB) downloaded to {local}" if files else f"{path}: cached at {local}")
     return local
+
+
+@contextmanager
+def store_errors(url: str, doing: str):
+    """A store's failures (a missing bucket, denied access, an unreachable endpoint) as one line naming the URL."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, RuntimeError) as e:
+        reason = str(e).strip() or e.__class__.__name__
+        raise CheckpointError(f"{url}: could not {doing}: {reason} ({e.__class__.__name__}); check the bucket, the "
+                              "credentials and AWS_ENDPOINT_URL (or your store's settings)") from e
 
 
 class ObjectStore:

@@ -35,8 +35,8 @@ from waypoint.training.entry import run_recipe
 from waypoint.training.fsdp import shard_model
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
-from waypoint.training.object_store_run import config_as_given
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
+from waypoint.training.object_store_run import config_as_given, stored_at
 from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from waypoint.training.recipe_state import capture_recipe_state
 from waypoint.training.run_data import run_data
@@ -172,7 +172,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     bar.close()
     if metrics:
         metrics.close()
-    say(f"done: the final model is {checkpointer.describe_output(saved)}")
+    say(f"done: the final model is {stored_at(cfg, saved)}{checkpointer.describe_output(saved)}")
     return 0
 
 

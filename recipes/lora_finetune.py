@@ -53,8 +53,8 @@ from waypoint.training.fsdp import shard_model
 from waypoint.training.hub import base_model_name
 from waypoint.training.loss import forward_backward
 from waypoint.training.metrics import MetricsLog
-from waypoint.training.object_store_run import config_as_given
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
+from waypoint.training.object_store_run import config_as_given, stored_at
 from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from waypoint.training.quantize import quantize_base
 from waypoint.training.recipe_state import capture_recipe_state
@@ -220,7 +220,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         metrics.close()
     merged = (f"; the merged model is {checkpointer.describe_output(saved / MERGED_DIR)}"
               if (saved / MERGED_DIR).is_dir() else "")
-    say(f"done: the adapter is {saved} (PEFT format: PeftModel.from_pretrained(base, '{saved}') loads it){merged}")
+    say(f"done: the adapter is {stored_at(cfg, saved)}{saved} (PEFT format: PeftModel.from_pretrained(base, '{saved}') loads it){merged}")
     return 0
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import json
 
-import pytest
 import torch
 
 from waypoint.checkpointers.commit import verify

@@ -103,6 +103,32 @@ def test_one_run_per_prefix(store):
         first._stop.set()
 
 
+def test_the_mirror_follows_what_the_store_committed(store, tmp_path, capsys):
+    """At start the local mirror drops steps the store has not committed, gets the newest committed one (again when
+    its cached copy lost a file), and a fresh run on a prefix with checkpoints is refused."""
+    from omegaconf import OmegaConf
+
+    from waypoint.training.object_store_run import sync_mirror
+
+    store.upload(committed_step(tmp_path / "node", "step_2", {"w": b"2" * 64}))
+    store.fs.pipe_file(store.path("step_4/w"), b"half")  # a killed upload
+    mirror = tmp_path / "mirror"
+    committed_step(mirror, "step_4", {"w": b"4" * 64})  # cached locally, never committed in the store
+    cfg = OmegaConf.create({"output_store": store.url, "output_dir": str(mirror), "resume": "auto", "overwrite": False})
+    sync_mirror(cfg)
+    assert sorted(p.name for p in mirror.iterdir() if not p.name.startswith(".")) == ["step_2"]
+    assert (mirror / "step_2/w").read_bytes() == b"2" * 64
+    assert "skipping s3://" in capsys.readouterr().out
+    (mirror / "step_2/w").unlink()  # a cached copy that lost a file is fetched again
+    sync_mirror(cfg)
+    assert (mirror / "step_2/w").read_bytes() == b"2" * 64
+    with pytest.raises(CheckpointError, match="already holds checkpoints; .* never overwritten"):
+        sync_mirror(OmegaConf.merge(cfg, {"resume": False}))
+    store.delete("step_2")
+    with pytest.raises(CheckpointError, match="none is committed and complete; set overwrite=true"):
+        sync_mirror(cfg)
+
+
 def run(out, *overrides, fault=None, cache=None):
     cmd = [sys.executable, str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [sys.executable, str(ROOT / "recipes/full_finetune.py")]
     cmd += ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides]

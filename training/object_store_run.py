@@ -27,8 +27,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from waypoint.checkpointers.commit import step_dirs
-from waypoint.checkpointers.object_store import ObjectStore, cache_dir, input_copy_path, is_url, local_copy
+from waypoint.checkpointers.commit import step_dirs, verify
+from waypoint.checkpointers.object_store import ObjectStore, cache_dir, input_copy_path, is_url, local_copy, store_errors
 from waypoint.errors import CheckpointError
 
 LOCK = ".waypoint.lock"
@@ -184,7 +184,8 @@ def object_store_output(cfg, dist):
 
     def take() -> None:
         local.mkdir(parents=True, exist_ok=True)
-        lease.acquire()
+        with store_errors(store.url, "take the run's lock object"):
+            lease.acquire()
     dist.run_on_main(take)
     try:
         yield
@@ -197,7 +198,11 @@ def sync_mirror(cfg, say=print) -> None:
     """Before a run chooses where to start (rank 0): the mirror holds no step that the store has not committed,
     and holds the newest committed one (downloaded and verified); a store holding steps of which none is committed
     is refused unless ``overwrite``, and a fresh run (``resume=false``) on a prefix with committed steps always is."""
-    store, local = ObjectStore(cfg.output_store), Path(cfg.output_dir)
+    with store_errors(cfg.output_store, "read its checkpoints"):
+        _sync_mirror(ObjectStore(cfg.output_store), Path(cfg.output_dir), cfg, say)
+
+
+def _sync_mirror(store: ObjectStore, local: Path, cfg, say) -> None:
     remote = store.steps()
     for path in step_dirs(local):
         if path.name not in remote or store.manifest(path.name) is None:
@@ -213,7 +218,9 @@ def sync_mirror(cfg, say=print) -> None:
     for name in remote:
         checked = store.check(name)
         if checked.ok and (local / name).is_dir():
-            return
+            if verify(local / name, hash_contents=False).ok:
+                return
+            shutil.rmtree(local / name)  # a cached copy that lost files: fetched again
         if checked.ok:
             checked = store.download(name, local / name)
             if checked.ok:
@@ -223,6 +230,11 @@ def sync_mirror(cfg, say=print) -> None:
     if remote and not cfg.overwrite:
         raise CheckpointError(f"output_dir {store.url} holds checkpoints but none is committed and complete; "
                               "set overwrite=true to start again (what is there is moved aside, never deleted)")
+
+
+def stored_at(cfg, path: Path) -> str:
+    """Where a run's step is kept for good, for the run's last line: its URL in an object-store run ("" otherwise)."""
+    return f"{cfg.output_store}/{Path(path).name}; a local copy: " if cfg.get("output_store") else ""
 
 
 class StorePublisher:
