@@ -142,16 +142,8 @@ class ObjectStore:
         manifest = self.manifest(name)
         staging = local.with_name(f".{local.name}.download-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
-        files = list(manifest["files"]) + [MANIFEST]
-        total = sum(e["size"] for e in manifest["files"].values())
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"download {name}", leave=False) as bar:
-            def get(file: str) -> None:
-                target = staging / file
-                target.parent.mkdir(parents=True, exist_ok=True)
-                self.fs.get_file(self.path(f"{name}/{file}"), str(target))
-                bar.update(target.stat().st_size if file != MANIFEST else 0)
-            with ThreadPoolExecutor(PARALLEL_FILES) as pool:
-                list(pool.map(get, files))
+        sizes = {f: e["size"] for f, e in manifest["files"].items()} | {MANIFEST: 0}
+        self._get_all([(self.path(f"{name}/{f}"), staging / f, size) for f, size in sizes.items()], f"download {name}")
         checked = verify(staging)
         if not checked.ok:
             shutil.rmtree(staging, ignore_errors=True)
@@ -221,21 +213,25 @@ class ObjectStore:
             objects = {p[len(self.root) + 1:]: info["size"] for p, info in self.fs.find(self.root, detail=True).items()}
         if not objects:
             raise CheckpointError(f"{self.url}: nothing there")
-        fetched = [(name, size) for name, size in objects.items()
-                   if not ((local / name) if name else local).is_file() or ((local / name) if name else local).stat().st_size != size]
+        targets = {name: (local / name) if name else local for name in objects}
+        fetched = [(n, size) for n, size in objects.items() if not targets[n].is_file() or targets[n].stat().st_size != size]
         total = sum(size for _, size in fetched)
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"download {self.url}", leave=False) as bar:
-            def get(item: tuple[str, int]) -> None:
-                name, size = item
-                target = (local / name) if name else local
+        self._get_all([(self.path(n) if n else self.root, targets[n], size) for n, size in fetched], f"download {self.url}")
+        return len(fetched), total
+
+    def _get_all(self, items: list[tuple[str, Path, int]], desc: str) -> None:
+        """Download (object, local file, size) items, ``PARALLEL_FILES`` at a time, with a progress bar; each file
+        under a hidden name renamed into place, so a kill never leaves a short file under the real name."""
+        with tqdm(total=sum(size for *_, size in items), unit="B", unit_scale=True, desc=desc, leave=False) as bar:
+            def get(item: tuple[str, Path, int]) -> None:
+                source, target, size = item
                 target.parent.mkdir(parents=True, exist_ok=True)
                 part = target.with_name(f".{target.name}.part-{os.getpid()}")
-                self.fs.get_file(self.path(name) if name else self.root, str(part))
+                self.fs.get_file(source, str(part))
                 os.replace(part, target)
                 bar.update(size)
             with ThreadPoolExecutor(PARALLEL_FILES) as pool:
-                list(pool.map(get, fetched))
-        return len(fetched), total
+                list(pool.map(get, items))
 
     def put(self, local: Path, name: str) -> None:
         """A run file beside the steps (``metrics.jsonl``), replaced whole."""

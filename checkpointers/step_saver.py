@@ -69,8 +69,9 @@ class CpuStaging:
     def copy(self, state: Any, path: str = "") -> Any:
         self._seen = {}  # one tensor under two names (tied embeddings) stays one tensor in the copy
         copied = self._copy(state, path)
+        from_cuda = any(device.type == "cuda" for device, *_ in self._seen)
         self._seen = {}
-        if torch.cuda.is_available():
+        if from_cuda:
             torch.cuda.synchronize()  # the non-blocking copies have landed
         return copied
 
@@ -115,7 +116,6 @@ class WholeStepSaver(StepSaver):
         self.blocked_s = 0.0
         self._staging = CpuStaging()
         self._pending: Future | None = None
-        self._failure: BaseException | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-save") if self.asynchronous else None
 
     @property
