@@ -63,3 +63,25 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path):
     loss_a = json.loads((tmp_path / "a/metrics.jsonl").read_text())["loss"]
     loss_b = json.loads((tmp_path / "b/metrics.jsonl").read_text())["loss"]
     assert abs(loss_a - loss_b) < 1e-5
+
+
+@pytest.mark.parametrize("recipe", ["full", "lora"])
+def test_the_final_export_is_read_back_before_it_is_committed(recipe, tmp_path, capsys, monkeypatch):
+    """verify_export: a converter that writes a broken model (the RoPE permutation not undone on the way out) makes
+    the final save fail in one line, with nothing of it committed and the earlier step intact; the line of a good
+    export is in the log."""
+    from recipes import full_finetune, lora_finetune
+    from waypoint.checkpointers.commit import verify
+    from waypoint.converters.ops import RopePermute
+
+    main = full_finetune.main if recipe == "full" else lora_finetune.main
+    args = ["--config", str(ROOT / ("configs/tiny.yaml" if recipe == "full" else "configs/tiny_lora.yaml")),
+            f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}",
+            "epochs=1", "max_steps_per_epoch=4", "save_every_n_steps=2", "keep_last_n_checkpoints=null"]
+    assert main([*args, f"output_dir={tmp_path / 'good'}"]) == 0
+    assert "export verified: max |dlogit|" in capsys.readouterr().out
+    monkeypatch.setattr(RopePermute, "inverse", lambda self, tensors: list(tensors))
+    assert main([*args, f"output_dir={tmp_path / 'broken'}"]) == 1
+    assert "error: the export does not compute what was written" in capsys.readouterr().err
+    assert verify(tmp_path / "broken/step_2").ok and not (tmp_path / "broken/step_4").exists()
+    assert not list((tmp_path / "broken").glob(".step_*")), "a half-written step was left behind"
