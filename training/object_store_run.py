@@ -101,9 +101,13 @@ class StoreLease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        holder = self._holder()
-        if holder is not None and holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
-            self.store.fs.rm_file(self.path)
+        try:
+            holder = self._holder()
+            if holder is not None and holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
+                self.store.fs.rm_file(self.path)
+        except Exception as e:  # the run itself is done: a lock left behind only blocks others until its lease ends
+            print(f"warning: could not remove {self.store.where(LOCK)} ({e.__class__.__name__}); it lapses within "
+                  f"{LEASE_S // 60} minutes", file=sys.stderr)
 
 
 def cache_inputs(cfg, dist, say=print) -> None:
