@@ -92,6 +92,10 @@ class Distributed:
             raise CheckpointError(error)
         return result
 
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()

@@ -31,7 +31,9 @@ def run_recipe(train: Callable[[DictConfig, Distributed], int], argv: list[str] 
             # swapping_conversions: a parameter converted or loaded after the optimizer exists stays the object
             # the optimizer holds (waypoint.models.swap)
             with object_store_output(cfg, dist), hold_output_dir(cfg, dist), swapping_conversions():  # one run per output_dir, apart from everything it reads
-                return train(cfg, dist)
+                status = train(cfg, dist)
+            dist.barrier()  # every rank past its last collective before any tears the process group down
+            return status
         finally:
             dist.close()
 
