@@ -21,8 +21,11 @@ Peak RSS is the process's resident peak over the measured part (set-up such as t
 in-memory copy a save starts from is excluded by resetting VmHWM before timing).
 
 Loads are measured with the files in the page cache, for both libraries alike. This
-machine's disk writes fast right after a write of the same size and slowly after
-reads or deletions, so every timed write follows an untimed raw write.
+machine's disk writes fast right after a write and slowly after a pause (a few seconds
+of importing torch and building a model are enough), so every timed write follows an
+untimed raw write of the same bytes made in the same process just before the clock
+starts (``warm_up``): the set-up of each step, light or heavy, no longer decides how
+fast the disk is when its write begins.
 """
 
 from __future__ import annotations
@@ -114,12 +117,8 @@ def fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
-# -- the measured steps, each run in a child process --------------------------------------------
-def step_raw(ckpt: Path, out: Path) -> float:
-    files = sorted(ckpt.glob("*.safetensors"))
-    buffers = [f.read_bytes() for f in files]  # the checkpoint's own bytes, in memory (this disk is faster on zeros)
-    reset_peak_rss()
-    start = time.perf_counter()
+def raw_write(files: list[Path], buffers: list[bytes], out: Path) -> None:
+    """The reference: the checkpoint's bytes to the same file names, in ``CHUNK`` writes, each file fsynced."""
     out.mkdir()
     for f, buf in zip(files, buffers):
         view = memoryview(buf)
@@ -128,6 +127,22 @@ def step_raw(ckpt: Path, out: Path) -> float:
                 fh.write(view[offset: offset + CHUNK])
             fh.flush()
             os.fsync(fh.fileno())
+
+
+def warm_up(ckpt: Path, out: Path) -> None:
+    """An untimed raw write right before a timed one (see the module's docstring); kept until the step ends."""
+    files = sorted(ckpt.glob("*.safetensors"))
+    raw_write(files, [f.read_bytes() for f in files], out.with_name(out.name + "-warm"))
+    reset_peak_rss()
+
+
+# -- the measured steps, each run in a child process --------------------------------------------
+def step_raw(ckpt: Path, out: Path) -> float:
+    files = sorted(ckpt.glob("*.safetensors"))
+    buffers = [f.read_bytes() for f in files]  # the checkpoint's own bytes, in memory (this disk is faster on zeros)
+    warm_up(ckpt, out)
+    start = time.perf_counter()
+    raw_write(files, buffers, out)
     return time.perf_counter() - start
 
 
@@ -136,7 +151,7 @@ def step_save(ckpt: Path, out: Path) -> float:
 
     checkpointer = HFCheckpointer(ckpt, output_dir=out)
     state = {"model": {k: v.clone() for k, v in checkpointer.load_checkpoint()["model"].items()}}
-    reset_peak_rss()
+    warm_up(ckpt, out)
     start = time.perf_counter()
     checkpointer.save_checkpoint(state, step=1)
     return time.perf_counter() - start
@@ -153,7 +168,7 @@ def step_async(ckpt: Path, out: Path) -> tuple[float, float]:
     saver = WholeStepSaver(init_distributed("cpu"), out, asynchronous=True, report=lambda line: None)
     saver.save(1, StepContent(state, checkpointer.writer))
     saver.wait()
-    reset_peak_rss()
+    warm_up(ckpt, out)
     start = time.perf_counter()
     saver.save(2, StepContent(state, checkpointer.writer))
     blocked = time.perf_counter() - start
@@ -175,14 +190,7 @@ def step_paired(ckpt: Path, out: Path, rounds: int = 6) -> tuple[float, list]:
 
     def raw(target: Path) -> float:
         start = time.perf_counter()
-        target.mkdir()
-        for f, buf in zip(files, buffers):
-            view = memoryview(buf)
-            with open(target / f.name, "wb") as fh:
-                for offset in range(0, len(view), CHUNK):
-                    fh.write(view[offset: offset + CHUNK])
-                fh.flush()
-                os.fsync(fh.fileno())
+        raw_write(files, buffers, target)
         return time.perf_counter() - start
 
     def save(target: Path) -> float:
@@ -244,7 +252,7 @@ def step_hf_save(ckpt: Path, out: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
-    reset_peak_rss()
+    warm_up(ckpt, out)
     start = time.perf_counter()
     model.save_pretrained(out, max_shard_size=f"{int(sum(f.stat().st_size for f in ckpt.glob('*.safetensors')) / len(list(ckpt.glob('*.safetensors'))) / 1e6) + 1}MB")
     fsync_tree(out)
@@ -263,7 +271,6 @@ def step_hf_load(ckpt: Path, out: Path) -> float:
     return time.perf_counter() - start
 
 
-WRITERS = ("raw", "save", "save-nohash", "async", "hf-save")
 STEPS = {"raw": step_raw, "save": step_save, "save-nohash": step_save_nohash, "async": step_async, "load": step_load,
          "hf-save": step_hf_save, "hf-load": step_hf_load, "paired": step_paired}
 
@@ -274,6 +281,7 @@ def run_child(step: str, ckpt: Path, work: Path) -> tuple[float, float, float | 
     result = subprocess.run([sys.executable, __file__, "--child", step, str(ckpt), str(out)],
                             capture_output=True, text=True, check=False)
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out.with_name(out.name + "-warm"), ignore_errors=True)
     os.sync()  # leave no dirty pages behind: on ext4 one file's fsync can wait for everyone's writeback
     if result.returncode:
         raise RuntimeError(f"step {step} failed:\n{result.stderr[-3000:]}")
@@ -286,6 +294,7 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument("--steps", default=None, help="a comma-separated subset of the steps (default: all)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -301,6 +310,11 @@ def main() -> None:
         steps = [s for s in STEPS if s != "paired"]
     except ImportError:
         steps = ["raw", "save", "save-nohash", "async", "load"]
+    if args.steps:
+        unknown = set(args.steps.split(",")) - set(STEPS)
+        if unknown:
+            parser.error(f"--steps: no step {', '.join(sorted(unknown))}; choose from {', '.join(STEPS)}")
+        steps = [s for s in args.steps.split(",") if s != "paired"]
     work = Path(tempfile.mkdtemp(dir=args.workdir, prefix="bench_checkpoint_"))
     try:
         ckpt = work / "ckpt"
@@ -312,8 +326,6 @@ def main() -> None:
         staging = 0.0
         for r in range(args.repeats):  # interleaved and rotated, so a slow spell of the disk hits every step alike
             for step in steps[r % len(steps):] + steps[: r % len(steps)]:
-                if step in WRITERS:
-                    run_child("raw", ckpt, work)  # untimed: every timed write follows the same disk state
                 seconds, peak, extra = run_child(step, ckpt, work)
                 staging = extra if step == "async" else staging
                 times[step].append(seconds)
@@ -324,21 +336,27 @@ def main() -> None:
             print(f"{step:8} {best:8.3f} {statistics.median(times[step]):9.3f} {max(times[step]) / best:6.2f}x "
                   f"{total / 1e9 / best:6.2f} {rss[step]:11.2f}")
         best = {s: min(t) for s, t in times.items()}
-        _, _, rounds = run_child("paired", ckpt, work)
-        first = statistics.median(r / s_ for save_first, r, s_ in rounds if save_first)
-        second = statistics.median(r / s_ for save_first, r, s_ in rounds if not save_first)
-        print(f"save speed / raw write speed: {best['raw'] / best['save']:.2f}x best vs best (separate processes); "
-              f"back to back in one process: {first:.2f}x with the save first, {second:.2f}x with it second, "
-              f"order-neutral {(first * second) ** 0.5:.2f}x (geometric mean; {len(rounds)} rounds)   "
-              f"(target >= 0.9x; raw: {CHUNK >> 20} MiB writes, fsync per file)")
-        print(f"async save: training blocked {best['async']:.3f} s = {best['async'] / best['save']:.1%} of a sync save "
-              f"(target < 10%); extra host memory {staging / 1e9:.2f} GB of staging buffers, reused between saves")
-        print(f"manifest (hash while writing) cost: {best['save'] / best['save-nohash'] - 1:+.1%} of save time, best vs best; "
-              f"{statistics.median(times['save']) / statistics.median(times['save-nohash']) - 1:+.1%} median vs median   (target <= 10%)")
-        print(f"load peak RSS / model bytes: {rss['load'] / (total / 1e9):.2f}x; "
-              f"limit 1.1 x {total / 1e9:.2f} + 0.5 = {1.1 * total / 1e9 + 0.5:.2f} GB -> "
-              f"{'ok' if rss['load'] <= 1.1 * total / 1e9 + 0.5 else 'OVER'}")
-        if "hf-load" in best:
+        if {"raw", "save"} <= set(best):
+            print(f"save speed / raw write speed: {best['raw'] / best['save']:.2f}x best vs best, "
+                  f"{statistics.median(times['raw']) / statistics.median(times['save']):.2f}x median vs median "
+                  f"(separate processes, {args.repeats} each)   (target >= 0.9x; raw: {CHUNK >> 20} MiB writes, fsync per file)")
+        if not args.steps or "paired" in args.steps.split(","):
+            _, _, rounds = run_child("paired", ckpt, work)
+            first = statistics.median(r / s_ for save_first, r, s_ in rounds if save_first)
+            second = statistics.median(r / s_ for save_first, r, s_ in rounds if not save_first)
+            print(f"back to back in one process: {first:.2f}x with the save first, {second:.2f}x with it second, "
+                  f"order-neutral {(first * second) ** 0.5:.2f}x (geometric mean; {len(rounds)} rounds)")
+        if {"async", "save"} <= set(best):
+            print(f"async save: training blocked {best['async']:.3f} s = {best['async'] / best['save']:.1%} of a sync save "
+                  f"(target < 10%); extra host memory {staging / 1e9:.2f} GB of staging buffers, reused between saves")
+        if {"save", "save-nohash"} <= set(best):
+            print(f"manifest (hash while writing) cost: {best['save'] / best['save-nohash'] - 1:+.1%} of save time, best vs best; "
+                  f"{statistics.median(times['save']) / statistics.median(times['save-nohash']) - 1:+.1%} median vs median   (target <= 10%)")
+        if "load" in best:
+            print(f"load peak RSS / model bytes: {rss['load'] / (total / 1e9):.2f}x; "
+                  f"limit 1.1 x {total / 1e9:.2f} + 0.5 = {1.1 * total / 1e9 + 0.5:.2f} GB -> "
+                  f"{'ok' if rss['load'] <= 1.1 * total / 1e9 + 0.5 else 'OVER'}")
+        if {"hf-load", "load", "save", "hf-save"} <= set(best):
             print(f"load time ours / transformers: {best['load'] / best['hf-load']:.2f}x   (target <= 0.5x); "
                   f"save time ours / transformers: {best['save'] / best['hf-save']:.2f}x; "
                   f"transformers load peak RSS {rss['hf-load']:.2f} GB")
