@@ -148,28 +148,46 @@ class ObjectStore:
         if not checked.ok:
             shutil.rmtree(staging, ignore_errors=True)
             return Verification(Path(self.where(name)), False, problem=checked.problem)
-        os.rename(staging, local)
+        try:
+            os.rename(staging, local)
+        except OSError:  # another machine sharing this cache put the same step there meanwhile
+            shutil.rmtree(staging, ignore_errors=True)
+            if not local.is_dir():
+                raise
         fsync_dir(local.parent)
         return verify(local, hash_contents=False)
 
     # -- writing ---------------------------------------------------------------------
-    def upload(self, local: Path, name: str | None = None) -> int:
+    def upload(self, local: Path, name: str | None = None, sent: frozenset[str] = frozenset()) -> int:
         """Upload the committed local step directory ``local`` as ``name``: its files, then its manifest last.
-        Objects already under ``name`` (an upload that did not finish) are moved aside first. Returns the bytes sent."""
+        Objects already under ``name`` (an upload that did not finish) are moved aside first, unless ``sent`` names
+        files that other processes already uploaded for this step (``send``; the caller set leftovers aside
+        before they began): those are checked against the manifest instead. Returns the bytes in the step."""
         name = name or local.name
         manifest = json.loads((local / MANIFEST).read_text())
-        if self.fs.exists(self.path(name)):
+        if not sent and self.fs.exists(self.path(name)):
             self.set_aside(name, "partial")
-        files = sorted(manifest["files"], key=lambda f: -manifest["files"][f]["size"])  # the largest first
-        total = sum(e["size"] for e in manifest["files"].values())
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"upload {name}", leave=False) as bar:
+        self.send(local, name, [f for f in manifest["files"] if f not in sent])
+        if sent:
+            there = {p[len(self.path(name)) + 1:]: info["size"] for p, info in self.fs.find(self.path(name), detail=True).items()}
+            wrong = next((f for f in sorted(sent) if there.get(f) != manifest["files"][f]["size"]), None)
+            if wrong is not None:
+                raise CheckpointError(f"{self.where(name)}/{wrong}: missing or of the wrong size after its upload; "
+                                      "the step is not committed")
+        self.fs.put_file(str(local / MANIFEST), self.path(f"{name}/{MANIFEST}"))  # the commit
+        return sum(e["size"] for e in manifest["files"].values())
+
+    def send(self, local: Path, name: str, files: list[str]) -> int:
+        """Upload ``files`` (relative to the directory ``local``) under ``name``, the largest first,
+        ``PARALLEL_FILES`` at a time, with a progress bar; the bytes sent."""
+        sizes = {f: (local / f).stat().st_size for f in files}
+        with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"upload {name}", leave=False) as bar:
             def put(file: str) -> None:
                 self.fs.put_file(str(local / file), self.path(f"{name}/{file}"))
-                bar.update(manifest["files"][file]["size"])
+                bar.update(sizes[file])
             with ThreadPoolExecutor(PARALLEL_FILES) as pool:
-                list(pool.map(put, files))
-        self.fs.put_file(str(local / MANIFEST), self.path(f"{name}/{MANIFEST}"))  # the commit
-        return total
+                list(pool.map(put, sorted(files, key=lambda f: -sizes[f])))
+        return sum(sizes.values())
 
     def delete(self, name: str) -> None:
         """Remove step ``name``: its manifest first (from then on it is not a checkpoint), then its objects."""

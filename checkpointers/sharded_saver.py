@@ -1,7 +1,7 @@
 """Step directories written by every rank together, committed once by rank 0.
 
 ``ShardedSaver.save`` stages ``step_N`` (rank 0 creates the hidden directory and tells
-the others its name), every rank writes its DCP shards into ``sharded/``, rank 0 adds
+the others its name), every rank writes its DCP shards into ``sharded/`` there (on its own machine's disk), rank 0 adds
 ``recipe_state.pt``, the extra state and, for a final checkpoint, the model in the
 input's format gathered file by file; each rank hashes the files it wrote, rank 0
 gathers the hashes, writes the manifest and renames the directory into place. A kill at
@@ -15,6 +15,7 @@ the end of training, wait for it), and the time training was blocked is reported
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,10 +52,13 @@ class ShardedSaver(StepSaver):
 
         def open_stage() -> str:
             nonlocal stage
+            if self.publish is not None:
+                self.publish.prepare(target.name)
             stage = StagedDir(target).open()
-            return str(stage.path)
+            return stage.path.name
 
-        path = Path(self.dist.run_on_main(open_stage))
+        path = self.output_dir / self.dist.run_on_main(open_stage)  # each machine's own output_dir (a mirror's path
+        # differs between machines whose caches do)
         asynchronous = self.asynchronous and not final
         try:
             writing = save_sharded(content.sharded, path / SHARDED_DIR, group=self.dist.checkpoint_group,
@@ -97,8 +101,10 @@ class ShardedSaver(StepSaver):
             if writing is not None:
                 writing.result()
             mine = {f"{SHARDED_DIR}/{p.name}": hash_file(p) for p in rank_files(path / SHARDED_DIR, self.dist.rank)}
-        except DCP_ERRORS as e:  # DCP fails on every rank together; a hashing failure is this rank's
-            mine, problem = None, describe_error(e)
+            if self.publish is not None:  # each rank uploads its own shards, from its own machine
+                self.publish.send(path, target.name, list(mine))
+        except DCP_ERRORS + (CheckpointError,) as e:  # DCP fails on every rank together; hashing or sending, this rank
+            mine, problem = None, str(e) if isinstance(e, CheckpointError) else describe_error(e)
         everyone = self.dist.gather((mine, problem), group=self.dist.checkpoint_group) or []
         if stage is not None:
             problems = [p for _, p in everyone if p]
@@ -117,10 +123,12 @@ class ShardedSaver(StepSaver):
                     try:
                         prune_checkpoints(self.output_dir, self.keep_last_n)
                         if self.publish is not None:
-                            self.publish(target)
+                            self.publish(target, sent=frozenset(n for hashes, _ in everyone for n in hashes))
                     except CheckpointError as e:
                         problem = str(e)
         problem = self.dist.broadcast(problem, group=self.dist.checkpoint_group)
+        if stage is None and self.publish is not None and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)  # this machine's part of a step uploaded from several machines
         if problem is not None:
             raise CheckpointError(problem + "; earlier checkpoints are intact")
         return target

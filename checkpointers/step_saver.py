@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,11 +41,24 @@ class StepContent:
     serve: Callable[[], None] | None = None
 
 
+class Publisher(Protocol):
+    """Where committed steps go beyond the local disk (an object store: ``StorePublisher``)."""
+
+    def prepare(self, name: str) -> None:
+        """Rank 0, before step ``name`` is written: clear the way (an earlier attempt's leftovers)."""
+
+    def send(self, directory: Path, name: str, files: list[str]) -> None:
+        """Every rank of a sharded save: the files it wrote itself, from ``directory`` (its machine's staging)."""
+
+    def __call__(self, target: Path, sent: frozenset[str] = frozenset()) -> None:
+        """Rank 0, after the local commit of ``target``: the rest of the step, committed there last."""
+
+
 class StepSaver:
     """What the recipes call: ``save`` once per due step, ``check`` every step, ``close`` at the end."""
 
     blocked_s: float = 0.0  # training time spent in saves, all saves together
-    publish: Callable[[Path], None] | None = None  # after each commit (rank 0): the upload to an object store
+    publish: Publisher | None = None  # where each committed step goes next (an object store)
 
     def save(self, step: int, content: StepContent, final: bool = False) -> Path:
         raise NotImplementedError

@@ -123,19 +123,19 @@ def kill_in_upload(target: int, _: str) -> None:
     """SIGKILL once step ``target``'s first file is in the object store, before its manifest."""
     from waypoint.checkpointers.object_store import ObjectStore
 
-    upload = ObjectStore.upload
+    send = ObjectStore.send  # every upload of a step's files goes through it (rank 0's, and each rank's shards)
 
-    def patched(self, local, name=None):
-        if local.name == f"step_{target}":
+    def patched(self, local, name, files):
+        if name == f"step_{target}":
             put_file = self.fs.put_file
 
             def put_then_die(lpath, rpath, **kw):
                 put_file(lpath, rpath, **kw)
                 os.kill(os.getpid(), signal.SIGKILL)
             self.fs.put_file = put_then_die
-        return upload(self, local, name)
+        return send(self, local, name, files)
 
-    ObjectStore.upload = patched
+    ObjectStore.send = patched
 
 
 if __name__ == "__main__":

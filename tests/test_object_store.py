@@ -2,13 +2,14 @@
 
 The commit protocol (files, then the manifest), what counts as committed (a truncated object, a deleted manifest,
 a missing part, a corrupt byte), retention, the lock, and a fine-tune to ``s3://`` killed during an upload and
-resumed bit-exactly on a machine without the local mirror."""
+resumed bit-exactly on a machine without the local mirror, and torchrun across two machines that share no disk."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -192,18 +193,67 @@ def test_fine_tune_to_s3_killed_during_an_upload_resumes_bit_exactly(endpoint, t
     shutil.rmtree(copy)
 
 
-@pytest.mark.slow
-def test_torchrun_to_s3_resumes_on_another_number_of_processes(endpoint, tmp_path):
-    from waypoint.checkpointers.object_store import ObjectStore
-    from tests.test_distributed import run as run_distributed
+def two_machines(url: str, model: str, caches: list, log) -> list[int]:
+    """The full recipe under torchrun as two machines of one process each (two launchers, ``--nnodes 2``), each
+    with its own cache: nothing on one machine's disk is seen by the other."""
+    from tests.test_distributed import BASE as RUN, GLOBAL_BATCH
 
-    url = f"s3://{new_bucket()}/runs/sharded"
-    env = {"WAYPOINT_CACHE": str(tmp_path / "node_a")}
-    killed = run_distributed(url, processes=2, fault=["kill-group-at-step", "5", "-"], env=env)
-    assert killed.returncode != 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launched = []
+    for node, cache in enumerate(caches):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
+               "--master-addr=127.0.0.1", f"--master-port={port}", str(ROOT / "recipes/full_finetune.py"),
+               "--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={url}", *RUN, f"batch_size={GLOBAL_BATCH // 2}",
+               f"checkpointer.checkpoint_dir={model}"]
+        out = open(log.with_name(f"{log.name}-{node}.txt"), "w")
+        launched.append(subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1", "WAYPOINT_CACHE": str(cache)}))
+    try:
+        return [p.wait(timeout=300) for p in launched]
+    finally:
+        for p in launched:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+
+
+@pytest.mark.slow
+def test_torchrun_on_two_machines_without_a_shared_disk_saves_to_s3_and_resumes_bit_exactly(endpoint, tmp_path):
+    """Each rank uploads the shards it wrote from its own machine, rank 0 commits the step; a rerun downloads the
+    step on every machine whose cache lacks it and continues to the same bytes as the run that never stopped."""
+    from waypoint.checkpointers.object_store import ObjectStore
+    from waypoint.checkpointers.file_formats import read_tensors
+
+    bucket, log = new_bucket(), tmp_path / "log"
+    url, model = f"s3://{bucket}/runs/machines", ObjectStore(f"s3://{bucket}/models/tiny_llama")
+    for f in (ROOT / "assets/tiny_llama").iterdir():  # the input too: each machine caches its own copy
+        model.fs.put_file(str(f), model.path(f.name))
+    a, b, c = tmp_path / "machine_a", tmp_path / "machine_b", tmp_path / "machine_c"
+    assert two_machines(url, model.url, [a, b], log) == [0, 0], (log.with_name("log-0.txt").read_text()[-3000:],
+                                                      log.with_name("log-1.txt").read_text()[-3000:])
     store = ObjectStore(url)
-    assert store.check("step_4").ok and any(f.startswith("sharded/") for f in store.manifest("step_4")["files"])
-    resumed = run_distributed(url, processes=1, env={"WAYPOINT_CACHE": str(tmp_path / "node_b")})
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from step_4" in resumed.stdout and "2 -> 1 processes" in resumed.stdout
-    assert store.check("step_8").ok
+    assert store.steps() == ["step_8", "step_6", "step_4", "step_2"]
+    assert all(store.check(n).ok for n in store.steps())
+    assert {"sharded/__0_0.distcp", "sharded/__1_0.distcp"} <= set(store.manifest("step_6")["files"])
+    assert (b / "inputs").is_dir(), "machine b did not cache the input model"
+    leftovers = [p for p in (b / "runs").rglob("*") if p.name.startswith(".step_")]
+    assert not leftovers, f"machine b kept staging directories: {leftovers}"
+
+    store.fs.rm_file(store.path("step_8/MANIFEST.json"))  # the last step never committed: rerun from step_6
+    assert two_machines(url, model.url, [a, c], log) == [0, 0], (log.with_name("log-0.txt").read_text()[-3000:],
+                                                      log.with_name("log-1.txt").read_text()[-3000:])
+    first, second = log.with_name("log-0.txt").read_text(), log.with_name("log-1.txt").read_text()
+    assert "resuming from step_6" in first and "downloaded s3://" in first  # machine a's copy lacked b's shards
+    assert "downloaded s3://" in second  # machine c had nothing
+    assert store.check("step_8").ok and store.fs.exists(store.path("step_8.partial"))
+    remade, before = store.manifest("step_8")["files"], {}
+    weights_files = [f for f in remade if f.endswith(".safetensors")]
+    assert weights_files
+    for f in weights_files:
+        mine = tmp_path / "remade.safetensors"
+        mine.write_bytes(store.fs.cat_file(store.path(f"step_8/{f}")))
+        theirs = tmp_path / "before.safetensors"
+        theirs.write_bytes(store.fs.cat_file(store.path(f"step_8.partial/{f}")))
+        x, y = read_tensors(mine), read_tensors(theirs)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), f

@@ -28,6 +28,7 @@ class Distributed:
     device: torch.device = torch.device("cpu")
     mesh: Any = None  # DeviceMesh when world_size > 1
     checkpoint_group: Any = None  # Gloo group for collectives issued by a background save thread
+    local_rank: int = 0  # the rank within this machine (torchrun's LOCAL_RANK): 0 is the machine's first process
 
     @property
     def enabled(self) -> bool:
@@ -92,6 +93,25 @@ class Distributed:
             raise CheckpointError(error)
         return result
 
+    def run_on_each_machine(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0, then on the first process of every other machine (each with its own local disk:
+        preparing a local cache); rank 0's result on every rank, and the first CheckpointError raised on all."""
+        result = self.run_on_main(fn)
+        if not self.enabled:
+            return result
+        error = None
+        if self.local_rank == 0 and not self.is_main:
+            try:
+                fn()
+            except CheckpointError as e:
+                error = str(e)
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise CheckpointError(first)
+        return result
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
@@ -123,4 +143,5 @@ def init_distributed(device: str) -> Distributed:
 
     mesh = init_device_mesh(placed.type, (world_size,))
     checkpoint_group = dist.new_group(backend="gloo")
-    return Distributed(rank=rank, world_size=world_size, device=placed, mesh=mesh, checkpoint_group=checkpoint_group)
+    return Distributed(rank=rank, world_size=world_size, device=placed, mesh=mesh, checkpoint_group=checkpoint_group,
+                       local_rank=local_rank)

@@ -2,9 +2,10 @@
 
 The run works in a local mirror of the prefix (``$WAYPOINT_CACHE/runs/s3/bucket/prefix``, default cache
 ``~/.cache/waypoint``): each step is written and committed there as on any disk, then uploaded, manifest last
-(``waypoint.checkpointers.object_store``). The store is the truth: at start the mirror drops any step the store
-has not committed, and the newest committed step is downloaded (and its hashes verified) when the mirror lacks
-it, so a rerun on another machine resumes the same way. ``metrics.jsonl`` is uploaded after every step.
+(``waypoint.checkpointers.object_store``); under torchrun each rank uploads the shards it wrote from its own
+machine's mirror, so machines need no shared disk. The store is the truth: at start every machine's mirror drops
+any step the store has not committed, and the newest committed step is downloaded (and its hashes verified) where
+a mirror lacks it, so a rerun on other machines resumes the same way. ``metrics.jsonl`` is uploaded after every step.
 
 One run per prefix: a lock object ``.waypoint.lock`` created only if absent (S3's ``If-None-Match: *``), holding a
 lease that the run renews every minute; a lock whose lease ran out, or whose holder was a process of this host
@@ -112,7 +113,7 @@ class StoreLease:
 
 def cache_inputs(cfg, dist, say=print) -> None:
     """Inputs named by object-store URLs (the checkpoint, a dataset: any config string but ``output_dir``) are
-    copied to ``$WAYPOINT_CACHE/inputs/...`` with a size check (files already there with the object's size are
+    copied to ``$WAYPOINT_CACHE/inputs/...`` on every machine with a size check (files already there with the object's size are
     kept), and the config points at the copies; a URL inside one already copied (the checkpoint's tokenizer,
     interpolated from it) points inside that copy."""
     found = sorted({v for k, v in _strings(OmegaConf.to_container(cfg, resolve=True)) if k != "output_dir" and is_url(v)}, key=len)
@@ -123,7 +124,7 @@ def cache_inputs(cfg, dist, say=print) -> None:
             local[url] = local[inside] / url[len(inside.rstrip("/")) + 1:]
             continue
         local[url] = input_copy_path(url)
-        dist.run_on_main(lambda url=url: local_copy(url, say) and None)
+        dist.run_on_each_machine(lambda url=url: local_copy(url, say) and None)
     if local:
         _replace(cfg, {u: str(p) for u, p in local.items()})
         with open_dict(cfg):
@@ -243,23 +244,43 @@ def stored_at(cfg, path: Path) -> str:
 
 class StorePublisher:
     """After each local commit (rank 0): upload the step, manifest last; prune committed steps beyond
-    ``keep_last_n``; upload ``metrics.jsonl``."""
+    ``keep_last_n``; upload ``metrics.jsonl``. Under torchrun every rank first uploads the shards it wrote
+    (``send``), from its own machine's mirror, so no machine needs another's files; rank 0 set the step's
+    leftovers aside before (``prepare``) and commits it with the manifest last."""
 
     def __init__(self, url: str, local: Path, keep_last_n: int | None, report=print) -> None:
         self.store, self.local, self.keep_last_n, self.report = ObjectStore(url), Path(local), keep_last_n, report
+        self._started: float | None = None
 
-    def __call__(self, target: Path) -> None:
-        started = time.perf_counter()
-        try:
-            sent = self.store.upload(target)
+    def prepare(self, name: str) -> None:
+        """Before any rank uploads step ``name``: objects of an earlier attempt are moved aside (``name.partial``)."""
+        with self._failures(f"set aside the leftovers of {self.store.where(name)}"):
+            if self.store.fs.exists(self.store.path(name)):
+                self.store.set_aside(name, "partial")
+
+    def send(self, directory: Path, name: str, files: list[str]) -> None:
+        """This rank's own files of step ``name``, staged in ``directory``."""
+        self._started = self._started or time.perf_counter()
+        with self._failures(f"upload {name} to {self.store.url}"):
+            self.store.send(Path(directory), name, files)
+
+    def __call__(self, target: Path, sent: frozenset[str] = frozenset()) -> None:
+        started, self._started = self._started or time.perf_counter(), None
+        with self._failures(f"upload {target.name} to {self.store.url}", f"; it is committed locally at {target}"):
+            total = self.store.upload(target, sent=sent)
             self.store.prune(self.keep_last_n)
             if (self.local / METRICS).exists():
                 self.store.put(self.local / METRICS, METRICS)
+        seconds = time.perf_counter() - started
+        self.report(f"uploaded {self.store.where(target.name)}: {total / 1e6:.1f} MB in {seconds:.2f} s "
+                    f"({total / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
+
+    @contextmanager
+    def _failures(self, doing: str, where: str = ""):
+        try:
+            yield
         except CheckpointError:
             raise
         except Exception as e:
-            raise CheckpointError(f"could not upload {target.name} to {self.store.url}: {e} ({e.__class__.__name__}); it is "
-                                  f"committed locally at {target}, and the store's earlier checkpoints are intact") from e
-        seconds = time.perf_counter() - started
-        self.report(f"uploaded {self.store.where(target.name)}: {sent / 1e6:.1f} MB in {seconds:.2f} s "
-                    f"({sent / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
+            raise CheckpointError(f"could not {doing}: {e} ({e.__class__.__name__}){where}; "
+                                  "the store's earlier checkpoints are intact") from e

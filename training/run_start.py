@@ -30,8 +30,8 @@ class RunStart:
     def __init__(self, cfg, config: Mapping[str, Any], dist,
                  check: Callable[[Mapping, Mapping, Path], tuple[str, ...]] | None = None) -> None:
         self.cfg, self.dist, self.output_dir = cfg, dist, Path(cfg.output_dir)
-        if cfg.get("output_store"):  # an object store: its committed steps are the truth, the local mirror follows
-            dist.run_on_main(lambda: sync_mirror(cfg))
+        if cfg.get("output_store"):  # an object store: its committed steps are the truth, each machine's mirror follows
+            dist.run_on_each_machine(lambda: sync_mirror(cfg))
         self.checkpoint = dist.run_on_main(lambda: choose_checkpoint(self.output_dir, cfg.resume, cfg.overwrite))
         self.state = load_recipe_state(self.checkpoint.path) if self.checkpoint else None
         self.changes = check_config(self.state["config"], config, self.path) if self.state else []
@@ -56,7 +56,7 @@ class RunStart:
         dist, state = self.dist, self.state
         if state is None:
             dist.run_on_main(lambda: start_fresh(self.output_dir, self.cfg.overwrite))
-            dist.run_on_main(lambda: remove_stale_staging(self.output_dir))
+            dist.run_on_each_machine(lambda: remove_stale_staging(self.output_dir))
             return 0, 0, 0
         check_global_batch(state, global_batch, self.cfg.batch_size, self.cfg.gradient_accumulation_steps,
                            dist.world_size, self.path)
@@ -77,5 +77,5 @@ class RunStart:
             say(f"note: {key}: {old} -> {new} (takes effect from step {global_step + 1})")
         for line in lines:
             say(line)
-        dist.run_on_main(lambda: remove_stale_staging(self.output_dir))
+        dist.run_on_each_machine(lambda: remove_stale_staging(self.output_dir))
         return global_step, epoch, step
