@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from waypoint.models.fused_loss import linear_cross_entropy_sum, next_token_loss_sum
 from waypoint.models.attention import Attention, RMSNorm, apply_rope, document_mask, sliding_window_mask, softcapped_attention
 from waypoint.models.kv_cache import KVCache
 from waypoint.models.moe import MoE, load_balancing_loss, load_balancing_stats
@@ -280,10 +281,13 @@ class Transformer(nn.Module):
         return load_balancing_stats(self.router_logits, self.args.n_experts, self.args.experts_per_token, mask)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                labels: torch.Tensor | None = None, loss_chunk: int | None = None) -> torch.Tensor:
         """``tokens`` [batch, seq] -> logits [batch, seq, vocab]. Packed sequences (``training.packing``) also give
         each token's ``positions`` (restarting per sample) and ``document_ids`` (attention stays within one).
-        With a ``cache`` (generation), ``tokens`` follow the cached ones and the cache takes their keys and values."""
+        With a ``cache`` (generation), ``tokens`` follow the cached ones and the cache takes their keys and values.
+        With ``labels`` [batch, seq]: the next-token loss sum instead (``fused_loss``: the output projection fused
+        with the loss, ``loss_chunk`` tokens at a time, default by the vocabulary's size; 0: the full logits)."""
         start = cache.length if cache is not None else 0
         if start + tokens.shape[1] > self.rope.shape[0]:
             raise ValueError(f"sequence length {start + tokens.shape[1]} exceeds max_seq_len {self.rope.shape[0]}")
@@ -313,10 +317,24 @@ class Transformer(nn.Module):
                 h = layer(h, rope, mask, cache, index)
         if cache is not None:
             cache.length += seq
-        logits = self.output(self.norm(h))
+        h = self.norm(h)
         if self.args.n_experts:
             self.router_logits = [layer.router_logits for layer in self.layers if layer.moe is not None]
+        if labels is not None and loss_chunk != 0 and _plain_projection(self.output):
+            return linear_cross_entropy_sum(h, self.output.weight, labels, loss_chunk, self.args.final_softcap)
+        logits = self.output(h)
+        if labels is not None:
+            return next_token_loss_sum(self._capped(logits), labels)
+        return self._capped(logits)
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         if self.args.final_softcap is not None:
             cap = self.args.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _plain_projection(output: nn.Module) -> bool:
+    """Whether the output projection is a plain bias-free ``nn.Linear`` over an ordinary weight (not a LoRA
+    layer, not a quantized or still-sharded tensor), so that the fused loss may use its weight directly."""
+    return type(output) is nn.Linear and output.bias is None and type(output.weight) in (nn.Parameter, torch.Tensor)

@@ -165,6 +165,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                                verify=verify, report=tqdm.write)
         return saver.save(global_step, content, final=final or preempted)
 
+    loss_chunk = None if cfg.get("fused_loss", True) else 0  # None: chunks sized by the vocabulary; 0: full logits
     preemption = PreemptionWatch(cfg.preemption_signals)
     bar = tqdm(total=plan.total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)
     first_step, saved = global_step + 1, None
@@ -175,7 +176,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         for step_in_epoch in range(first, plan.steps_per_epoch):
             started = time.perf_counter()
             micro_batches = [next(batches)[1] for _ in range(accumulate)]
-            loss_sum, tokens, aux_loss = forward_backward(model, micro_batches, device, dist)
+            loss_sum, tokens, aux_loss = forward_backward(model, micro_batches, device, dist, loss_chunk)
             grad_norm = clip_gradients(trainable, cfg.clip_grad_norm)
             global_step += 1
             # A nan or inf stops the run here, before the weights change (or, with on_nonfinite=skip_step, skips the update).

@@ -25,8 +25,8 @@ def nan_gradient_at(monkeypatch, step: int, parameter: str = "layers.1.mlp.w2.we
     real = full.forward_backward
     calls = {"n": 0}
 
-    def patched(model, micro_batches, device, dist):
-        result = real(model, micro_batches, device, dist)
+    def patched(model, micro_batches, device, dist, *rest):
+        result = real(model, micro_batches, device, dist, *rest)
         calls["n"] += 1
         if calls["n"] == step:
             dict(model.named_parameters())[parameter].grad.fill_(float("nan"))

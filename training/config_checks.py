@@ -109,6 +109,7 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "requeue": (True, boolean),
     "async_checkpoint": (False, boolean),
     "verify_export": (False, boolean),
+    "fused_loss": (False, boolean),
     "on_nonfinite": (False, one_of("stop", "skip_step")),
     "optimizer.lr": (False, number(0)),
     "optimizer.weight_decay": (False, number(0)),

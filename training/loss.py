@@ -1,11 +1,12 @@
-"""Next-token cross-entropy over supervised positions."""
+"""One optimizer step's forward and backward: the next-token cross-entropy over the supervised positions."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import inspect
 
-IGNORE_INDEX = -100
+import torch
+
+from waypoint.models.fused_loss import IGNORE_INDEX, next_token_loss_sum
 
 
 def supervised_tokens(labels: torch.Tensor) -> int:
@@ -13,31 +14,32 @@ def supervised_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
-def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of the cross-entropy of ``logits[:, t]`` against ``labels[:, t + 1]`` (in fp32), ignoring -100.
-
-    Summing (not averaging) per micro-batch and dividing by the tokens of the whole
-    optimizer step makes gradient accumulation equal to one large batch.
-    """
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+def model_loss_sum(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, loss_chunk: int | None = None,
+                   **packed) -> torch.Tensor:
+    """The next-token loss sum of ``model`` on ``tokens``: the native model's output projection fused with the loss,
+    a chunk of tokens at a time (``loss_chunk=0``: the full logits); a model of your own whose ``forward`` takes no
+    ``labels`` returns logits, and the loss is taken from them."""
+    if "labels" in inspect.signature(model.forward).parameters:
+        return model(tokens, labels=labels, loss_chunk=loss_chunk, **packed)
+    return next_token_loss_sum(model(tokens, **packed), labels)
 
 
 def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: torch.device,
-                     dist) -> tuple[float, int, float | None]:
+                     dist, loss_chunk: int | None = None) -> tuple[float, int, float | None]:
     """One optimizer step's gradients: the mean loss over the supervised tokens of the whole global batch
     (every micro-batch of every rank), whatever the split of each micro-batch over ranks. Returns (that loss,
     the step's tokens, the load-balancing loss of a mixture-of-experts model averaged over micro-batches, or None).
 
     Each micro-batch's loss sum is divided by the global token count; under FSDP, which averages gradients
     over ranks, it is also multiplied by the number of ranks. ``dist``: a ``waypoint.training.distributed.Distributed``.
+    ``loss_chunk``: tokens per chunk of the fused output projection and loss (None: by the vocabulary's size; 0:
+    the full logits, as ``fused_loss: false`` asks).
     """
     n_supervised = max(dist.sum(sum(supervised_tokens(b["labels"]) for b in micro_batches)), 1)
     loss_sum, aux_sum, has_aux = 0.0, 0.0, False
     for batch in micro_batches:
         packed = {k: batch[k].to(device) for k in ("positions", "document_ids") if k in batch}
-        logits = model(batch["tokens"].to(device), **packed)
-        loss = next_token_loss_sum(logits, batch["labels"].to(device)) / n_supervised
+        loss = model_loss_sum(model, batch["tokens"].to(device), batch["labels"].to(device), loss_chunk, **packed) / n_supervised
         total = loss
         aux = balance_share(model, dist, batch.get("mask"))
         if aux is not None:  # MoE: the load-balancing loss, weighted by router_aux_loss_coef, averaged over micro-batches

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, Subset
 
 from waypoint.errors import CheckpointError
 from waypoint.training.fsdp import reshard
-from waypoint.training.loss import next_token_loss_sum, supervised_tokens
+from waypoint.training.loss import model_loss_sum, supervised_tokens
 
 
 @dataclass
@@ -66,9 +66,9 @@ def evaluate(model: torch.nn.Module, dataset: Dataset, batch_size: int, collate,
             mine = list(range(start + dist.rank * batch_size, min(start + (dist.rank + 1) * batch_size, len(dataset))))
             batch = collate([dataset[i] for i in (mine or [start])])
             packed = {k: batch[k].to(device) for k in ("positions", "document_ids") if k in batch}
-            logits = model(batch["tokens"].to(device), **packed)
+            loss = model_loss_sum(model, batch["tokens"].to(device), batch["labels"].to(device), **packed)
             if mine:
-                loss_sum += float(next_token_loss_sum(logits, batch["labels"].to(device)))
+                loss_sum += float(loss)
                 tokens += supervised_tokens(batch["labels"])
         return dist.sum(loss_sum) / max(dist.sum(tokens), 1)
     finally:

@@ -1,0 +1,101 @@
+"""The next-token cross-entropy, and the output projection fused with it a chunk of tokens at a time.
+
+With a 128k vocabulary the logits are the largest tensors of a step: the fp32 logits of 8k tokens take 4 GB, and a
+plain cross-entropy keeps them, their log-softmax and their gradient alive at once. :func:`linear_cross_entropy_sum`
+never holds more than one chunk's: for each chunk of tokens it computes the logits, their losses and at once the
+gradient of that loss sum with respect to the chunk's hidden states and the projection weight (softmax minus
+one-hot: a sum's gradient needs nothing from later), so backward only scales what forward kept by the incoming
+gradient. Nothing is computed twice, and what is kept for backward is hidden-sized and weight-sized, not
+[tokens, vocab].
+
+The per-token losses are the plain path's (the same rows through the same matmul, the same fp32 log-softmax); the
+sum and the gradients agree with it up to the order in which the chunks are added.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 2**24  # logits per chunk (64 MB in fp32): 512 tokens of a 32k vocabulary, 128 of a 128k one
+
+
+def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the cross-entropy of ``logits[:, t]`` against ``labels[:, t + 1]`` (in fp32), ignoring -100.
+
+    Summing (not averaging) per micro-batch and dividing by the tokens of the whole
+    optimizer step makes gradient accumulation equal to one large batch.
+    """
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunk_tokens(vocab: int, chunk: int | None = None) -> int:
+    """Tokens per chunk: ``chunk`` when given, else about ``CHUNK_ELEMENTS`` logits' worth."""
+    return chunk if chunk else max(1, CHUNK_ELEMENTS // vocab)
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             chunk: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """``next_token_loss_sum`` of the logits ``hidden @ weight.T`` (capped as ``tanh(l / softcap) * softcap`` when
+    ``softcap``), ``hidden`` [batch, seq, dim] and ``labels`` [batch, seq], without the logits of more than one
+    chunk of ``chunk`` tokens (default: :func:`chunk_tokens`) existing at a time."""
+    rows = hidden[:, :-1].flatten(0, 1)
+    targets = labels[:, 1:].flatten()
+    chunk = chunk_tokens(weight.shape[0], chunk)
+    if not torch.is_grad_enabled():  # evaluation: the losses only
+        return _chunks(rows, weight, targets, chunk, softcap, False, False)[0]
+    return _LinearCrossEntropySum.apply(rows, weight, targets, chunk, softcap)
+
+
+def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight):
+    """(loss sum, its gradient with respect to ``hidden`` or None, to ``weight`` in fp32 or None), a chunk at a time."""
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    for start in range(0, hidden.shape[0], chunk):
+        h, y = hidden[start: start + chunk], labels[start: start + chunk]
+        logits = h @ weight.T
+        if softcap is not None:
+            t = torch.tanh(logits / softcap)
+            logits = t * softcap
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        valid = y != IGNORE_INDEX
+        target = torch.where(valid, y, 0)
+        losses = -log_probs.gather(1, target[:, None]).squeeze(1)
+        total += torch.where(valid, losses, 0.0).sum()
+        if not (need_hidden or need_weight):
+            continue
+        g = log_probs.exp_()  # softmax minus one-hot, on the supervised rows: d(loss sum) / d(logits)
+        g[torch.arange(len(y), device=g.device), target] -= 1.0
+        g *= valid[:, None]
+        g = g.to(h.dtype)
+        if softcap is not None:  # through tanh(l / c) * c, as autograd would go
+            g = (g * softcap) * (1 - t * t) / softcap
+        if grad_hidden is not None:
+            torch.matmul(g, weight, out=grad_hidden[start: start + chunk])
+        if grad_weight is not None:
+            if grad_weight.dtype == g.dtype:
+                grad_weight.addmm_(g.T, h)
+            else:
+                grad_weight += (g.T @ h).float()
+    return total, grad_hidden, grad_weight
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk, softcap):
+        total, grad_hidden, grad_weight = _chunks(hidden, weight, labels, chunk, softcap, *ctx.needs_input_grad[:2])
+        ctx.grads = (grad_hidden, grad_weight, weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight, dtype = ctx.grads
+        ctx.grads = None
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_total).to(dtype)
+        return grad_hidden, grad_weight, None, None, None

@@ -1,0 +1,180 @@
+"""Training step speed and memory: our native model and loop against transformers (and torchtune when installed).
+
+    python scripts/bench_train.py [--shapes small,vocab128k] [--steps N] [--device cpu|cuda] [--dtype fp32|bf16]
+
+The same Llama-shaped model (random weights), the same batch of random tokens and the same AdamW, built as:
+
+  ours          ``waypoint.families.from_hf_config`` and the recipes' step (``training.loss.forward_backward``:
+                the output projection fused with a chunked cross-entropy, ``loss_chunk_size`` tokens at a time)
+  ours-plain    the same model with the full logits materialised (``loss_chunk_size=0``): what the fusion buys
+  transformers  ``LlamaForCausalLM`` (sdpa), its own loss (``labels=``)
+  torchtune     ``torchtune.models.llama2.llama2`` and its ``CEWithChunkedOutputLoss`` (when installed)
+
+each in a fresh process: warm-up steps, then the median of the timed steps (forward, backward,
+optimizer step, zero_grad), tokens/s, and the peak memory over the steps (resident set on CPU, reset after the
+model is built; ``torch.cuda.max_memory_allocated`` on CUDA). The ratios ours/theirs are printed side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+if importlib.util.find_spec("waypoint") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads, batch, seq)
+    "small": (32000, 512, 1376, 4, 8, 4, 4, 256),
+    "vocab128k": (128256, 512, 1376, 2, 8, 4, 2, 1024),  # Llama 3's vocabulary: the logits dominate
+}
+STEPS = {"small": 8, "vocab128k": 3}  # timed steps unless --steps (a vocab128k step takes ~10 s on 2 CPU cores)
+IMPLS = ("ours", "ours-plain", "transformers", "torchtune")
+WARMUP = 2
+
+
+def hf_config(shape: str) -> dict:
+    vocab, hidden, inter, layers, heads, kv, _, seq = SHAPES[shape]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "max_position_embeddings": max(seq, 2048), "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def peak_rss_gb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    return 0.0
+
+
+def reset_peak_rss() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def build(impl: str, shape: str, device, dtype):
+    """(model, step(tokens, labels) -> loss) for ``impl``."""
+    import torch
+
+    from waypoint.training.loss import forward_backward
+    from waypoint.training.distributed import Distributed
+
+    config = hf_config(shape)
+    if impl in ("ours", "ours-plain"):
+        from waypoint.families import from_hf_config
+
+        model = from_hf_config(config)
+        model.init_weights()
+        chunk = None if impl == "ours" else 0  # None: the recipes' default chunk
+        single = Distributed(device=device)
+
+        def step(tokens, labels):
+            loss, _, _ = forward_backward(model, [{"tokens": tokens, "labels": labels}], device, single, loss_chunk=chunk)
+            return loss
+    elif impl == "transformers":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa"))
+
+        def step(tokens, labels):
+            loss = model(input_ids=tokens, labels=labels).loss
+            loss.backward()
+            return loss.item()
+    else:
+        from torchtune.models.llama2 import llama2
+        from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+        vocab, hidden, inter, layers, heads, kv, _, seq = SHAPES[shape]
+        model = llama2(vocab_size=vocab, num_layers=layers, num_heads=heads, num_kv_heads=kv, embed_dim=hidden,
+                       max_seq_len=max(seq, 2048), intermediate_dim=inter)
+        loss_fn = CEWithChunkedOutputLoss()
+        model.set_num_output_chunks(loss_fn.num_output_chunks)
+
+        def step(tokens, labels):
+            loss = loss_fn(model(tokens), labels[:, 1:])
+            loss.backward()
+            return loss.item()
+    return model.to(device=device, dtype=dtype), step
+
+
+def child(impl: str, shape: str, steps: int, device_name: str, dtype_name: str) -> dict:
+    import torch
+
+    device, dtype = torch.device(device_name), {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    torch.manual_seed(0)
+    model, step = build(impl, shape, device, dtype)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    vocab, *_, batch, seq = SHAPES[shape]
+    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    labels = tokens.clone()
+    if impl == "torchtune":  # torchtune's recipes shift the labels themselves
+        labels = torch.cat([tokens[:, 1:], torch.full((batch, 1), -100, device=device)], dim=1)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    reset_peak_rss()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(WARMUP + steps):
+        sync()
+        start = time.perf_counter()
+        losses.append(step(tokens, labels))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else peak_rss_gb()
+    return {"median_s": statistics.median(times), "tokens": batch * seq, "peak_gb": peak, "first_loss": losses[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per shape)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="fp32 (default on cpu) or bf16 (default on cuda)")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
+    if args.child:
+        print(json.dumps(child(*args.child, args.steps, args.device, dtype)))
+        return
+    impls = [i for i in IMPLS if i != "torchtune" or importlib.util.find_spec("torchtune")]
+    if importlib.util.find_spec("transformers") is None:
+        impls.remove("transformers")
+    print(f"device {args.device}, {dtype}, AdamW (foreach); the median step after {WARMUP} warm-up, each in a fresh process")
+    for shape in args.shapes.split(","):
+        vocab, hidden, inter, layers, heads, kv, batch, seq = SHAPES[shape]
+        print(f"\n{shape}: vocab {vocab}, hidden {hidden}, {layers} layers, heads {heads}/{kv}, batch {batch} x {seq}, "
+              f"{args.steps or STEPS[shape]} timed steps")
+        print(f"{'':14} {'step s':>8} {'tokens/s':>9} {'peak GB':>8} {'first loss':>11}")
+        results = {}
+        for impl in impls:
+            run = subprocess.run([sys.executable, __file__, "--child", impl, shape, "--steps", str(args.steps or STEPS[shape]),
+                                  "--device", args.device, "--dtype", dtype], capture_output=True, text=True)
+            if run.returncode:
+                print(f"{impl:14} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}")
+                continue
+            r = results[impl] = json.loads(run.stdout.strip().splitlines()[-1])
+            print(f"{impl:14} {r['median_s']:8.3f} {r['tokens'] / r['median_s']:9.0f} {r['peak_gb']:8.2f} {r['first_loss']:11.4f}")
+        ours = results.get("ours")
+        for theirs in ("ours-plain", "transformers", "torchtune"):
+            if ours and theirs in results:
+                t = results[theirs]
+                print(f"ours / {theirs}: {t['median_s'] / ours['median_s']:.2f}x the tokens/s, "
+                      f"{ours['peak_gb'] / t['peak_gb']:.2f}x the peak memory")
+    print("\ntargets: >= 1.2x transformers' tokens/s; <= 0.8x its peak memory on vocab128k")
+
+
+if __name__ == "__main__":
+    main()
