@@ -6,7 +6,9 @@ The same Llama-shaped model (random weights), the same batch of random tokens an
 
   ours          ``waypoint.families.from_hf_config`` and the recipes' step (``training.loss.forward_backward``:
                 the output projection fused with a chunked cross-entropy, ``loss_chunk_size`` tokens at a time)
-  ours-plain    the same model with the full logits materialised (``loss_chunk_size=0``): what the fusion buys
+  ours-plain    the same model with the full logits materialised (``fused_loss: false``): what the fusion buys
+  ours-ac       ours with activation checkpointing per block (``enable_activation_checkpointing: true``)
+  ours-fused-adamw  ours with ``AdamW(fused=True)`` instead of foreach (``optimizer.fused: true`` in a config)
   transformers  ``LlamaForCausalLM`` (sdpa), its own loss (``labels=``)
   torchtune     ``torchtune.models.llama2.llama2`` and its ``CEWithChunkedOutputLoss`` (when installed)
 
@@ -35,7 +37,7 @@ SHAPES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads, batch
     "vocab128k": (128256, 512, 1376, 2, 8, 4, 2, 1024),  # Llama 3's vocabulary: the logits dominate
 }
 STEPS = {"small": 8, "vocab128k": 3}  # timed steps unless --steps (a vocab128k step takes ~10 s on 2 CPU cores)
-IMPLS = ("ours", "ours-plain", "transformers", "torchtune")
+IMPLS = ("ours", "ours-plain", "ours-ac", "ours-fused-adamw", "transformers", "torchtune")
 WARMUP = 2
 
 
@@ -69,12 +71,13 @@ def build(impl: str, shape: str, device, dtype):
     from waypoint.training.distributed import Distributed
 
     config = hf_config(shape)
-    if impl in ("ours", "ours-plain"):
+    if impl.startswith("ours"):
         from waypoint.families import from_hf_config
 
         model = from_hf_config(config)
         model.init_weights()
-        chunk = None if impl == "ours" else 0  # None: the recipes' default chunk
+        chunk = 0 if impl == "ours-plain" else None  # None: the recipes' default chunk
+        model.activation_checkpointing = impl == "ours-ac"
         single = Distributed(device=device)
 
         def step(tokens, labels):
@@ -113,7 +116,8 @@ def child(impl: str, shape: str, steps: int, device_name: str, dtype_name: str) 
     torch.manual_seed(0)
     model, step = build(impl, shape, device, dtype)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    fused = impl == "ours-fused-adamw"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=not fused, fused=fused)
     vocab, *_, batch, seq = SHAPES[shape]
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     labels = tokens.clone()
@@ -157,22 +161,27 @@ def main() -> None:
         vocab, hidden, inter, layers, heads, kv, batch, seq = SHAPES[shape]
         print(f"\n{shape}: vocab {vocab}, hidden {hidden}, {layers} layers, heads {heads}/{kv}, batch {batch} x {seq}, "
               f"{args.steps or STEPS[shape]} timed steps")
-        print(f"{'':14} {'step s':>8} {'tokens/s':>9} {'peak GB':>8} {'first loss':>11}")
+        print(f"{'':16} {'step s':>8} {'tokens/s':>9} {'peak GB':>8} {'first loss':>11}")
         results = {}
         for impl in impls:
             run = subprocess.run([sys.executable, __file__, "--child", impl, shape, "--steps", str(args.steps or STEPS[shape]),
                                   "--device", args.device, "--dtype", dtype], capture_output=True, text=True)
             if run.returncode:
-                print(f"{impl:14} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}")
+                print(f"{impl:16} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}")
                 continue
             r = results[impl] = json.loads(run.stdout.strip().splitlines()[-1])
-            print(f"{impl:14} {r['median_s']:8.3f} {r['tokens'] / r['median_s']:9.0f} {r['peak_gb']:8.2f} {r['first_loss']:11.4f}")
+            print(f"{impl:16} {r['median_s']:8.3f} {r['tokens'] / r['median_s']:9.0f} {r['peak_gb']:8.2f} {r['first_loss']:11.4f}")
         ours = results.get("ours")
         for theirs in ("ours-plain", "transformers", "torchtune"):
             if ours and theirs in results:
                 t = results[theirs]
                 print(f"ours / {theirs}: {t['median_s'] / ours['median_s']:.2f}x the tokens/s, "
                       f"{ours['peak_gb'] / t['peak_gb']:.2f}x the peak memory")
+        for variant in ("ours-ac", "ours-fused-adamw"):
+            if ours and variant in results:
+                v = results[variant]
+                print(f"{variant} / ours: {ours['median_s'] / v['median_s']:.2f}x the tokens/s, "
+                      f"{v['peak_gb'] / ours['peak_gb']:.2f}x the peak memory")
     print("\ntargets: >= 1.2x transformers' tokens/s; <= 0.8x its peak memory on vocab128k")
 
 
