@@ -9,6 +9,7 @@ a pinned one (``resume=<path>``), or the input, with the config checked against 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ class RunStart:
         if cfg.get("output_store"):  # an object store: its committed steps are the truth, each machine's mirror follows
             dist.run_on_each_machine(lambda: sync_mirror(cfg))
         self.checkpoint = dist.run_on_main(lambda: choose_checkpoint(self.output_dir, cfg.resume, cfg.overwrite))
+        if self.checkpoint is not None and cfg.get("output_store") and cfg.resume in (True, "auto", "true", "True"):
+            # rank 0's newest step, in this machine's own mirror (another machine's cache may lie elsewhere)
+            self.checkpoint = dataclasses.replace(self.checkpoint, path=self.output_dir / self.checkpoint.path.name)
         self.state = load_recipe_state(self.checkpoint.path) if self.checkpoint else None
         self.changes = check_config(self.state["config"], config, self.path) if self.state else []
         if self.state and check is not None:
