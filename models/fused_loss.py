@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
-CHUNK_ELEMENTS = 2**24  # logits per chunk (64 MB in fp32): 512 tokens of a 32k vocabulary, 128 of a 128k one
+CHUNK_ELEMENTS = 2**26  # logits per chunk (256 MB in fp32): 2048 tokens of a 32k vocabulary, 512 of a 128k one.
+# Smaller chunks cost time: each adds the whole [vocab, dim] weight gradient once more (measured for 2048 tokens
+# of a 128k vocabulary, forward and backward of the loss: 128-token chunks 6.3-6.5 s, 512 5.3 s, full logits 5.8 s)
 
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
