@@ -8,6 +8,10 @@ one-hot: a sum's gradient needs nothing from later), so backward only scales wha
 gradient. Nothing is computed twice, and what is kept for backward is hidden-sized and weight-sized, not
 [tokens, vocab].
 
+Only the supervised rows (label not -100) go through the projection: an ignored position adds nothing to the loss
+or to either gradient, and in chat data the prompts, often half of a batch, are ignored. The plain path computes
+their logits all the same.
+
 The per-token losses are the plain path's (the same rows through the same matmul, the same fp32 log-softmax); the
 sum and the gradients agree with it up to the order in which the chunks are added.
 """
@@ -42,9 +46,14 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
                              chunk: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """``next_token_loss_sum`` of the logits ``hidden @ weight.T`` (capped as ``tanh(l / softcap) * softcap`` when
     ``softcap``), ``hidden`` [batch, seq, dim] and ``labels`` [batch, seq], without the logits of more than one
-    chunk of ``chunk`` tokens (default: :func:`chunk_tokens`) existing at a time."""
+    chunk of ``chunk`` tokens (default: :func:`chunk_tokens`) existing at a time, and without the logits of the
+    positions whose next label is ignored."""
     rows = hidden[:, :-1].flatten(0, 1)
     targets = labels[:, 1:].flatten()
+    supervised = targets != IGNORE_INDEX
+    if not bool(supervised.all()):  # autograd scatters the rows' gradient back (zeros for the ignored ones)
+        index = supervised.nonzero().squeeze(1)
+        rows, targets = rows[index], targets[index]
     chunk = chunk_tokens(weight.shape[0], chunk)
     if not torch.is_grad_enabled():  # evaluation: the losses only
         return _chunks(rows, weight, targets, chunk, softcap, False, False)[0]
@@ -52,36 +61,41 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
 
 
 def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight):
-    """(loss sum, its gradient with respect to ``hidden`` or None, to ``weight`` in fp32 or None), a chunk at a time."""
+    """(loss sum, its gradient with respect to ``hidden`` or None, to ``weight`` in fp32 or None), a chunk at a time;
+    every row of ``hidden`` supervised by its label."""
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    grad_weight = None
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start: start + chunk], labels[start: start + chunk]
         logits = h @ weight.T
         if softcap is not None:
             t = torch.tanh(logits / softcap)
             logits = t * softcap
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        valid = y != IGNORE_INDEX
-        target = torch.where(valid, y, 0)
-        losses = -log_probs.gather(1, target[:, None]).squeeze(1)
-        total += torch.where(valid, losses, 0.0).sum()
+        logits = logits.float()
+        # in place when the logits are already fp32 (and not t, kept for the cap's gradient): one [chunk, vocab]
+        # buffer for the logits, their log-softmax and the gradient, the same bits as out of place
+        log_probs = torch._log_softmax(logits, -1, False, out=logits) if logits.dtype == h.dtype and softcap is None \
+            else torch.log_softmax(logits, dim=-1)
+        total += log_probs.gather(1, y[:, None]).sum().neg()
         if not (need_hidden or need_weight):
             continue
-        g = log_probs.exp_()  # softmax minus one-hot, on the supervised rows: d(loss sum) / d(logits)
-        g[torch.arange(len(y), device=g.device), target] -= 1.0
-        g *= valid[:, None]
+        g = log_probs.exp_()  # softmax minus one-hot: d(loss sum) / d(logits)
+        g[torch.arange(len(y), device=g.device), y] -= 1.0
         g = g.to(h.dtype)
         if softcap is not None:  # through tanh(l / c) * c, as autograd would go
             g = (g * softcap) * (1 - t * t) / softcap
         if grad_hidden is not None:
             torch.matmul(g, weight, out=grad_hidden[start: start + chunk])
-        if grad_weight is not None:
-            if grad_weight.dtype == g.dtype:
+        if need_weight:
+            if grad_weight is None:  # the first chunk's product is the sum so far: no zeros to add it to
+                grad_weight = (g.T @ h).float()
+            elif grad_weight.dtype == g.dtype:
                 grad_weight.addmm_(g.T, h)
             else:
                 grad_weight += (g.T @ h).float()
+    if need_weight and grad_weight is None:  # no supervised row
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     return total, grad_hidden, grad_weight
 
 

@@ -5,7 +5,7 @@
 The same Llama-shaped model (random weights), the same batch of random tokens and the same AdamW, built as:
 
   ours          ``waypoint.families.from_hf_config`` and the recipes' step (``training.loss.forward_backward``:
-                the output projection fused with a chunked cross-entropy, ``loss_chunk_size`` tokens at a time)
+                the output projection fused with a chunked cross-entropy over the supervised positions only)
   ours-plain    the same model with the full logits materialised (``fused_loss: false``): what the fusion buys
   ours-ac       ours with activation checkpointing per block (``enable_activation_checkpointing: true``)
   ours-fused-adamw, transformers-fused-adamw  each with ``AdamW(fused=True)`` instead of foreach (what every shipped
@@ -13,7 +13,8 @@ The same Llama-shaped model (random weights), the same batch of random tokens an
   transformers  ``LlamaForCausalLM`` (sdpa), its own loss (``labels=``)
   torchtune     ``torchtune.models.llama2.llama2`` and its ``CEWithChunkedOutputLoss`` (when installed)
 
-each in a fresh process: warm-up steps, then the median of the timed steps (forward, backward,
+on random tokens, every position supervised (``small``, ``vocab128k``) or, as in chat data, only each sequence's
+second half (``chat``: the prompts' labels -100), each in a fresh process: warm-up steps, then the median of the timed steps (forward, backward,
 optimizer step, zero_grad), tokens/s, and the peak memory over the steps (resident set on CPU, reset after the
 model is built; ``torch.cuda.max_memory_allocated`` on CUDA). The ratios ours/theirs are printed side by side.
 """
@@ -36,8 +37,10 @@ if importlib.util.find_spec("waypoint") is None:
 SHAPES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads, batch, seq)
     "small": (32000, 512, 1376, 4, 8, 4, 4, 256),
     "vocab128k": (128256, 512, 1376, 2, 8, 4, 2, 1024),  # Llama 3's vocabulary: the logits dominate
+    "chat": (32000, 512, 1376, 4, 8, 4, 4, 256),  # small, the first half of each sequence a prompt (labels -100)
 }
-STEPS = {"small": 8, "vocab128k": 3}  # timed steps unless --steps (a vocab128k step takes ~10 s on 2 CPU cores)
+PROMPT = {"chat": 0.5}  # the share of each sequence whose labels are -100, as chat data's prompts (train_on_input: false)
+STEPS = {"small": 8, "vocab128k": 3, "chat": 8}  # timed steps unless --steps (a vocab128k step takes ~10 s on 2 CPU cores)
 IMPLS = ("ours", "ours-plain", "ours-ac", "ours-fused-adamw", "transformers", "transformers-fused-adamw", "torchtune")
 FUSED_ADAMW = "-fused-adamw"  # an impl with AdamW(fused=True) in place of foreach
 WARMUP = 2
@@ -105,7 +108,7 @@ def build(impl: str, shape: str, device, dtype):
         model.set_num_output_chunks(loss_fn.num_output_chunks)
 
         def step(tokens, labels):
-            loss = loss_fn(model(tokens), labels[:, 1:])
+            loss = loss_fn(model(tokens), labels)  # labels already shifted, as torchtune's recipes do
             loss.backward()
             return loss.item()
     return model.to(device=device, dtype=dtype), step
@@ -123,8 +126,9 @@ def child(impl: str, shape: str, steps: int, device_name: str, dtype_name: str) 
     vocab, *_, batch, seq = SHAPES[shape]
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     labels = tokens.clone()
+    labels[:, : int(seq * PROMPT.get(shape, 0))] = -100
     if impl == "torchtune":  # torchtune's recipes shift the labels themselves
-        labels = torch.cat([tokens[:, 1:], torch.full((batch, 1), -100, device=device)], dim=1)
+        labels = torch.cat([labels[:, 1:], torch.full((batch, 1), -100, device=device)], dim=1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     reset_peak_rss()
     if device.type == "cuda":
@@ -161,7 +165,8 @@ def main() -> None:
     print(f"device {args.device}, {dtype}, AdamW (foreach); the median step after {WARMUP} warm-up, each in a fresh process")
     for shape in args.shapes.split(","):
         vocab, hidden, inter, layers, heads, kv, batch, seq = SHAPES[shape]
-        print(f"\n{shape}: vocab {vocab}, hidden {hidden}, {layers} layers, heads {heads}/{kv}, batch {batch} x {seq}, "
+        prompt = f", the first {PROMPT[shape]:.0%} of each sequence a prompt (labels -100)" if shape in PROMPT else ""
+        print(f"\n{shape}: vocab {vocab}, hidden {hidden}, {layers} layers, heads {heads}/{kv}, batch {batch} x {seq}{prompt}, "
               f"{args.steps or STEPS[shape]} timed steps")
         print(f"{'':16} {'step s':>8} {'tokens/s':>9} {'peak GB':>8} {'first loss':>11}")
         results = {}

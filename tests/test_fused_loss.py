@@ -46,15 +46,44 @@ def test_each_tokens_loss_is_the_plain_one():
     torch.manual_seed(0)
     h, w, y = torch.randn(2, 100, 32), torch.randn(3000, 32) * 0.1, torch.randint(0, 3000, (2, 100))
     per_token = F.cross_entropy((h @ w.T)[:, :-1].flatten(0, 1), y[:, 1:].flatten(), reduction="none")
-    exact = 0
     for t in range(0, per_token.numel(), 11):
-        alone = torch.full_like(y, -100)  # only token t supervised
+        alone = torch.full_like(y, -100)  # only token t supervised: its row alone goes through the projection
         b, s = divmod(t, y.shape[1] - 1)
         alone[b, s + 1] = y[b, s + 1]
         mine = linear_cross_entropy_sum(h, w, alone, chunk=16)
         torch.testing.assert_close(mine, per_token[t], rtol=1e-6, atol=0)
-        exact += bool(torch.equal(mine, per_token[t]))
-    assert exact >= 0.8 * len(range(0, per_token.numel(), 11))  # mostly to the last bit (the same rows, same matmul)
+
+
+def test_only_the_supervised_rows_go_through_the_projection():
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 40, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    y = torch.randint(0, 50, (2, 40))
+    y[:, :25] = -100  # prompts: 2 x 15 of the 78 next-token positions stay supervised
+    seen = MatmulRows()
+    with seen:
+        loss = linear_cross_entropy_sum(h, w, y, chunk=1000)
+        loss.backward()
+    assert seen.rows == [30, 30, 50]  # logits, hidden gradient, weight gradient (its rows: the vocabulary)
+    ref = gradients(plain, h, w, y, None)
+    torch.testing.assert_close(loss.detach(), ref[0], rtol=1e-6, atol=0)
+    assert torch.equal(h.grad[:, :24], torch.zeros(2, 24, 8)) and h.grad[:, 24:39].abs().sum() > 0
+    torch.testing.assert_close(h.grad, ref[1] / 0.37, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(w.grad, ref[2] / 0.37, rtol=1e-5, atol=1e-7)
+    none = torch.full_like(y, -100)  # no supervised position at all: a zero loss and zero gradients
+    h.grad = w.grad = None
+    linear_cross_entropy_sum(h, w, none).backward()
+    assert torch.equal(h.grad, torch.zeros_like(h)) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+class MatmulRows(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.rows.append(args[-2].shape[0])
+        return func(*args, **(kwargs or {}))
 
 
 class LargestTensor(TorchDispatchMode):
