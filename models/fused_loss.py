@@ -72,11 +72,10 @@ def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight):
         if softcap is not None:
             t = torch.tanh(logits / softcap)
             logits = t * softcap
+        # logits is this chunk's own fresh buffer (t, kept for the cap's gradient, is another): the log-softmax is
+        # written over it in place (aten's out= variant; the same bits as out of place), and the gradient after it
         logits = logits.float()
-        # in place when the logits are already fp32 (and not t, kept for the cap's gradient): one [chunk, vocab]
-        # buffer for the logits, their log-softmax and the gradient, the same bits as out of place
-        log_probs = torch._log_softmax(logits, -1, False, out=logits) if logits.dtype == h.dtype and softcap is None \
-            else torch.log_softmax(logits, dim=-1)
+        log_probs = torch._log_softmax(logits, -1, False, out=logits)
         total += log_probs.gather(1, y[:, None]).sum().neg()
         if not (need_hidden or need_weight):
             continue

@@ -147,9 +147,29 @@ def child(impl: str, shape: str, steps: int, device_name: str, dtype_name: str) 
     return {"median_s": statistics.median(times), "tokens": batch * seq, "peak_gb": peak, "first_loss": losses[0]}
 
 
+def run_child(impl: str, shape: str, args, dtype: str) -> dict | str:
+    """One impl's figures from a fresh process, or the reason it failed."""
+    run = subprocess.run([sys.executable, __file__, "--child", impl, shape, "--steps", str(args.steps or STEPS[shape]),
+                          "--device", args.device, "--dtype", dtype], capture_output=True, text=True)
+    if run.returncode:
+        return run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit status {run.returncode}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def ratio_line(label: str, mine: list[dict], theirs: list[dict]) -> str:
+    """tokens/s and peak memory of ``mine`` against ``theirs``, round by round (the same round runs both)."""
+    speed = sorted(t["median_s"] / m["median_s"] for m, t in zip(mine, theirs))
+    spread = f" (rounds: {speed[0]:.2f}-{speed[-1]:.2f}x)" if len(speed) > 1 else ""
+    memory = statistics.median(m["peak_gb"] for m in mine) / statistics.median(t["peak_gb"] for t in theirs)
+    return f"{label}: {statistics.median(speed):.2f}x the tokens/s{spread}, {memory:.2f}x the peak memory"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--impls", default=",".join(IMPLS), help="which rows to run (torchtune only when installed)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every impl this many times, interleaved, and take the median (a shared machine drifts)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default: per shape)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="fp32 (default on cpu) or bf16 (default on cuda)")
@@ -159,40 +179,39 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*args.child, args.steps, args.device, dtype)))
         return
-    impls = [i for i in IMPLS if i != "torchtune" or importlib.util.find_spec("torchtune")]
+    unknown = sorted(set(args.impls.split(",")) - set(IMPLS)) + sorted(set(args.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        sys.exit(f"unknown impl or shape {', '.join(unknown)}; impls: {', '.join(IMPLS)}; shapes: {', '.join(SHAPES)}")
+    impls = [i for i in args.impls.split(",") if i != "torchtune" or importlib.util.find_spec("torchtune")]
     if importlib.util.find_spec("transformers") is None:
         impls = [i for i in impls if not i.startswith("transformers")]
-    print(f"device {args.device}, {dtype}, AdamW (foreach); the median step after {WARMUP} warm-up, each in a fresh process")
+    print(f"device {args.device}, {dtype}, AdamW (foreach unless -fused-adamw); the median step after {WARMUP} warm-up, "
+          f"each in a fresh process, {args.rounds} round(s)")
     for shape in args.shapes.split(","):
         vocab, hidden, inter, layers, heads, kv, batch, seq = SHAPES[shape]
         prompt = f", the first {PROMPT[shape]:.0%} of each sequence a prompt (labels -100)" if shape in PROMPT else ""
         print(f"\n{shape}: vocab {vocab}, hidden {hidden}, {layers} layers, heads {heads}/{kv}, batch {batch} x {seq}{prompt}, "
               f"{args.steps or STEPS[shape]} timed steps")
-        print(f"{'':16} {'step s':>8} {'tokens/s':>9} {'peak GB':>8} {'first loss':>11}")
-        results = {}
-        for impl in impls:
-            run = subprocess.run([sys.executable, __file__, "--child", impl, shape, "--steps", str(args.steps or STEPS[shape]),
-                                  "--device", args.device, "--dtype", dtype], capture_output=True, text=True)
-            if run.returncode:
-                print(f"{impl:16} failed: {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else run.returncode}")
-                continue
-            r = results[impl] = json.loads(run.stdout.strip().splitlines()[-1])
-            print(f"{impl:16} {r['median_s']:8.3f} {r['tokens'] / r['median_s']:9.0f} {r['peak_gb']:8.2f} {r['first_loss']:11.4f}")
-        ours = results.get("ours")
-        for theirs in ("ours-plain", "transformers", "torchtune"):
-            if ours and theirs in results:
-                t = results[theirs]
-                print(f"ours / {theirs}: {t['median_s'] / ours['median_s']:.2f}x the tokens/s, "
-                      f"{ours['peak_gb'] / t['peak_gb']:.2f}x the peak memory")
-        for variant in ("ours-ac", "ours-fused-adamw"):
-            if ours and variant in results:
-                v = results[variant]
-                print(f"{variant} / ours: {ours['median_s'] / v['median_s']:.2f}x the tokens/s, "
-                      f"{v['peak_gb'] / ours['peak_gb']:.2f}x the peak memory")
-        mine, theirs = results.get("ours" + FUSED_ADAMW), results.get("transformers" + FUSED_ADAMW)
-        if mine and theirs:
-            print(f"both with fused AdamW, ours / transformers: {theirs['median_s'] / mine['median_s']:.2f}x the tokens/s, "
-                  f"{mine['peak_gb'] / theirs['peak_gb']:.2f}x the peak memory")
+        runs: dict[str, list[dict]] = {impl: [] for impl in impls}
+        for _ in range(args.rounds):
+            for impl in impls:
+                r = run_child(impl, shape, args, dtype)
+                if isinstance(r, str):
+                    print(f"{impl:24} failed: {r}")
+                    runs.pop(impl)
+                    impls = [i for i in impls if i != impl]
+                else:
+                    runs[impl].append(r)
+        print(f"{'':24} {'step s':>8} {'tokens/s':>9} {'peak GB':>8} {'first loss':>11}")
+        for impl, rs in runs.items():
+            step, peak = statistics.median(r["median_s"] for r in rs), statistics.median(r["peak_gb"] for r in rs)
+            print(f"{impl:24} {step:8.3f} {rs[0]['tokens'] / step:9.0f} {peak:8.2f} {rs[0]['first_loss']:11.4f}")
+        pairs = [("ours", t, f"ours / {t}") for t in ("ours-plain", "transformers", "torchtune")]
+        pairs += [(v, "ours", f"{v} / ours") for v in ("ours-ac", "ours-fused-adamw")]
+        pairs += [("ours" + FUSED_ADAMW, "transformers" + FUSED_ADAMW, "both with fused AdamW, ours / transformers")]
+        for mine, theirs, label in pairs:
+            if mine in runs and theirs in runs:
+                print(ratio_line(label, runs[mine], runs[theirs]))
     print("\ntargets: >= 1.2x transformers' tokens/s; <= 0.8x its peak memory on vocab128k")
 
 
