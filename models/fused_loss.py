@@ -12,11 +12,16 @@ Only the supervised rows (label not -100) go through the projection: an ignored 
 or to either gradient, and in chat data the prompts, often half of a batch, are ignored. The plain path computes
 their logits all the same.
 
+Every [chunk, vocab] tensor is a view of one :class:`ChunkBuffer`, which the model keeps from step to step: a
+step allocates none (Gemma 2's capped logits and their gradient included).
+
 The per-token losses are the plain path's (the same rows through the same matmul, the same fp32 log-softmax); the
 sum and the gradients agree with it up to the order in which the chunks are added.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +47,40 @@ def chunk_tokens(vocab: int, chunk: int | None = None) -> int:
     return chunk if chunk else max(1, CHUNK_ELEMENTS // vocab)
 
 
+class ChunkBuffer:
+    """The fused loss's working memory: one buffer per role, each as large as the largest chunk asked of it, reused
+    by every chunk and every step that passes the same :class:`ChunkBuffer`.
+
+    A chunk's logits are the largest tensor a step creates (256 MB in fp32 at the default chunk size). A fresh one
+    per chunk is memory that glibc maps and returns to the system each time (it is past its 32 MB threshold), and
+    the kernel zero-fills every page of it again on first touch: measured on 2 CPU cores, 32k page faults a step of
+    the bench's ``small`` shape and 260k of its ``vocab128k`` one. Kept, it is filled in place."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised [rows, cols] view of ``role``'s buffer, grown (never shrunk) to fit."""
+        size = rows * cols
+        buffer = self._buffers.get(role)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype or buffer.device != device:
+            self._buffers.pop(role, None)  # let the old one go before the larger one is allocated
+            buffer = self._buffers[role] = torch.empty(size, dtype=dtype, device=device)
+        return buffer[:size].view(rows, cols)
+
+    def clear(self) -> None:
+        """Return the memory (the next chunk allocates afresh)."""
+        self._buffers.clear()
+
+
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                             chunk: int | None = None, softcap: float | None = None,
+                             buffer: ChunkBuffer | None = None) -> torch.Tensor:
     """``next_token_loss_sum`` of the logits ``hidden @ weight.T`` (capped as ``tanh(l / softcap) * softcap`` when
     ``softcap``), ``hidden`` [batch, seq, dim] and ``labels`` [batch, seq], without the logits of more than one
     chunk of ``chunk`` tokens (default: :func:`chunk_tokens`) existing at a time, and without the logits of the
-    positions whose next label is ignored."""
+    positions whose next label is ignored. ``buffer``: where the chunks' logits are written, kept by the caller from
+    one step to the next (None: a buffer for this call, reused by its chunks)."""
     rows = hidden[:, :-1].flatten(0, 1)
     targets = labels[:, 1:].flatten()
     supervised = targets != IGNORE_INDEX
@@ -56,34 +89,40 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
         rows, targets = rows[index], targets[index]
     chunk = chunk_tokens(weight.shape[0], chunk)
     if not torch.is_grad_enabled():  # evaluation: the losses only
-        return _chunks(rows, weight, targets, chunk, softcap, False, False)[0]
-    return _LinearCrossEntropySum.apply(rows, weight, targets, chunk, softcap)
+        return _chunks(rows, weight, targets, chunk, softcap, False, False, buffer)[0]
+    return _LinearCrossEntropySum.apply(rows, weight, targets, chunk, softcap, buffer)
 
 
-def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight):
+def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight, buffer=None):
     """(loss sum, its gradient with respect to ``hidden`` or None, to ``weight`` in fp32 or None), a chunk at a time;
-    every row of ``hidden`` supervised by its label."""
+    every row of ``hidden`` supervised by its label. Every [chunk, vocab] tensor is a view of ``buffer`` (a
+    :class:`ChunkBuffer`; None: one for this call), each step written in place in the order the out-of-place
+    formulas take (the same bits)."""
+    buffer = buffer if buffer is not None else ChunkBuffer()
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     grad_weight = None
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start: start + chunk], labels[start: start + chunk]
-        logits = h @ weight.T
-        if softcap is not None:
-            t = torch.tanh(logits / softcap)
-            logits = t * softcap
-        # logits is this chunk's own fresh buffer (t, kept for the cap's gradient, is another): the log-softmax is
-        # written over it in place (aten's out= variant; the same bits as out of place), and the gradient after it
-        logits = logits.float()
+        take = partial(buffer.take, rows=len(y), cols=weight.shape[0], device=h.device)
+        logits = torch.matmul(h, weight.T, out=take("logits", dtype=h.dtype))
+        if softcap is not None:  # tanh(l / c) * c, with tanh(l / c) kept in the logits' place for the cap's gradient
+            tanh = logits.div_(softcap).tanh_()
+            logits = torch.mul(tanh, softcap, out=take("capped", dtype=h.dtype))
+        # the log-softmax in fp32 (a copy of its own in a narrower dtype), written over the logits in place (aten's
+        # out= variant), then the gradient over it
+        if logits.dtype != torch.float32:
+            logits = take("fp32", dtype=torch.float32).copy_(logits)
         log_probs = torch._log_softmax(logits, -1, False, out=logits)
         total += log_probs.gather(1, y[:, None]).sum().neg()
         if not (need_hidden or need_weight):
             continue
         g = log_probs.exp_()  # softmax minus one-hot: d(loss sum) / d(logits)
         g[torch.arange(len(y), device=g.device), y] -= 1.0
-        g = g.to(h.dtype)
-        if softcap is not None:  # through tanh(l / c) * c, as autograd would go
-            g = (g * softcap) * (1 - t * t) / softcap
+        if g.dtype != h.dtype:  # back to h's dtype, into a buffer whose contents are no longer needed
+            g = take("capped" if softcap is not None else "logits", dtype=h.dtype).copy_(g)
+        if softcap is not None:  # through tanh(l / c) * c as autograd goes: (g * c) * (1 - tanh * tanh) / c
+            g = g.mul_(softcap).mul_(tanh.mul_(tanh).neg_().add_(1)).div_(softcap)
         if grad_hidden is not None:
             torch.matmul(g, weight, out=grad_hidden[start: start + chunk])
         if need_weight:
@@ -100,8 +139,9 @@ def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight):
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, softcap):
-        total, grad_hidden, grad_weight = _chunks(hidden, weight, labels, chunk, softcap, *ctx.needs_input_grad[:2])
+    def forward(ctx, hidden, weight, labels, chunk, softcap, buffer):
+        total, grad_hidden, grad_weight = _chunks(hidden, weight, labels, chunk, softcap, *ctx.needs_input_grad[:2],
+                                                  buffer)
         ctx.grads = (grad_hidden, grad_weight, weight.dtype)
         return total
 
@@ -113,4 +153,4 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_total).to(dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from waypoint.models.fused_loss import linear_cross_entropy_sum, next_token_loss_sum
+from waypoint.models.fused_loss import ChunkBuffer, linear_cross_entropy_sum, next_token_loss_sum
 from waypoint.models.attention import Attention, RMSNorm, apply_rope, document_mask, sliding_window_mask, softcapped_attention
 from waypoint.models.kv_cache import KVCache
 from waypoint.models.moe import MoE, load_balancing_loss, load_balancing_stats
@@ -229,6 +229,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.activation_checkpointing = False
+        self.loss_buffer = ChunkBuffer()  # the fused loss's chunk logits on the CPU, reused by every step (not state)
         self.router_logits: list[torch.Tensor] = []  # each MoE layer's router logits in the last forward
         self.register_buffer("rope", torch.empty(0), persistent=False)
         if args.local_rope_theta is not None:  # the sliding layers' table (Gemma 3)
@@ -321,7 +322,10 @@ class Transformer(nn.Module):
         if self.args.n_experts:
             self.router_logits = [layer.router_logits for layer in self.layers if layer.moe is not None]
         if labels is not None and loss_chunk != 0 and _plain_projection(self.output):
-            return linear_cross_entropy_sum(h, self.output.weight, labels, loss_chunk, self.args.final_softcap)
+            # the chunks' buffer is kept from step to step on the CPU, whose allocator hands a freed chunk back to the
+            # system; CUDA's caching allocator keeps the freed block itself, for the next chunk and other tensors alike
+            buffer = self.loss_buffer if h.device.type == "cpu" else None
+            return linear_cross_entropy_sum(h, self.output.weight, labels, loss_chunk, self.args.final_softcap, buffer)
         logits = self.output(h)
         if labels is not None:
             return next_token_loss_sum(self._capped(logits), labels)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from waypoint.models.fused_loss import linear_cross_entropy_sum, next_token_loss_sum
+from waypoint.models.fused_loss import ChunkBuffer, linear_cross_entropy_sum, next_token_loss_sum
 from waypoint.models.transformer import ModelArgs, Transformer
 
 
@@ -133,3 +134,55 @@ def test_without_gradients_only_the_losses_are_computed():
         loss = linear_cross_entropy_sum(h, w, y, chunk=5)
     assert not loss.requires_grad and seen.products == 8  # one product per chunk of 5 of the 38 rows: the logits only
     torch.testing.assert_close(loss, plain(h, w, y).detach(), rtol=1e-6, atol=0)
+
+
+class FreshTensors(TorchDispatchMode):
+    """The element counts of the tensors each op allocates: outputs that are neither views of its inputs nor
+    written into them (``out=``, in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.numels += [t.numel() for t in pytree.tree_leaves(out)
+                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_a_training_step_writes_its_chunks_into_the_buffer_the_model_keeps(dtype, softcap):
+    args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=4096, hidden_dim=64, max_seq_len=128,
+                     final_softcap=softcap)
+    torch.manual_seed(0)
+    model = Transformer(args).to(dtype)
+    model.reset_rope()
+    tokens = torch.randint(0, 4096, (2, 64))
+    labels = tokens.clone()
+    labels[1, :10] = -100  # 116 supervised rows: chunks of 64 and 52
+    allocated = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with FreshTensors() as seen:
+            model(tokens, labels=labels, loss_chunk=64).backward()
+        allocated.append(max(seen.numels))
+    chunk_logits = 52 * args.vocab_size  # the smallest chunk's; the largest other tensor is a [vocab, dim] gradient
+    assert allocated[0] >= chunk_logits  # the first step allocates the buffer
+    assert allocated[1] <= args.vocab_size * args.dim  # the next one fills it in place: no chunk-sized allocation
+
+
+def test_a_kept_buffer_gives_the_bits_of_a_fresh_one():
+    kept = ChunkBuffer()
+    for dtype, rows, chunk, softcap in [(torch.float32, 20, 7, None), (torch.float32, 60, 50, 30.0),
+                                        (torch.bfloat16, 60, 50, 30.0), (torch.float32, 30, 11, None)]:
+        torch.manual_seed(rows)
+        h, w = torch.randn(2, rows, 16, dtype=dtype), (torch.randn(300, 16) * 0.5).to(dtype)
+        y = torch.randint(0, 300, (2, rows))
+        fresh = gradients(lambda *a, **k: linear_cross_entropy_sum(*a, chunk=chunk, **k), h, w, y, softcap)
+        reused = gradients(lambda *a, **k: linear_cross_entropy_sum(*a, chunk=chunk, buffer=kept, **k), h, w, y, softcap)
+        for mine, theirs in zip(reused, fresh):
+            assert torch.equal(mine, theirs)
