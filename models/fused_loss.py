@@ -12,8 +12,8 @@ Only the supervised rows (label not -100) go through the projection: an ignored 
 or to either gradient, and in chat data the prompts, often half of a batch, are ignored. The plain path computes
 their logits all the same.
 
-Every [chunk, vocab] tensor is a view of one :class:`ChunkBuffer`, which the model keeps from step to step: a
-step allocates none (Gemma 2's capped logits and their gradient included).
+Every [chunk, vocab] tensor is a view of one :class:`ChunkBuffer` (Gemma 2's capped logits and their gradient
+included), which the model keeps from step to step on the CPU: a step there allocates none.
 
 The per-token losses are the plain path's (the same rows through the same matmul, the same fp32 log-softmax); the
 sum and the gradients agree with it up to the order in which the chunks are added.
