@@ -19,7 +19,8 @@ from waypoint.converters.table import Converter
 from waypoint.errors import CheckpointError
 from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, check_fixed
-from waypoint.models.transformer import ModelArgs, Transformer
+from waypoint.models.args import ModelArgs
+from waypoint.models.transformer import Transformer
 
 _ORDER = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe")
 

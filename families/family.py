@@ -15,7 +15,7 @@ from typing import Any
 
 from waypoint.converters.table import Converter, Rule
 from waypoint.families.hf_config import IGNORE, HFConfig
-from waypoint.models.transformer import ModelArgs
+from waypoint.models.args import ModelArgs
 
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
 

@@ -8,7 +8,8 @@ from waypoint.families.family import Family
 from waypoint.families.gemma import gemma_args
 from waypoint.families.hf_config import FULL, SLIDING, HFConfig, common_args, common_fields, layer_types, layer_window_args
 from waypoint.families.hf_rules import attention_rules, mlp_rules, outer_rules, sandwich_norm_rules
-from waypoint.models.transformer import ModelArgs, Transformer
+from waypoint.models.args import ModelArgs
+from waypoint.models.transformer import Transformer
 
 
 def gemma_common(cfg: HFConfig, model_type: str, pattern: int, rope_layer_type: str | None = None) -> dict:

@@ -14,7 +14,8 @@ from waypoint.families.gemma import gemma_args
 from waypoint.families.gemma2 import gemma_common, gemma_fields
 from waypoint.families.hf_config import FULL, SLIDING, HFConfig, rope_fields, rope_params
 from waypoint.families.hf_rules import attention_rules, mlp_rules, outer_rules, qk_norm_rules, sandwich_norm_rules
-from waypoint.models.transformer import ModelArgs, Transformer
+from waypoint.models.args import ModelArgs
+from waypoint.models.transformer import Transformer
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:

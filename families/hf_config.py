@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from waypoint.models.transformer import ModelArgs
+from waypoint.models.args import ModelArgs
 
 IGNORE = (r"(^|\.)rotary_emb\.inv_freq$",)
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from waypoint.converters.ops import RopePermute
 from waypoint.converters.table import Rule
-from waypoint.models.transformer import ModelArgs
+from waypoint.models.args import ModelArgs
 
 LAYER, NATIVE = "model.layers.{i}.", "layers.{i}."
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_args, common_fields
 from waypoint.families.hf_rules import llama_rules
-from waypoint.models.transformer import ModelArgs, Transformer
+from waypoint.models.args import ModelArgs
+from waypoint.models.transformer import Transformer
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:

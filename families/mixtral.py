@@ -10,7 +10,8 @@ from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_args, common_fields
 from waypoint.families.hf_rules import attention_rules, norm_rules, outer_rules
 from waypoint.families.moe_rules import packed_rules, per_expert_rules
-from waypoint.models.transformer import ModelArgs, Transformer
+from waypoint.models.args import ModelArgs
+from waypoint.models.transformer import Transformer
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "output")  # and the head; not the experts
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from waypoint.converters.ops import Split, Stack
 from waypoint.converters.table import Rule
 from waypoint.families.hf_rules import LAYER, NATIVE
-from waypoint.models.transformer import ModelArgs
+from waypoint.models.args import ModelArgs
 
 MOE = NATIVE + "moe."
 

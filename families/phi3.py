@@ -13,7 +13,8 @@ from waypoint.converters.table import Rule
 from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_args, common_fields
 from waypoint.families.hf_rules import LAYER, NATIVE, k_permute, norm_rules, outer_rules, q_permute
-from waypoint.models.transformer import ModelArgs, Transformer
+from waypoint.models.args import ModelArgs
+from waypoint.models.transformer import Transformer
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from waypoint.families.family import Family
 from waypoint.families.hf_config import FULL, SLIDING, HFConfig, common_args, common_fields, layer_types, layer_window_args
 from waypoint.families.hf_rules import llama_rules, qkv_bias_rules
-from waypoint.models.transformer import ModelArgs, Transformer
+from waypoint.models.args import ModelArgs
+from waypoint.models.transformer import Transformer
 
 
 def qwen_window_args(cfg: HFConfig, n_layers: int) -> dict:

@@ -10,7 +10,8 @@ from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_args, common_fields
 from waypoint.families.hf_rules import llama_rules, qk_norm_rules
 from waypoint.families.qwen2 import qwen_window_args, qwen_window_fields
-from waypoint.models.transformer import ModelArgs, Transformer
+from waypoint.models.args import ModelArgs
+from waypoint.models.transformer import Transformer
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:

@@ -12,7 +12,8 @@ from waypoint.families.mixtral import ATTENTION_TARGETS
 from waypoint.families.moe_rules import packed_rules, per_expert_rules
 from waypoint.families.qwen2 import qwen_window_args, qwen_window_fields
 from waypoint.converters.table import Rule
-from waypoint.models.transformer import ModelArgs, Transformer
+from waypoint.models.args import ModelArgs
+from waypoint.models.transformer import Transformer
 
 
 def dense_layers(cfg: HFConfig, n_layers: int) -> tuple[int, ...]:

@@ -8,14 +8,11 @@ lives here because the per-head norms use it; the blocks use it too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from waypoint.models.transformer import ModelArgs
+from waypoint.models.args import ModelArgs
 
 
 class RMSNorm(nn.Module):

@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from waypoint.models.args import ACTIVATIONS
+
 IMPLS = ("auto", "grouped", "padded", "loop")
 
 # (device type, device index, dtype) -> whether grouped_mm runs forward and backward there
@@ -119,8 +121,6 @@ class MoE(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, normalize_topk: bool = True,
                  activation: str = "silu", *, fp32_routing_weights: bool = False, impl: str = "auto") -> None:
         super().__init__()
-        from waypoint.models.transformer import ACTIVATIONS  # here, not at the top: transformer.py imports this module
-
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
         if activation not in ACTIVATIONS:

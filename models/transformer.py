@@ -30,20 +30,20 @@ Phi-3, Qwen2, Gemma 2, 3), ``resid_dropout`` (Phi-3) and the mixture-of-experts 
 ``n_experts`` on (Mixtral, Qwen3-MoE). Each is computed the way
 transformers computes it, so logits agree with it in fp32.
 
-RMSNorm, the RoPE rotation, the masks and :class:`Attention` live in :mod:`waypoint.models.attention`
-and are re-exported here.
+:class:`ModelArgs` and the activations live in :mod:`waypoint.models.args`; RMSNorm, the RoPE rotation, the masks
+and :class:`Attention` in :mod:`waypoint.models.attention`; all are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from waypoint.models.args import ACTIVATIONS, ROPE_TYPES, ModelArgs
 from waypoint.models.fused_loss import ChunkBuffer, linear_cross_entropy_sum, next_token_loss_sum
 from waypoint.models.attention import Attention, RMSNorm, apply_rope, document_mask, sliding_window_mask, softcapped_attention
 from waypoint.models.kv_cache import KVCache
@@ -51,88 +51,6 @@ from waypoint.models.moe import MoE, load_balancing_loss, load_balancing_stats
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
            "apply_rope", "document_mask", "rope_cache", "rope_frequencies", "sliding_window_mask", "softcapped_attention"]
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,  # exact (erf) GELU
-    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-}
-ROPE_TYPES = ("default", "llama3", "linear")
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    vocab_size: int
-    hidden_dim: int
-    head_dim: int | None = None  # None: dim // n_heads
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 4096
-    tie_embeddings: bool = False
-    attn_dropout: float = 0.0  # attention-probability dropout while training
-    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
-    norm_plus_one: bool = False  # RMSNorm scales by (1 + weight), multiplied in fp32 (Gemma)
-    embedding_scale: float = 1.0  # embeddings times this, cast to their dtype first (Gemma: sqrt(dim))
-    activation: str = "silu"  # the gate's activation: silu, gelu, gelu_pytorch_tanh (Gemma)
-    rope_type: str = "default"  # "default", "llama3" (Llama 3.1's frequency scaling, below) or "linear"
-    rope_factor: float = 8.0  # llama3 and linear (frequencies / factor)
-    # llama3 only:
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
-    sliding_window: int | None = None  # each query sees itself and the window - 1 tokens before it
-    full_attention_layers: tuple[int, ...] = ()  # layers exempt from sliding_window (Qwen2's max_window_layers)
-    resid_dropout: float = 0.0  # dropout on each block's attention and MLP outputs while training (Phi-3)
-    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
-    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
-    attn_softcap: float | None = None  # attention scores -> tanh(s / cap) * cap before mask and softmax (Gemma 2)
-    final_softcap: float | None = None  # logits -> tanh(l / cap) * cap (Gemma 2)
-    sandwich_norms: bool = False  # post_attn_norm / post_mlp_norm on each block's outputs (Gemma 2, 3)
-    local_rope_theta: float | None = None  # sliding layers' own unscaled RoPE base (Gemma 3)
-    n_experts: int = 0  # mixture of experts: experts per MoE layer (0: every layer has the dense MLP)
-    experts_per_token: int = 2  # top-k
-    expert_hidden_dim: int | None = None  # an expert's width (None: hidden_dim; Qwen3-MoE's moe_intermediate_size)
-    normalize_expert_weights: bool = True  # renormalise the top-k weights to sum 1 (Qwen3-MoE's norm_topk_prob)
-    expert_weights_fp32: bool = False  # weigh expert outputs with fp32 routing weights (Mixtral) or cast first (Qwen3-MoE)
-    dense_layers: tuple[int, ...] = ()  # layers keeping the dense MLP in a MoE model (Qwen3-MoE's mlp_only_layers)
-    router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in the training loss
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
-
-    def __post_init__(self) -> None:
-        # JSON round trips (asdict -> json -> ModelArgs(**)) turn tuples into lists
-        object.__setattr__(self, "full_attention_layers", tuple(sorted(int(i) for i in self.full_attention_layers)))
-        object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
-        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
-            raise ValueError(f"experts_per_token={self.experts_per_token} must be between 1 and n_experts={self.n_experts}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.resolved_head_dim % 2:
-            raise ValueError(f"head_dim={self.resolved_head_dim} must be even for rotary embeddings")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation={self.activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-        if self.rope_type == "llama3" and self.rope_low_freq_factor >= self.rope_high_freq_factor:
-            raise ValueError(f"llama3 rope needs low_freq_factor < high_freq_factor, got "
-                             f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
-        if self.rope_type != "default" and not self.rope_factor > 0:
-            raise ValueError(f"rope_factor={self.rope_factor} must be positive")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window} must be positive (or None)")
-        for name in ("attn_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:  # also refuses NaN
-                raise ValueError(f"{name}={value} must be positive (or None)")
-        if self.local_rope_theta is not None and self.sliding_window is None:
-            raise ValueError("local_rope_theta is the sliding layers' RoPE base, but sliding_window is None")
-
 
 def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
     """The inverse frequencies [head_dim // 2] in fp32, scaled for ``rope_type="llama3"`` or ``"linear"`` exactly as
