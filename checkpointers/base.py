@@ -1,9 +1,13 @@
-"""What every checkpointer shares: step directories committed atomically, with the model in the
-format's own files and, beside it, module extra state and the recipe state.
+"""What every checkpoint format shares.
 
-A format implements ``_load_model()`` (native state dict) and ``_model_writer(native)``
-(validates everything about the save up front and returns the function that writes
-the model files into the staged directory), and names the files it writes itself.
+A format (one file each: ``hf_checkpointer``, ``meta_checkpointer``, ``native_checkpointer``) reads a checkpoint
+directory into a native state dict, writes a state dict back in the input's own files (``load_checkpoint`` /
+``save_checkpoint``: torchtune's surface), and writes native weights as a new checkpoint of the format
+(``write_new``: conversion). It implements ``_load_model()``, ``_model_writer(native)`` (which checks everything
+about a save up front and returns the function that writes the model files into a staged directory) and
+``write_new``, and answers what callers need to know about its input through public methods (``model_args``,
+``hf_source``, ``hf_converter``, ``adapter_layout``). Beside the model, every save carries the input's small side
+files (tokenizer, generation config, ...) and the modules' extra state.
 """
 
 from __future__ import annotations
@@ -12,22 +16,25 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from waypoint.checkpointers.commit import MANIFEST, StagedDir
 from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state, split_extra_state
-from waypoint.checkpointers.shard_layout import WEIGHT_SUFFIXES
+from waypoint.checkpointers.shard_layout import INDEX_NAMES, WEIGHT_SUFFIXES
+from waypoint.converters import Converter
 from waypoint.errors import CheckpointError
 from waypoint.lazy import spec_of
-from waypoint.models.dtypes import parse_dtype
+from waypoint.models import ModelArgs
+from waypoint.models.dtypes import dtype_name, parse_dtype
 
 log = logging.getLogger(__name__)
 
-RECIPE_STATE_FILE = "recipe_state.pt"
 SMALL_FILE_LIMIT = 100 * 2**20  # non-weight files up to this size travel with the model (tokenizer, README, ...)
+RUN_FILES = frozenset({MANIFEST, EXTRA_STATE_FILE, "recipe_state.pt"})  # a run's step files, never a model's side files
 
 
 def read_json(path: Path) -> dict:
@@ -40,12 +47,44 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: invalid json ({e})") from e
 
 
-class Checkpointer:
-    """Base of the HF, Meta and native checkpointers (``load_checkpoint`` / ``save_checkpoint``)."""
+def json_bytes(data: Any) -> bytes:
+    return (json.dumps(data, indent=2) + "\n").encode()
 
-    own_files: frozenset[str] = frozenset()  # files the format writes itself, never copied from the input
-    format_label = ""  # "Hugging Face", "Meta", "native": for messages
-    loads_with = "waypoint.checkpointers.load_model('{path}')"  # what else reads the format, for messages
+
+@dataclass(frozen=True)
+class Conversion:
+    """What a new checkpoint of another format is written from, beside the native weights: the model, its family,
+    the HF checkpoint it came from (``hf_source.HFSource``: its config.json and shard layout, for converting back),
+    the tokenizer's bos/eos ids (for a config.json made without a source), and the layout asked for
+    (``num_shards`` files of about equal size, or files of at most ``max_shard_bytes``; by default as many files as
+    the input had)."""
+
+    args: ModelArgs
+    model_type: str | None = None
+    source: Any = None  # HFSource | None
+    special_tokens: Mapping[str, int] = field(default_factory=dict)
+    input_files: int = 1
+    num_shards: int | None = None
+    max_shard_bytes: int | None = None
+
+    @property
+    def resharded(self) -> bool:
+        return bool(self.num_shards or self.max_shard_bytes)
+
+    @property
+    def files(self) -> int | None:
+        """How many files to cut the weights into (None: by ``max_shard_bytes``)."""
+        return self.num_shards or (None if self.max_shard_bytes else self.input_files)
+
+
+class Checkpointer:
+    """Base of the HF, Meta and native checkpointers."""
+
+    name: ClassVar[str] = ""  # "hf", "meta", "native": the format's name (convert.py --to, checkpointer=)
+    label: ClassVar[str] = ""  # "Hugging Face", "Meta", "native": for messages
+    loads_with: ClassVar[str] = "waypoint.checkpointers.load_model('{path}')"  # what else reads the format
+    description_files: ClassVar[frozenset[str]] = frozenset()  # the files that describe the model in this format
+    copies_description: ClassVar[bool] = False  # a save like the input copies them (Meta's params.json) or rewrites them
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  output_dtype: str | torch.dtype | None = None) -> None:
@@ -63,14 +102,46 @@ class Checkpointer:
         # generation_config.json that stops at a chat template's end of turn
         self.output_files: dict[str, bytes] = {}
 
-    # -- to implement -------------------------------------------------------------
+    # -- what each format implements ---------------------------------------------------
+    @classmethod
+    def recognises(cls, path: Path) -> bool:
+        """Whether the directory ``path`` holds a checkpoint of this format."""
+        raise NotImplementedError
+
     def _load_model(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def _model_writer(self, native: Mapping[str, torch.Tensor]) -> Callable[[StagedDir], None]:
         raise NotImplementedError
 
-    # -- shared ---------------------------------------------------------------------
+    @classmethod
+    def write_new(cls, stage: StagedDir, native: Mapping[str, torch.Tensor], conversion: Conversion) -> None:
+        """Write ``native`` into ``stage`` as a new checkpoint of this format (its weights and description files)."""
+        raise NotImplementedError
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The input's weight files."""
+        raise NotImplementedError
+
+    def model_args(self) -> ModelArgs:
+        """The native model the input describes."""
+        raise NotImplementedError
+
+    def hf_source(self):
+        """The HF checkpoint the input is or came from (``hf_source.HFSource``), or None."""
+        raise NotImplementedError
+
+    def hf_converter(self) -> Converter:
+        """The converter whose HF side names transformers' modules for this model (PEFT adapters use those names)."""
+        return self.family.converter(self.model_args())
+
+    def adapter_layout(self) -> tuple[str, Converter] | None:
+        """A LoRA adapter of this input is also written in the format's own keys, as ``adapter_<name>.safetensors``
+        (Meta and native inputs): (name, the converter to those keys), or None."""
+        return self.name, self.converter
+
+    # -- reading -------------------------------------------------------------------------
     @property
     def notes(self) -> list[str]:
         """What the load report adds about how the files were read."""
@@ -79,6 +150,24 @@ class Checkpointer:
         names = ", ".join(sorted(self.unmapped)[:3]) + (f" and {len(self.unmapped) - 3} more" if len(self.unmapped) > 3 else "")
         return [f"note: read into memory, not memory-mapped: {names} (legacy non-zip PyTorch files cannot be mapped)"]
 
+    def load_checkpoint(self) -> dict[str, Any]:
+        """``{"model": native state dict}``: tensors memory-mapped where the format allows, in the file's dtype,
+        with the modules' extra state (``*._extra_state``) when the checkpoint has it."""
+        native = self._load_model()
+        if (self.checkpoint_dir / EXTRA_STATE_FILE).is_file():
+            native.update(load_extra_state(self.checkpoint_dir / EXTRA_STATE_FILE))
+        return {"model": native}
+
+    def side_files(self, skip: frozenset[str] = frozenset()) -> list[Path]:
+        """The input's small non-weight files that travel with the model (tokenizer, generation config, README, ...):
+        not its weights, index or (unless the format copies them) description, nor a run's step files."""
+        own = set(INDEX_NAMES.values()) | (set() if self.copies_description else set(self.description_files))
+        skip = RUN_FILES | own | set(skip)
+        return [p for p in sorted(self.checkpoint_dir.iterdir())
+                if p.is_file() and p.name not in skip and not p.name.startswith(".")
+                and not p.name.endswith(WEIGHT_SUFFIXES) and p.stat().st_size <= SMALL_FILE_LIMIT]
+
+    # -- writing like the input -------------------------------------------------------------
     def cast_for_output(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (the format's ``key``) in the dtype its input twin had, or in ``output_dtype``."""
         if not tensor.is_floating_point():
@@ -92,89 +181,68 @@ class Checkpointer:
 
     def output_dtype_note(self) -> str:
         """What the model files are written in, and why, for the log."""
-        names = "/".join(sorted(_dtype_name(d) for d in self.output_dtypes())) or "the input's dtype"
+        names = "/".join(sorted(dtype_name(d) for d in self.output_dtypes())) or "the input's dtype"
         return f"{names} (output_dtype)" if self.output_dtype else f"{names} like the input (output_dtype changes it)"
 
     def narrows(self, native: Mapping[str, Any]) -> bool:
         """Whether writing ``native`` in the output dtypes can lose precision: a run resuming from it then needs the
-        model as it trained, which ``recipe_state.pt`` (or a sharded checkpoint's shards) then carries."""
+        model as it trained, which its recipe state (or a sharded checkpoint's shards) then carries."""
         targets = self.output_dtypes()
         sources = {spec_of(native, k)[1] for k in native}
         return any(narrows(s, t) for s in sources if s.is_floating_point for t in targets)
 
     def describe_output(self, path: str | os.PathLike) -> str:
         """What a checkpoint written at ``path`` is and how to use it, for the last line of a run."""
-        dtypes = "/".join(sorted(_dtype_name(d) for d in self.output_dtypes()))
-        return (f"{path} ({self.format_label} format{', ' + dtypes if dtypes else ''}): {self.loads_with.format(path=path)} "
+        dtypes = "/".join(sorted(dtype_name(d) for d in self.output_dtypes()))
+        return (f"{path} ({self.label} format{', ' + dtypes if dtypes else ''}): {self.loads_with.format(path=path)} "
                 f"loads it; python scripts/convert.py {path} OUT --to hf|meta|native converts it")
 
-    def load_checkpoint(self) -> dict[str, Any]:
-        """``{"model": native state dict}``: tensors memory-mapped where the format allows, in the file's dtype,
-        with the modules' extra state (``*._extra_state``) when the checkpoint has it."""
-        native = self._load_model()
-        if (self.checkpoint_dir / EXTRA_STATE_FILE).is_file():
-            native.update(load_extra_state(self.checkpoint_dir / EXTRA_STATE_FILE))
-        return {"model": native}
-
-    def save_checkpoint(self, state_dict: Mapping[str, Any], step: int) -> Path:
-        """Write ``output_dir/step_{step}``: ``state_dict["model"]`` in the input's format and layout, and
-        ``state_dict["recipe_state"]`` (when given) as ``recipe_state.pt``.
-
-        Everything about the model is checked before anything is written; the directory is
-        committed atomically with a manifest; an existing ``step_{step}`` is never touched.
-        """
-        return self.save_to(state_dict, self.output_dir / f"step_{step}")
-
-    def save_to(self, state_dict: Mapping[str, Any], target: str | os.PathLike,
-                check: Callable[[Path], Any] | None = None) -> Path:
-        """``save_checkpoint`` into a directory of your choosing (it must not exist yet). ``check(staged_dir)`` runs
-        on the written files before they are committed (an ``ExportCheck``); if it raises, nothing is committed."""
-        target = Path(target)
-        write = self.writer(state_dict)
-        try:
-            with StagedDir(target) as stage:
-                write(stage)
-                if check is not None:
-                    check(stage.path)
-        except OSError as e:
-            raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
-                                  "nothing was committed and earlier checkpoints are intact") from e
-        log.info("saved %s", target)
-        return target
-
     def writer(self, state_dict: Mapping[str, Any]) -> Callable[[StagedDir], None]:
-        """Check everything about ``state_dict`` now; return what writes it into a staged directory
-        (the model in the format's files, the input's side files, extra state, recipe state).
-
-        ``state_dict["model"]`` may be lazy (a sharded model's :class:`~waypoint.checkpointers.dtensor_state.GatheredState`):
-        its tensors are read file by file, as each output file is written.
-        """
+        """Check everything about ``state_dict["model"]`` now; return what writes it into a staged directory: the
+        model in the input's files, the input's side files (``output_files`` in place of theirs) and the modules'
+        extra state. The model may be lazy (a sharded model's ``dtensor_state.GatheredState``): its tensors are read
+        file by file, as each output file is written."""
         native, extra = split_extra_state(state_dict["model"])
         write_model = self._model_writer(native)
-
         files = dict(self.output_files)
 
         def write(stage: StagedDir) -> None:
             write_model(stage)
-            self._copy_side_files(stage, skip=set(files))
+            for path in self.side_files(skip=frozenset(files)):
+                stage.copy_file(path)
             for name, data in files.items():
                 stage.write_bytes(name, data)
             if extra:
                 stage.write(EXTRA_STATE_FILE, lambda f: torch.save(extra, f))
-            recipe_state = state_dict.get("recipe_state")
-            if recipe_state is not None:
-                if self.narrows(native):  # the files hold less than the model: resuming needs the model as it trained
-                    recipe_state = recipe_state | {"model": dict(native)}
-                stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe_state, f))
         return write
 
-    def _copy_side_files(self, stage: StagedDir, skip: set[str] = frozenset()) -> None:
-        """The input's small non-weight files (tokenizer, generation config, README, ...), but those in ``skip``."""
-        skip = {MANIFEST, RECIPE_STATE_FILE, EXTRA_STATE_FILE} | set(self.own_files) | set(skip)
-        for src in sorted(self.checkpoint_dir.iterdir()):
-            if (src.is_file() and src.name not in skip and not src.name.startswith(".")
-                    and not src.name.endswith(WEIGHT_SUFFIXES) and src.stat().st_size <= SMALL_FILE_LIMIT):
-                stage.copy_file(src)
+    def save_to(self, state_dict: Mapping[str, Any], target: str | os.PathLike,
+                check: Callable[[Path], Any] | None = None) -> Path:
+        """``state_dict["model"]`` as a new directory ``target`` (it must not exist yet) in the input's format and
+        files, committed atomically with a manifest. ``check(staged_dir)`` runs on the written files before they are
+        committed (an ``ExportCheck``); if it raises, nothing is committed."""
+        return write_directory(target, self.writer(state_dict), check)
+
+    def save_checkpoint(self, state_dict: Mapping[str, Any], step: int) -> Path:
+        """``save_to(state_dict, output_dir/step_{step})``; an existing ``step_{step}`` is never touched."""
+        return self.save_to(state_dict, self.output_dir / f"step_{step}")
+
+
+def write_directory(target: str | os.PathLike, write: Callable[[StagedDir], None],
+                    check: Callable[[Path], Any] | None = None) -> Path:
+    """A new directory ``target`` written by ``write(stage)``, checked by ``check(staged path)`` and committed with its
+    manifest, or nothing at all."""
+    target = Path(target)
+    try:
+        with StagedDir(target) as stage:
+            write(stage)
+            if check is not None:
+                check(stage.path)
+    except OSError as e:
+        raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
+                              "nothing was committed and earlier checkpoints are intact") from e
+    log.info("saved %s", target)
+    return target
 
 
 def narrows(source: torch.dtype, target: torch.dtype) -> bool:
@@ -182,7 +250,3 @@ def narrows(source: torch.dtype, target: torch.dtype) -> bool:
     widening = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.float64),
                 (torch.bfloat16, torch.float64), (torch.float16, torch.float64)}
     return source != target and (source, target) not in widening
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

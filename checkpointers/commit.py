@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ MANIFEST_VERSION = 1
 HASH = "blake3"  # cryptographic, and ~5 GB/s on one core (SHA-256: ~1.3 GB/s here, more than a disk write)
 CHUNK = 16 * 2**20  # write in 16 MiB pieces: one giant write() is several times slower on common disks
 MAX_PENDING = 16  # chunks queued for the hashing thread at most
-STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def new_hasher(name: str = HASH):
@@ -182,7 +180,7 @@ class StagedDir:
     def adopt(self, name: str, size: int, digest: str) -> None:
         """Record a file that another writer put under this directory (a sharded checkpoint's ranks),
         already fsynced, with the size and hash it measured (:func:`hash_file`)."""
-        if not _safe_relative(name) or name in self._closing or name in self.files or name == MANIFEST:
+        if not safe_relative(name) or name in self._closing or name in self.files or name == MANIFEST:
             raise CheckpointError(f"{self.target}: cannot stage file {name!r}")
         self.files[name] = {"size": size, HASH: digest}
 
@@ -210,7 +208,7 @@ def hash_file(path: str | os.PathLike, name: str = HASH) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def _safe_relative(name: str) -> bool:
+def safe_relative(name: str) -> bool:
     """A manifest entry names a file inside its directory: relative, no ``..``, no empty parts."""
     parts = name.split("/")
     return bool(name) and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts) and "\\" not in name
@@ -242,7 +240,7 @@ def verify(path: str | os.PathLike, hash_contents: bool = True) -> Verification:
     total = 0
     for name, entry in files.items():
         file = path / name
-        if not _safe_relative(name):
+        if not safe_relative(name):
             return Verification(path, False, problem=f"{MANIFEST} names {name!r}, outside the checkpoint")
         if file.is_symlink() or not file.is_file():
             return Verification(path, False, problem=f"{name} is missing")
@@ -253,34 +251,3 @@ def verify(path: str | os.PathLike, hash_contents: bool = True) -> Verification:
                 return Verification(path, False, problem=f"{name} does not match its hash")
         total += entry["size"]
     return Verification(path, True, files=len(files), bytes=total)
-
-
-def step_dirs(output_dir: str | os.PathLike) -> list[Path]:
-    """``output_dir/step_N`` directories, newest (highest N) first; temporary ones are not listed."""
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def remove_stale_staging(output_dir: str | os.PathLike) -> list[Path]:
-    """Remove temporary checkpoint directories left by a killed run (``.step_N.tmp-PID`` whose process is gone)."""
-    output_dir = Path(output_dir)
-    removed = []
-    for path in output_dir.glob(".step_*.tmp-*") if output_dir.is_dir() else []:
-        pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

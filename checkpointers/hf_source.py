@@ -3,7 +3,8 @@
 An HF checkpoint converted to Meta or native format loses its ``config.json`` (generation ids, positions, rope
 parameters, ...) and its shard layout (file names, the key -> file map transformers chose, the index's
 metadata). ``HFSource`` keeps both: inside ``waypoint_model.json`` for native checkpoints, as ``hf_source.json``
-beside ``params.json`` for Meta ones. Converting back writes that config and that layout again.
+beside ``params.json`` for Meta ones. Converting back writes that config and that layout again. Each format
+answers ``hf_source()`` for its input.
 """
 
 from __future__ import annotations
@@ -44,20 +45,3 @@ class HFSource:
         """The source kept beside a Meta checkpoint, if any."""
         path = Path(directory) / SOURCE_FILE
         return cls.from_json(json.loads(path.read_text())) if path.is_file() else None
-
-
-def source_of(checkpointer) -> HFSource | None:
-    """The HF source of a loaded checkpointer's input: itself for HF, the kept one for native and Meta."""
-    from waypoint.checkpointers.hf_checkpointer import HFCheckpointer
-    from waypoint.checkpointers.native_checkpointer import NativeCheckpointer
-
-    if isinstance(checkpointer, NativeCheckpointer):
-        return HFSource.from_json({"config": checkpointer.config["hf_config"], "layout": checkpointer.config.get("hf_layout")}
-                                  if "hf_config" in checkpointer.config else None)
-    if isinstance(checkpointer, HFCheckpointer):
-        layout = checkpointer.layout
-        if layout.weight_map is not None and (checkpointer.added_prefix or checkpointer.disk_prefix):
-            layout = ShardLayout(layout.files, {checkpointer._disk_key(k): f for k, f in layout.weight_map.items()},
-                                 layout.index_name, dict(layout.index_metadata))
-        return HFSource(dict(checkpointer.config), layout)
-    return HFSource.read(checkpointer.checkpoint_dir)

@@ -1,4 +1,4 @@
-"""Filling a meta-device model from a native state dict, and the one-call ``load_model``.
+"""Filling a meta-device model from a native state dict (or a torchrun step's shards), and the one-call ``load_model``.
 
 The model is built on the meta device (no memory) and its parameters are
 *assigned* the loaded tensors (``load_state_dict(assign=True)``), which are
@@ -17,14 +17,15 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from waypoint.lazy import local_shard, release_heap, release_pages
-from waypoint.checkpointers.extra_state import is_extra_state_key
-from waypoint.models.extra_state import EXTRA_STATE_SUFFIX
+from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, is_extra_state_key, load_extra_state
+from waypoint.checkpointers.formats import checkpointer_for, detect_format
 from waypoint.checkpointers.load_report import LoadReport, fold_keys
-from waypoint.converters import CheckpointError
-from waypoint.lazy import spec_of
-from waypoint.families import from_hf_config, model_args_from_hf_config
-from waypoint.models import ModelArgs, Transformer, parse_dtype
+from waypoint.checkpointers.sharded_checkpoint import SHARDED_DIR, load_sharded, sharded_keys
+from waypoint.errors import CheckpointError
+from waypoint.families import from_hf_config
+from waypoint.lazy import local_shard, release_heap, release_pages, spec_of
+from waypoint.models.extra_state import EXTRA_STATE_SUFFIX
+from waypoint.models import Transformer, parse_dtype
 from waypoint.models.nf4 import is_nf4, nf4_local_shard
 from waypoint.models.swap import swapping_conversions
 
@@ -188,9 +189,6 @@ def load_sharded_into(model: torch.nn.Module, directory: str | os.PathLike, dtyp
                       device: torch.device | str | None = None) -> LoadReport:
     """Fill a meta-device model (plain or FSDP2-sharded) from a sharded checkpoint ``directory`` (a step
     directory of a multi-process run), whatever number of processes wrote it; each rank reads its shards."""
-    from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state
-    from waypoint.checkpointers.sharded_checkpoint import SHARDED_DIR, load_sharded, sharded_keys
-
     directory = Path(directory)
     dtype = parse_dtype(dtype)
     if dtype is not None:
@@ -231,49 +229,12 @@ def _initialise_new(model: torch.nn.Module, key: str, device, dtype) -> None:
         setattr(owner, attr, fresh)
 
 
-def detect_format(path: str | os.PathLike) -> str:
-    """'hf', 'meta' or 'native', from the files in a checkpoint directory."""
-    from waypoint.checkpointers.native_checkpointer import MODEL_FILE
-
-    path = Path(path)
-    if (path / MODEL_FILE).is_file():
-        return "native"
-    if (path / "config.json").is_file():
-        return "hf"
-    if (path / "params.json").is_file() and any(path.glob("consolidated.*.pth")):
-        return "meta"
-    raise CheckpointError(f"{path}: not a recognised checkpoint directory (no config.json, params.json + "
-                          f"consolidated.*.pth, or {MODEL_FILE})")
-
-
-def checkpointer_for(path: str | os.PathLike, output_dir: str | os.PathLike | None = None, **kwargs):
-    """The checkpointer that reads ``path``'s format (writing to ``output_dir``, default ``path``)."""
-    from waypoint.checkpointers.hf_checkpointer import HFCheckpointer
-    from waypoint.checkpointers.meta_checkpointer import MetaCheckpointer
-    from waypoint.checkpointers.native_checkpointer import NativeCheckpointer
-
-    cls = {"hf": HFCheckpointer, "meta": MetaCheckpointer, "native": NativeCheckpointer}[detect_format(path)]
-    return cls(path, output_dir=output_dir if output_dir is not None else path, **kwargs)
-
-
-def model_args_for(checkpointer) -> ModelArgs:
-    """The ModelArgs a loaded checkpointer describes (Meta's come from params.json and the tensors)."""
-    if getattr(checkpointer, "model_args", None) is not None:
-        return checkpointer.model_args
-    return model_args_from_hf_config(checkpointer.config)
-
-
 def build_model(checkpoint_dir: str | os.PathLike, attn_dropout: float | None = None) -> Transformer:
     """The model (on the current default device: build it under ``torch.device("meta")``) that a checkpoint
     directory of any format describes; for configs: ``model: {_target_: waypoint.checkpointers.build_model, ...}``."""
-    fmt = detect_format(checkpoint_dir)
-    if fmt == "hf":
+    if detect_format(checkpoint_dir) == "hf":
         return from_hf_config(checkpoint_dir, attn_dropout=attn_dropout)
-    checkpointer = checkpointer_for(checkpoint_dir)
-    if fmt == "meta":
-        with torch.device("cpu"):
-            checkpointer.load_checkpoint()  # memory-mapped: shapes are read, not the weights
-    args = model_args_for(checkpointer)
+    args = checkpointer_for(checkpoint_dir).model_args()
     return Transformer(replace(args, attn_dropout=attn_dropout) if attn_dropout is not None else args)
 
 
@@ -286,6 +247,6 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype | str | None = None) 
 def model_from(checkpointer, state: Mapping[str, torch.Tensor], dtype: torch.dtype | str | None = None) -> Transformer:
     """The native model a loaded checkpointer describes, given ``state`` (its ``load_checkpoint()["model"]``)."""
     with torch.device("meta"):
-        model = Transformer(model_args_for(checkpointer))
+        model = Transformer(checkpointer.model_args())
     load_into(model, state, dtype)
     return model

@@ -5,24 +5,28 @@ joined along its model-parallel dimension (column-parallel ``wq wk wv w1 w3 outp
 on dim 0, row-parallel ``wo w2`` on dim 1, the embedding on dim 1 for Llama 2's
 ParallelEmbedding and dim 0 for Llama 3's VocabParallelEmbedding, norms replicated
 and checked equal); save splits them the same way into the same number of files.
+A conversion (``write_new``) writes one file unless asked for more, ``params.json`` whose
+FFN width derives to the model's, and ``hf_source.json`` when the weights came from an HF checkpoint.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from waypoint.checkpointers.base import Checkpointer, read_json
+from waypoint.checkpointers.base import Checkpointer, Conversion, json_bytes, read_json
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import read_tensors
-from waypoint.converters import CheckpointError
-from waypoint.lazy import LazyState, spec_of
+from waypoint.checkpointers.hf_source import SOURCE_FILE, HFSource
+from waypoint.converters import CheckpointError, Converter, Group
+from waypoint.converters.meta import EMBEDDING, meta_converter, model_parallel_dim, vocab_parallel
 from waypoint.families import family_named
-from waypoint.converters.meta import EMBEDDING, meta_converter, model_parallel_dim
+from waypoint.lazy import LazyState, spec_of
 from waypoint.models import ModelArgs
 
 PARAMS_FILE = "params.json"
@@ -36,12 +40,43 @@ def meta_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None
     return multiple_of * math.ceil(hidden / multiple_of)
 
 
+def meta_params(args: ModelArgs) -> dict:
+    """params.json whose derived FFN width is the model's (multiple_of chosen to reproduce it)."""
+    params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+              "vocab_size": args.vocab_size, "norm_eps": args.norm_eps, "rope_theta": args.rope_theta}
+    for multiple_of in (256, 128, 64, 32, 16, 8, 4, 2, 1):
+        if meta_hidden_dim(args.dim, multiple_of, None) == args.hidden_dim:
+            return {**params, "multiple_of": multiple_of, "ffn_dim_multiplier": None}
+    return params  # no Meta rule gives this width: the loader takes it from the tensors
+
+
+def write_model_parallel(stage: StagedDir, names: Sequence[str], converter: Converter, groups: list[Group],
+                         native: Mapping[str, torch.Tensor], split: Callable[[str], int | None],
+                         cast: Callable[[str, torch.Tensor], torch.Tensor] = lambda key, t: t,
+                         passthrough: Mapping[str, torch.Tensor] = {}, order: Mapping[str, int] | None = None) -> None:
+    """``native`` as Meta's model-parallel files ``names``, file after file, converting as it goes: the tensors of one
+    file are held at a time (each file takes its slice, along ``split(key)``, of every tensor; None: replicated)."""
+    n = len(names)
+    for index, name in enumerate(tqdm(names, desc="save", leave=False)):
+        shard = {}
+        for group in groups:
+            for key, tensor in converter.apply_groups([group], native, forward=False, where=None).items():
+                tensor, dim = cast(key, tensor), split(key)
+                shard[key] = tensor.chunk(n, dim=dim)[index].clone() if dim is not None and n > 1 else tensor.contiguous()
+        shard.update((k, t.contiguous()) for k, t in passthrough.items())
+        if order is not None:
+            shard = dict(sorted(shard.items(), key=lambda item: order[item[0]]))
+        stage.write(name, lambda f, shard=shard: torch.save(shard, f))
+        del shard
+
+
 class MetaCheckpointer(Checkpointer):
     """Load and save Meta-format checkpoints, single- or multi-file (model parallel)."""
 
-    own_files = frozenset()  # params.json and tokenizer.model are copied as they are
-    format_label = "Meta"
+    name, label = "meta", "Meta"
     loads_with = "Meta's reference code (llama-models)"
+    description_files = frozenset({PARAMS_FILE, SOURCE_FILE})
+    copies_description = True  # params.json and hf_source.json are copied as they are
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
@@ -51,16 +86,35 @@ class MetaCheckpointer(Checkpointer):
         self.model_type = model_type or ("LLAMA3" if self.params.get("vocab_size", 0) >= 128000 else "LLAMA2")
         self.family = family_named("llama")  # Meta's reference layout is Llama's
         if checkpoint_files in (None, "auto"):
-            self.files = sorted(p.name for p in self.checkpoint_dir.glob("consolidated.*.pth"))
+            files = sorted(p.name for p in self.checkpoint_dir.glob("consolidated.*.pth"))
         else:
-            self.files = [checkpoint_files] if isinstance(checkpoint_files, str) else list(checkpoint_files)
-        if not self.files:
+            files = [checkpoint_files] if isinstance(checkpoint_files, str) else list(checkpoint_files)
+        if not files:
             raise CheckpointError(f"{self.checkpoint_dir}: no consolidated.*.pth files")
+        self._files = tuple(files)
         self.converter = meta_converter()
         self.split_dims: dict[str, int | None] | None = None  # meta key -> model-parallel dim (None: replicated)
-        self.model_args: ModelArgs | None = None
+        self._args: ModelArgs | None = None
         self.passthrough: dict[str, torch.Tensor] = {}
         self.key_order: list[str] = []
+
+    @classmethod
+    def recognises(cls, path: Path) -> bool:
+        return (path / PARAMS_FILE).is_file() and any(path.glob("consolidated.*.pth"))
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self._files
+
+    def model_args(self) -> ModelArgs:
+        """From params.json and the tensors' shapes (read memory-mapped: no weight is paged in)."""
+        if self._args is None:
+            with torch.device("cpu"):
+                self.load_checkpoint()
+        return self._args
+
+    def hf_source(self) -> HFSource | None:
+        return HFSource.read(self.checkpoint_dir)
 
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
@@ -88,7 +142,7 @@ class MetaCheckpointer(Checkpointer):
             split = self._split_dim(key, parts[0], dim)
             self.split_dims[key] = split
             self._join(meta, key, parts, split)
-        self.model_args = self._model_args(meta)
+        self._args = self._model_args(meta)
         return self.converter.to_native(meta, where={k: self.files[0] for k in meta})
 
     def _split_dim(self, key: str, part: torch.Tensor, dim: int) -> int | None:
@@ -144,7 +198,7 @@ class MetaCheckpointer(Checkpointer):
                          norm_eps=p.get("norm_eps", 1e-5), rope_theta=float(p.get("rope_theta", 10000.0)),
                          max_seq_len=8192 if vocab >= 128000 else 4096, **scaling)
 
-    # -- save ---------------------------------------------------------------------
+    # -- save like the input -----------------------------------------------------------
     def _model_writer(self, native: Mapping[str, torch.Tensor]):
         if self.split_dims is None:
             raise CheckpointError("save_checkpoint needs load_checkpoint first: the input's model-parallel split is unknown")
@@ -155,22 +209,28 @@ class MetaCheckpointer(Checkpointer):
         if missing or extra:
             raise CheckpointError("state dict does not match the input checkpoint: "
                                   + (f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the input does not"))
-        n = len(self.files)
-        passthrough = self.passthrough
         order = {key: i for i, key in enumerate(self.key_order)}  # the input's key order
+        return lambda stage: write_model_parallel(stage, self.files, self.converter, groups, native, self.split_dims.get,
+                                                  self.cast_for_output, self.passthrough, order)
 
-        def write(stage: StagedDir) -> None:
-            # File after file, converting as it goes: the tensors of one file are held at a time
-            # (each model-parallel file takes its slice of every tensor).
-            for index, name in enumerate(tqdm(self.files, desc="save", leave=False)):
-                shard = {}
-                for group in groups:
-                    for key, tensor in self.converter.apply_groups([group], native, forward=False, where=None).items():
-                        tensor = self.cast_for_output(key, tensor)
-                        split = self.split_dims[key]
-                        shard[key] = tensor.chunk(n, dim=split)[index].clone() if split is not None else tensor.contiguous()
-                shard.update((k, t.contiguous()) for k, t in passthrough.items())
-                shard = dict(sorted(shard.items(), key=lambda item: order[item[0]]))
-                stage.write(name, lambda f, shard=shard: torch.save(shard, f))
-                del shard  # one file's worth at a time
-        return write
+    # -- a new Meta checkpoint ------------------------------------------------------------
+    @classmethod
+    def write_new(cls, stage: StagedDir, native: Mapping[str, torch.Tensor], conversion: Conversion) -> None:
+        """Model-parallel files are not shards: one unless ``num_shards`` asks for more."""
+        converter, args = meta_converter(), conversion.args
+        n = conversion.num_shards if conversion.resharded else 1
+        try:
+            groups = converter.plan(converter.native_keys_to_save(native), "native")
+        except CheckpointError as e:  # a key Llama's reference layout has no place for
+            raise CheckpointError(f"--to meta: Meta's reference layout holds Llama-architecture models; this "
+                                  f"{conversion.model_type} model has more ({e}); convert it to hf or native") from e
+        splits = {key: model_parallel_dim(key, vocab_parallel(args.vocab_size)) for g in groups for key in g.targets}
+        for g in groups:
+            for source, key in zip(g.sources, g.targets):
+                shape = spec_of(native, source)[0]
+                if splits[key] is not None and shape[splits[key]] % n:
+                    raise CheckpointError(f"--num-shards {n}: {key} {tuple(shape)} does not split evenly into {n} model-parallel files")
+        write_model_parallel(stage, [f"consolidated.{i:02d}.pth" for i in range(n)], converter, groups, native, splits.get)
+        stage.write_bytes(PARAMS_FILE, json_bytes(meta_params(args)))
+        if conversion.source is not None:
+            stage.write_bytes(SOURCE_FILE, json_bytes(conversion.source.to_json()))

@@ -1,11 +1,10 @@
 """NativeCheckpointer: this project's own format, native keys with no conversion.
 
-A native checkpoint directory holds ``waypoint_model.json`` (the ModelArgs), the
-weights under native keys in safetensors (one ``model.safetensors`` or shards with
-``model.safetensors.index.json``; ``.pt``/``.bin`` files are read too), and the
-tokenizer files. A tied output projection is stored once: the file holding
-``tok_embeddings.weight`` records ``output.weight`` as its alias in the safetensors
-metadata, and loading re-ties the two (safetensors refuses tensors that share memory).
+A native checkpoint directory holds ``waypoint_model.json`` (the ModelArgs, and the family and HF checkpoint it
+was converted from), the weights under native keys in safetensors (one ``model.safetensors`` or shards with
+``model.safetensors.index.json``; ``.pt``/``.bin`` files are read too), and the tokenizer files. A tied output
+projection is stored once: the file holding ``tok_embeddings.weight`` records ``output.weight`` as its alias in
+the safetensors metadata, and loading re-ties the two (safetensors refuses tensors that share memory).
 """
 
 from __future__ import annotations
@@ -18,18 +17,20 @@ from pathlib import Path
 
 import torch
 
-from waypoint.checkpointers.base import Checkpointer
+from waypoint.checkpointers.base import Checkpointer, Conversion, json_bytes, read_json
 from waypoint.checkpointers.commit import StagedDir
-from waypoint.checkpointers.file_formats import write_tensors
-from waypoint.checkpointers.hf_checkpointer import HFCheckpointer
-from waypoint.checkpointers.shard_layout import INDEX_NAMES
+from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH
+from waypoint.checkpointers.hf_source import HFSource
+from waypoint.checkpointers.shard_layout import ShardLayout, discover, plan_files, plan_layout, read_files, write_files
 from waypoint.converters import CheckpointError, Converter, Rule
 from waypoint.families import MODEL_TYPES, family_named
+from waypoint.lazy import nbytes
 from waypoint.models import ModelArgs
 
 MODEL_FILE = "waypoint_model.json"
 FORMAT_NAME, FORMAT_VERSION = "waypoint-native", 1
 ALIASES_KEY = "waypoint_aliases"
+TIED = {"output.weight": "tok_embeddings.weight"}  # the tied head, stored once as the embedding
 
 
 def native_converter(tied: bool) -> Converter:
@@ -46,58 +47,95 @@ def model_args_of(config: Mapping) -> ModelArgs:
     return ModelArgs(**config["model_args"])
 
 
-def describe(args: ModelArgs, model_type: str | None = None, source=None) -> dict:
-    """waypoint_model.json: the ModelArgs, and the family and HF checkpoint it came from (``hf_source.HFSource``:
-    its config.json and shard layout, for converting back)."""
+def describe(args: ModelArgs, model_type: str | None = None, source: HFSource | None = None) -> dict:
+    """waypoint_model.json: the ModelArgs, and the family and HF checkpoint it came from (its config.json and shard
+    layout, for converting back)."""
     description = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_args": dataclasses.asdict(args)}
     kept = source.to_json() if source is not None else {}
     return (description | ({"model_type": model_type} if model_type else {})
             | ({"hf_config": kept["config"]} if "config" in kept else {}) | ({"hf_layout": kept["layout"]} if "layout" in kept else {}))
 
 
-class NativeCheckpointer(HFCheckpointer):
-    """Load and save native checkpoints (same constructor and methods as HFCheckpointer, no model_type)."""
+def file_metadata(tied: bool, keys, metadata: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A weight file's safetensors header metadata: ``metadata`` (HF writes {"format": "pt"}), and in the file holding
+    the embedding of a tied model, where the head is."""
+    out = dict(metadata or {"format": "pt"})
+    if tied and any(target in keys for target in TIED.values()):
+        out[ALIASES_KEY] = json.dumps(TIED)
+    return out
 
-    own_files = frozenset({MODEL_FILE, *INDEX_NAMES.values()})
-    format_label = "native"
-    loads_with = Checkpointer.loads_with
-    config_file = MODEL_FILE
-    base_model_prefix = ""  # native keys have no backbone prefix
+
+class NativeCheckpointer(Checkpointer):
+    """Load and save native checkpoints (``checkpoint_files``, ``safe_serialization``, ``output_dtype`` as for
+    ``HFCheckpointer``)."""
+
+    name, label = "native", "native"
+    description_files = frozenset({MODEL_FILE})
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", safe_serialization: bool | None = None,
                  output_dtype: str | torch.dtype | None = None) -> None:
-        super().__init__(checkpoint_dir, output_dir, checkpoint_files=checkpoint_files, safe_serialization=safe_serialization,
-                         output_dtype=output_dtype)
-
-    def _make_converter(self, model_type: str | None) -> Converter:
-        self.model_args = model_args_of(self.config)
+        super().__init__(checkpoint_dir, output_dir, output_dtype)
+        self.config = read_json(self.checkpoint_dir / MODEL_FILE)
+        self.args = model_args_of(self.config)
         self.model_type = self.config.get("model_type", "NATIVE")
         # the family it was converted from (a native checkpoint written without one: Llama's names for PEFT)
         self.family = family_named(self.model_type if self.model_type in MODEL_TYPES else "llama")
-        return native_converter(self.model_args.tie_embeddings)
+        self.converter = native_converter(self.args.tie_embeddings)
+        self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
+        self.safe_serialization = safe_serialization
+        self._file_metadata: dict[str, dict | None] = {}
 
-    def _metadata_for(self, source_file: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-        metadata = dict(super()._metadata_for(source_file, tensors))
-        if self.model_args.tie_embeddings and "tok_embeddings.weight" in tensors:
-            metadata[ALIASES_KEY] = json.dumps({"output.weight": "tok_embeddings.weight"})
-        return metadata
+    @classmethod
+    def recognises(cls, path: Path) -> bool:
+        return (path / MODEL_FILE).is_file()
 
-    def _write_config(self, written, stage: StagedDir) -> None:
-        stage.write_bytes(MODEL_FILE, (json.dumps(self.config, indent=2) + "\n").encode())
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self.layout.files
 
+    def model_args(self) -> ModelArgs:
+        return self.args
 
-def write_native_checkpoint(directory: str | os.PathLike, model_state: Mapping[str, torch.Tensor], args: ModelArgs,
-                            side_files: list[Path] = ()) -> Path:
-    """A new single-file native checkpoint at ``directory`` (committed atomically; refuses an existing path)."""
-    converter = native_converter(args.tie_embeddings)
-    tensors = converter.from_native({k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)})
-    metadata = {"format": "pt"}
-    if args.tie_embeddings:
-        metadata[ALIASES_KEY] = json.dumps({"output.weight": "tok_embeddings.weight"})
-    with StagedDir(directory) as stage:
-        stage.write("model.safetensors", lambda f: write_tensors(f, tensors, "safetensors", metadata))
-        stage.write_bytes(MODEL_FILE, (json.dumps(describe(args), indent=2) + "\n").encode())
-        for path in side_files:
-            stage.copy_file(Path(path))
-    return Path(directory)
+    def hf_source(self) -> HFSource | None:
+        if "hf_config" not in self.config:
+            return None
+        return HFSource.from_json({"config": self.config["hf_config"], "layout": self.config.get("hf_layout")})
+
+    # -- load ---------------------------------------------------------------------
+    def _load_model(self) -> dict[str, torch.Tensor]:
+        read = read_files(self.checkpoint_dir, self.layout, self.unmapped)
+        self._file_metadata = read.metadata
+        self.layout = self.layout.with_keys({f: [k for k in read.tensors if read.where[k] == f] for f in self.layout.files})
+        self.input_dtypes = {k: t.dtype for k, t in read.tensors.items()}
+        return self.converter.to_native(read.tensors, read.where)
+
+    # -- save like the input ------------------------------------------------------------
+    def _model_writer(self, native: Mapping[str, torch.Tensor]):
+        if self.layout.weight_map is None:
+            raise CheckpointError("save_checkpoint needs load_checkpoint first: the input's key -> file map is unknown")
+        layout = self.layout.in_format({None: self.layout.file_format, True: SAFETENSORS, False: TORCH}[self.safe_serialization])
+        plan = plan_files(self.converter, native, layout)
+        source_of = dict(zip(layout.files, self.layout.files))
+
+        def tensors_of(name: str) -> dict[str, torch.Tensor]:
+            converted = self.converter.apply_groups(plan[name], native, forward=False, where=None)
+            return {k: self.cast_for_output(k, converted[k]) for k in layout.keys_in(name)}
+
+        def write(stage: StagedDir) -> None:
+            write_files(stage, layout, tensors_of,
+                        lambda name, tensors: file_metadata(self.args.tie_embeddings, tensors, self._file_metadata.get(source_of[name])),
+                        total_bytes=sum(nbytes(native, k) for k in native))
+            stage.write_bytes(MODEL_FILE, json_bytes(self.config))
+        return write
+
+    # -- a new native checkpoint ----------------------------------------------------------
+    @classmethod
+    def write_new(cls, stage: StagedDir, native: Mapping[str, torch.Tensor], conversion: Conversion) -> None:
+        args = conversion.args
+        tensors = native_converter(args.tie_embeddings).from_native(native)
+        layout = plan_layout({k: t.numel() * t.element_size() for k, t in tensors.items()}, conversion.files,
+                             conversion.max_shard_bytes)
+        write_files(stage, layout, lambda name: {k: tensors[k] for k in layout.keys_in(name)},
+                    lambda name, written: file_metadata(args.tie_embeddings, written))
+        stage.write_bytes(MODEL_FILE, json_bytes(describe(args, conversion.model_type, conversion.source)))

@@ -1,7 +1,8 @@
 """LoRA adapters in PEFT's format: ``adapter_model.safetensors`` + ``adapter_config.json``.
 
 Keys are ``base_model.model.<HF module path>.lora_A.weight`` / ``.lora_B.weight``; the HF module path of a
-native layer comes from the family's converter (the native weight key mapped through its rules). The q
+native layer comes from the family's converter (the native weight key mapped through its rules: a checkpointer's
+``hf_converter()``). The q
 and k projections' rows are RoPE-permuted between the layouts, so ``lora_B`` (whose rows are the
 projection's output rows) goes through the same op as the base weight; ``lora_A`` (input columns)
 needs none. Targets that a converter does not map one-to-one (Phi-3's fused ``qkv_proj`` and
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
+from waypoint.checkpointers.base import read_json
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import read_tensors
 from waypoint.errors import CheckpointError
@@ -36,16 +38,6 @@ DEFAULT_MAX_LORA_RANK = 16
 # The LoRA modules vLLM serves for Llama-family models (its packed_modules_mapping and embedding_modules aside)
 VLLM_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
-
-
-def hf_converter(checkpointer, model_args) -> Converter:
-    """The converter whose HF side names PEFT's modules: the family's table for the model's shapes. An HF
-    checkpointer's own converter is that; a native checkpoint names its family in waypoint_model.json; Meta's
-    is Llama's."""
-    family = checkpointer.family
-    if checkpointer.format_label == "Hugging Face":
-        return checkpointer.converter
-    return family.converter(model_args)
 
 
 def _single_rule(converter: Converter, key: str, side: str) -> tuple[Rule, str]:
@@ -179,17 +171,7 @@ def write_adapter(stage: StagedDir, model: torch.nn.Module, converter: Converter
     return config
 
 
-def save_adapter(directory: str | os.PathLike, model: torch.nn.Module, converter: Converter, base_model_name_or_path: str,
-                 max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> Path:
-    """``write_adapter`` into a new directory, committed atomically with a manifest."""
-    with StagedDir(directory) as stage:
-        write_adapter(stage, model, converter, base_model_name_or_path, max_lora_rank)
-    return Path(directory)
-
-
 def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
-    from waypoint.checkpointers.base import read_json
-
     config = read_json(Path(directory) / ADAPTER_CONFIG)
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{Path(directory) / ADAPTER_CONFIG}: peft_type {config.get('peft_type')!r}; only LORA adapters load")
@@ -218,8 +200,3 @@ def load_adapter(directory: str | os.PathLike, converter: Converter) -> tuple[di
         raise CheckpointError(f"{directory / ADAPTER_WEIGHTS}: missing")
     tensors = read_tensors(weights)
     return from_peft(tensors, converter, str(weights)), config
-
-
-def native_targets(adapter: Mapping[str, torch.Tensor]) -> list[str]:
-    """The native target names (``q_proj``, ``w1``, ...) of a native adapter state."""
-    return sorted({k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in adapter})

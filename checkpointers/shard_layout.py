@@ -1,19 +1,24 @@
-"""Which keys live in which file: discovered from a checkpoint directory, reproduced on save.
+"""Which keys live in which file: discovered from a checkpoint directory, reproduced on save, or planned anew.
 
-An HF checkpoint is one weight file, or several shards listed by an index json
-(``model.safetensors.index.json`` / ``pytorch_model.bin.index.json``) whose
-``weight_map`` sends each key to a file. The layout remembers the file order,
-the key -> file map and the index's metadata, so the output can be split
-exactly like the input.
+An HF (or native) checkpoint is one weight file, or several shards listed by an index json
+(``model.safetensors.index.json`` / ``pytorch_model.bin.index.json``) whose ``weight_map`` sends each key to a
+file. The layout remembers the file order, the key -> file map and the index's metadata, so the output can be
+split exactly like the input (``read_files`` / ``write_files``: one file's tensors at a time, and the index);
+``plan_layout`` cuts a conversion's output into files of about equal size.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, format_of
+import torch
+from tqdm import tqdm
+
+from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, format_of, read_metadata, read_tensors, write_tensors
 from waypoint.errors import CheckpointError
 
 INDEX_NAMES = {SAFETENSORS: "model.safetensors.index.json", TORCH: "pytorch_model.bin.index.json"}
@@ -30,6 +35,10 @@ class ShardLayout:
     @property
     def file_format(self) -> str:
         return format_of(self.files[0])
+
+    def keys_in(self, name: str) -> list[str]:
+        """The keys file ``name`` holds, in the map's order."""
+        return [k for k, f in self.weight_map.items() if f == name]
 
     def with_keys(self, keys_by_file: dict[str, list[str]]) -> ShardLayout:
         """The layout with its weight map taken from what the files actually hold."""
@@ -122,3 +131,125 @@ def discover(directory: str | Path, checkpoint_files: list[str] | str | None = "
         if set(layout.files) == set(names):
             return layout
     return ShardLayout(tuple(names))
+
+
+# -- reading and writing the files of a layout -----------------------------------------------------------------------
+@dataclass
+class ReadFiles:
+    tensors: dict[str, torch.Tensor]  # every key of every file, memory-mapped
+    where: dict[str, str]  # key -> the file holding it
+    metadata: dict[str, dict | None]  # file -> its safetensors header metadata (None for pickles)
+
+
+def read_files(directory: Path, layout: ShardLayout, unmapped: list[str] | None = None) -> ReadFiles:
+    """Every tensor of the layout's files; a key in two files, or missing from the file the index puts it in, is a
+    one-line error naming the file."""
+    read = ReadFiles({}, {}, {})
+    with tqdm(total=sum((directory / f).stat().st_size for f in layout.files), unit="B", unit_scale=True, desc="load",
+              leave=False) as bar:
+        for name in layout.files:
+            path = directory / name
+            tensors = read_tensors(path, unmapped)
+            read.metadata[name] = read_metadata(path)
+            if layout.weight_map is not None:
+                absent = sorted({k for k, f in layout.weight_map.items() if f == name} - tensors.keys())
+                if absent:
+                    raise CheckpointError(f"{path}: lacks {absent[0]!r}{f' and {len(absent) - 1} more keys' if len(absent) > 1 else ''}"
+                                          f" that {layout.index_name} puts there")
+            for key, t in tensors.items():
+                if key in read.tensors:
+                    raise CheckpointError(f"{path}: key {key!r} also appears in {read.where[key]}")
+                read.tensors[key], read.where[key] = t, name
+            bar.update(path.stat().st_size)
+    return read
+
+
+def write_files(stage, layout: ShardLayout, tensors_of: Callable[[str], Mapping[str, torch.Tensor]],
+                metadata_of: Callable[[str, Mapping[str, torch.Tensor]], Mapping[str, str] | None],
+                total_bytes: int | None = None) -> set[torch.dtype]:
+    """Write the layout's files in order, file ``name`` holding ``tensors_of(name)`` (produced, and dropped, one file at
+    a time) with ``metadata_of(name, tensors)`` in its safetensors header, then the index json when the layout has one
+    (its metadata's ``total_size`` and ``total_parameters`` made true); the dtypes written."""
+    dtypes: set[torch.dtype] = set()
+    weight_map, total_size, total_params = {}, 0, 0
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="save", leave=False) as bar:
+        for name in layout.files:
+            tensors = tensors_of(name)
+            metadata = metadata_of(name, tensors) if layout.file_format == SAFETENSORS else None
+            stage.write(name, lambda f, tensors=tensors: write_tensors(f, tensors, layout.file_format, metadata))
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            total_size, total_params = total_size + size, total_params + sum(t.numel() for t in tensors.values())
+            dtypes.update(t.dtype for t in tensors.values())
+            weight_map.update(dict.fromkeys(tensors, name))
+            bar.update(size)
+            del tensors  # before the next file's tensors are made: one file's worth at a time
+    if layout.index_name:
+        metadata = dict(layout.index_metadata, total_size=total_size)
+        if "total_parameters" in metadata:
+            metadata["total_parameters"] = total_params
+        index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+        stage.write_bytes(layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
+    return dtypes
+
+
+def plan_files(converter, native: Mapping[str, torch.Tensor], layout: ShardLayout) -> dict[str, list]:
+    """Output file -> the groups of ``converter`` (a ``waypoint.converters.Converter``) that produce its keys from
+    ``native``; every key placed exactly where ``layout`` (the input's) has it."""
+    groups = converter.plan(converter.native_keys_to_save(native), "native")
+    plan: dict[str, list] = {name: [] for name in layout.files}
+    produced = set()
+    for g in groups:
+        for key in g.targets:
+            if key not in layout.weight_map:
+                raise CheckpointError(f"native key(s) {', '.join(g.sources)} become {key!r}, which the input checkpoint does not have")
+            if not plan[layout.weight_map[key]] or plan[layout.weight_map[key]][-1] is not g:
+                plan[layout.weight_map[key]].append(g)
+        produced.update(g.targets)
+    missing = sorted(set(layout.weight_map) - produced)
+    if missing:
+        raise CheckpointError(f"state dict lacks {missing[0]!r}" + (f" and {len(missing) - 1} more keys" if len(missing) > 1 else "")
+                              + " that the input checkpoint has")
+    return plan
+
+
+def plan_layout(sizes: Mapping[str, int], num_shards: int | None = None, max_shard_bytes: int | None = None) -> ShardLayout:
+    """A new safetensors layout for keys of these sizes (in order): ``num_shards`` files of about equal bytes, or files
+    of at most ``max_shard_bytes`` (a tensor larger than that gets a file of its own); named as transformers names
+    them (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with an index)."""
+    shards = _cut(sizes, num_shards, max_shard_bytes)
+    if len(shards) == 1:
+        return ShardLayout(("model.safetensors",), dict.fromkeys(shards[0], "model.safetensors"))
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    return ShardLayout(tuple(names), {k: name for name, keys in zip(names, shards) for k in keys}, INDEX_NAMES[SAFETENSORS])
+
+
+def _cut(sizes: Mapping[str, int], num_shards: int | None, max_shard_bytes: int | None) -> list[list[str]]:
+    keys = list(sizes)
+    shards, current, size = [], [], 0
+    if max_shard_bytes:
+        for key in keys:
+            if current and size + sizes[key] > max_shard_bytes:
+                shards.append(current)
+                current, size = [], 0
+            current.append(key)
+            size += sizes[key]
+        return shards + ([current] if current else [])
+    n = max(1, min(num_shards or 1, len(keys)))
+    total = sum(sizes.values())
+    for key in keys:
+        current.append(key)
+        size += sizes[key]
+        if len(shards) < n - 1 and size >= total * (len(shards) + 1) / n:
+            shards.append(current)
+            current = []
+    return shards + ([current] if current else [])
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '1500KB' / '123' -> bytes (decimal units, as transformers' max_shard_size)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    text = text.strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda u: -len(u[0])):
+        if text.endswith(unit):
+            return math.floor(float(text[: -len(unit)]) * factor)
+    return int(text)

@@ -27,3 +27,11 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 def hf_config_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
     """The weights' dtype as recorded in config.json (``dtype`` in v5, ``torch_dtype`` before)."""
     return parse_dtype(config.get("dtype") or config.get("torch_dtype"))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16'."""
+    return str(dtype).removeprefix("torch.")
+
+
+HF_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the dtypes config.json's "dtype" names

@@ -15,7 +15,7 @@ for load_state_dict and tensor subclasses"):
   torchao leaves this undefined (the default would assign the bf16 tensor, or quantize into the meta
   placeholder's nonexistent buffers).
 - **swap_tensors** (``torch.__future__.set_swap_module_params_on_conversion(True)``, turned on for a
-  recipe's run by ``waypoint.training.entry``): ``load_state_dict`` and ``.to()``-style conversions swap
+  recipe's run by ``waypoint.cli.entry``): ``load_state_dict`` and ``.to()``-style conversions swap
   the new tensor into the existing ``Parameter`` object instead of replacing it. A parameter cannot change
   class through ``.data`` (meta placeholder -> NF4 data, bf16 -> NF4), and replacing the object would
   leave an optimizer or hook holding the old one.
@@ -157,11 +157,6 @@ def nf4_placeholder(shape: torch.Size, dtype: torch.dtype, block_size: int, scal
                      torch.empty((), dtype=dtype, device="meta"),  # scaler_mean
                      torch.empty(numel // 2, dtype=torch.uint8, device="meta"),  # quantized_data: two values a byte
                      torch.empty(16, dtype=dtype, device="meta"))  # nf4: the 16 levels
-
-
-def dequantized(t: torch.Tensor) -> torch.Tensor:
-    """The full-size tensor an NF4 weight stands for (its 4-bit values times their scales), in its dtype."""
-    return t.get_original_weight() if is_nf4(t) else t
 
 
 def nf4_local_shard(full: torch.Tensor, like: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:

@@ -28,39 +28,43 @@ from tqdm import tqdm
 
 from waypoint.checkpointers import load_into
 from waypoint.checkpointers.load_model import load_sharded_into
+from waypoint.cli.entry import run_recipe
+from waypoint.cli.run_config import config_as_given
+from waypoint.run.metrics import MetricsLog
+from waypoint.run.output_dir import RunDir
+from waypoint.run.plan import RunPlan
+from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.run.recipe_state import capture_recipe_state
+from waypoint.run.resume import RunStart
+from waypoint.run.savers import SaveOptions, WholeStepSaver
+from waypoint.run.sharded_saver import ShardedSaver
+from waypoint.run.step_content import ExportReload, model_step
 from waypoint.training.collate import padded_collate
 from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.training.distributed import Distributed
-from waypoint.training.entry import run_recipe
 from waypoint.training.fsdp import shard_model
 from waypoint.training.loss import forward_backward
-from waypoint.training.metrics import MetricsLog
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
-from waypoint.training.object_store_run import config_as_given, stored_at
-from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
-from waypoint.training.recipe_state import capture_recipe_state
 from waypoint.training.run_data import run_data
-from waypoint.training.run_plan import RunPlan
-from waypoint.training.run_start import RunStart
 from waypoint.training.seed import seed_everything
-from waypoint.training.step_content import ExportReload, model_step
-from waypoint.training.step_savers import step_saver
 from waypoint.training.validation import evaluate
 
 
 def train(cfg: DictConfig, dist: Distributed) -> int:
     """The run; ``run_recipe`` has checked the config, started the process group (under torchrun) and holds
     ``output_dir`` for it."""
-    output_dir = Path(cfg.output_dir)
     device, main = dist.device, dist.is_main
     say = print if main else (lambda *a, **k: None)  # noqa: E731
     config = config_as_given(cfg)  # what each checkpoint records (URLs, not this machine's local copies)
+    # Where the run lives (an object-store run: the store and this machine's mirror of it) and how it keeps checkpoints.
+    run_dir = RunDir(Path(cfg.output_dir), cfg.get("output_store"))
+    saving = SaveOptions(keep_last_n=cfg.keep_last_n_checkpoints, asynchronous=cfg.get("async_checkpoint", False))
     if not dist.enabled and cfg.get("mixed_precision"):
         say("note: mixed_precision applies under torchrun (FSDP2); one process computes in dtype")
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
     # Rank 0 decides about output_dir; every rank learns the decision.
-    start = RunStart(cfg, config, dist)
+    start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist)
     seed_everything(cfg.seed)
 
     # Model: built on the meta device, sharded (FSDP2) under torchrun, then given the checkpoint's
@@ -90,26 +94,34 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # Data: a global batch of batch_size x gradient_accumulation_steps x processes samples per step.
     tokenizer = instantiate(cfg.tokenizer)
     # the dataset (validation held out, packed on request); a chat dataset's template also goes into each checkpoint
-    dataset, validation = run_data(cfg, tokenizer, checkpointer, say)
+    def make_dataset(**source):  # the config's dataset (with source=: a validation file)
+        return instantiate(cfg.dataset, tokenizer=tokenizer, **source)
+    dataset, validation = run_data(make_dataset, tokenizer, checkpointer, cfg.get("validation"), cfg.seed,
+                                   packed_to=cfg.dataset.max_seq_len if cfg.get("packed", False) else None, say=say)
     collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
-    plan = RunPlan.from_config(cfg, optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
-                                                              cfg.max_steps_per_epoch), cfg.batch_size * accumulate * dist.world_size)
+    steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
+                                                cfg.max_steps_per_epoch)
+    plan = RunPlan(steps_per_epoch, cfg.epochs, cfg.batch_size, accumulate, dist.world_size, cfg.seed,
+                   save_every_n_steps=cfg.save_every_n_steps or 0, save_every_epoch=cfg.save_every_epoch)
 
     # Optimizer after loading, so it holds the parameters the model really uses.
     optimizer = instantiate(cfg.optimizer, params=[p for p in model.parameters() if p.requires_grad])
     scheduler = instantiate(cfg.lr_scheduler, optimizer=optimizer, num_training_steps=plan.total_steps)
 
     # A resumed run gets its optimizer, scheduler, random states and data position back; a fresh one starts at 0.
-    position = start.restore(optimizer, scheduler, model, plan.global_batch, plan.total_steps, say)
+    position = start.restore(optimizer, scheduler, model, plan, say)
     if position is None:
         return 0
     global_step, start_epoch, start_step = position
-    metrics = MetricsLog(output_dir, keep_through_step=global_step, report=tqdm.write,
+    metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
                          tensorboard_dir=cfg.get("log_dir")) if main else None
-    saver = step_saver(cfg, dist, sharded=True, report=tqdm.write)  # torchrun: every rank writes its shards
-
-    verify = ExportReload(cfg) if cfg.get("verify_export", True) else None  # the final model read back before its commit
+    # torchrun: every rank writes its DCP shards; one process writes the model in the input's files
+    saver = (ShardedSaver if dist.enabled else WholeStepSaver)(dist, run_dir, saving, report=tqdm.write)
+    # the final model read back, before its commit, into a fresh model of the config's class through its checkpointer
+    reload = ExportReload(build=lambda: instantiate(cfg.model), strict=cfg.strict, key_prefix_map=cfg.key_prefix_map,
+                          read=lambda path: instantiate(cfg.checkpointer, checkpoint_dir=str(path)).load_checkpoint()["model"])
+    verify = reload if cfg.get("verify_export", True) else None
 
     def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
@@ -173,7 +185,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     bar.close()
     if metrics:
         metrics.close()
-    say(f"done: the final model is {stored_at(cfg, saved)}{checkpointer.describe_output(saved)}")
+    say(f"done: the final model is {run_dir.stored_at(saved)}{checkpointer.describe_output(saved)}")
     return 0
 
 

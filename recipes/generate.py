@@ -25,20 +25,19 @@ if importlib.util.find_spec("waypoint") is None:  # a checkout that is not insta
 import torch  # noqa: E402
 
 from waypoint.checkpointers import checkpointer_for, load_into  # noqa: E402
-from waypoint.checkpointers.load_model import model_args_for  # noqa: E402
-from waypoint.checkpointers.object_store import local_copy  # noqa: E402
+from waypoint.checkpointers.peft_adapter import load_adapter  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
-from waypoint.checkpointers.peft_adapter import hf_converter, load_adapter  # noqa: E402
+from waypoint.cli.command import run_command  # noqa: E402
+from waypoint.cli.config import parse_config  # noqa: E402
+from waypoint.cli.option_checks import GENERATE  # noqa: E402
 from waypoint.models import Transformer, parse_dtype  # noqa: E402
 from waypoint.models.generate import Sampling, generate  # noqa: E402
 from waypoint.models.lora import merge_state_dict  # noqa: E402
-from waypoint.training.chat_template import ChatTemplateError, load_chat_template  # noqa: E402
-from waypoint.training.cli import run_command  # noqa: E402
-from waypoint.training.config import parse_config  # noqa: E402
-from waypoint.training.config_checks import GENERATE  # noqa: E402
-from waypoint.training.step_model import sharded_step_model  # noqa: E402
-from waypoint.training.stop_tokens import end_of_turn, end_of_turn_text, stop_token_ids  # noqa: E402
-from waypoint.training.tokenizer import load_tokenizer  # noqa: E402
+from waypoint.run.object_store import local_copy  # noqa: E402
+from waypoint.run.recipe_state import sharded_step_model  # noqa: E402
+from waypoint.text.chat_template import ChatTemplateError, load_chat_template  # noqa: E402
+from waypoint.text.stop_tokens import end_of_turn, end_of_turn_text, stop_token_ids  # noqa: E402
+from waypoint.text.tokenizer import load_tokenizer  # noqa: E402
 
 
 def load(cfg) -> tuple[Transformer, Path]:
@@ -51,10 +50,10 @@ def load(cfg) -> tuple[Transformer, Path]:
     else:
         checkpointer = checkpointer_for(directory, output_dir=directory.parent)
         state, tokenizer_dir = checkpointer.load_checkpoint()["model"], directory
-    args = model_args_for(checkpointer)
+    args = checkpointer.model_args()
     if cfg.get("adapter_dir"):
         adapter_dir = local_copy(cfg.adapter_dir, say=lambda line: print(line, file=sys.stderr))
-        adapter, config = load_adapter(adapter_dir, hf_converter(checkpointer, args))
+        adapter, config = load_adapter(adapter_dir, checkpointer.hf_converter())
         state = merge_state_dict(state, adapter, float(config["lora_alpha"]) / int(config["r"]))
     with torch.device("meta"):
         model = Transformer(args)

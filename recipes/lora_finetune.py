@@ -41,32 +41,33 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from waypoint.checkpointers import CheckpointError, detect_format, load_into
-from waypoint.checkpointers.peft_adapter import check_targets, hf_converter, load_adapter
+from waypoint.checkpointers import CheckpointError, load_into
+from waypoint.checkpointers.peft_adapter import check_targets, load_adapter
+from waypoint.cli.entry import run_recipe
+from waypoint.cli.hub import base_model_name
+from waypoint.cli.option_checks import COMMON, LORA
+from waypoint.cli.run_config import config_as_given
 from waypoint.models.lora import adapter_state_keys, apply_lora, init_adapters, load_adapter_state
+from waypoint.run.metrics import MetricsLog
+from waypoint.run.output_dir import RunDir
+from waypoint.run.plan import RunPlan
+from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.run.recipe_state import capture_recipe_state
+from waypoint.run.resume import RunStart
+from waypoint.run.savers import SaveOptions, WholeStepSaver
+from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step
 from waypoint.training.collate import padded_collate
-from waypoint.training.config_checks import COMMON, LORA
 from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.training.distributed import Distributed
-from waypoint.training.entry import run_recipe
 from waypoint.training.fsdp import shard_model
-from waypoint.training.hub import base_model_name
 from waypoint.training.loss import forward_backward
-from waypoint.training.metrics import MetricsLog
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
-from waypoint.training.object_store_run import config_as_given, stored_at
-from waypoint.training.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
-from waypoint.training.quantize import quantize_base
-from waypoint.training.recipe_state import capture_recipe_state
+from waypoint.training.quantize import NF4Options, quantize_base
 from waypoint.training.run_data import run_data
-from waypoint.training.run_plan import RunPlan
-from waypoint.training.run_start import RunStart
 from waypoint.training.seed import seed_everything
-from waypoint.training.step_content import ExportReload, MERGED_DIR, adapter_step
-from waypoint.training.step_savers import step_saver
 from waypoint.training.validation import evaluate
 
-# beside training.resume.BREAKING_KEYS: another adapter (targets, rank, alpha, dropout) or another base (4-bit or not)
+# beside waypoint.run.resume.BREAKING_KEYS: another adapter (targets, rank, alpha, dropout) or another base (4-bit or not)
 LORA_BREAKING = ("lora", "quantize_base", "nf4")
 
 
@@ -81,17 +82,19 @@ def check_lora_config(saved: dict, current: dict, checkpoint: Path) -> tuple[str
 def train(cfg: DictConfig, dist: Distributed) -> int:
     """The run; ``run_recipe`` has checked the config, started the process group (under torchrun) and holds
     ``output_dir`` for it."""
-    output_dir = Path(cfg.output_dir)
     device, main = dist.device, dist.is_main
     say = print if main else (lambda *a, **k: None)  # noqa: E731
     config = config_as_given(cfg)  # what each checkpoint records (URLs, not this machine's local copies)
+    # Where the run lives (an object-store run: the store and this machine's mirror of it) and how it keeps checkpoints.
+    run_dir = RunDir(Path(cfg.output_dir), cfg.get("output_store"))
+    saving = SaveOptions(keep_last_n=cfg.keep_last_n_checkpoints, asynchronous=cfg.get("async_checkpoint", False))
     if not dist.enabled and cfg.get("mixed_precision"):
         say("note: mixed_precision applies under torchrun (FSDP2); one process computes in dtype")
     save_merged = "never" if cfg.get("save_adapter_weights_only", False) else cfg.get("save_merged", "final")
     max_lora_rank = cfg.get("max_lora_rank", 16)
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
-    start = RunStart(cfg, config, dist, check=check_lora_config)
+    start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist, check=check_lora_config)
     seed_everything(cfg.seed)
 
     # Model: the base (always the input checkpoint) on the meta device with the adapters added, sharded
@@ -104,7 +107,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         model = instantiate(cfg.model)
     lora = cfg.lora
     wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
-    for line in quantize_base(model, cfg, dist.world_size):
+    nf4 = NF4Options(**(cfg.get("nf4") or {})) if cfg.get("quantize_base") else None
+    for line in quantize_base(model, cfg.dtype, nf4, dist.world_size):
         say(line)
     if dist.enabled:
         shard_model(model, dist.mesh, cfg.get("mixed_precision"))
@@ -118,11 +122,10 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # original, not the model's 4-bit or dtype-cast copy.
     original, sources = state["model"], report.sources
     del state
-    converter = hf_converter(checkpointer, model.args)  # names the adapter's modules as HF does
+    converter = checkpointer.hf_converter()  # names the adapter's modules as HF does
     check_targets(model, converter, checkpointer.family)  # a target PEFT cannot name (Phi-3's fused qkv) fails now, not at the first save
     base_name = base_model_name(checkpointer.checkpoint_dir)
-    base_format = detect_format(checkpointer.checkpoint_dir)  # Meta/native inputs get the adapter in their keys too
-    own_layout = (base_format, checkpointer.converter) if base_format in ("meta", "native") else None
+    own_layout = checkpointer.adapter_layout()  # Meta/native inputs get the adapter in their own keys too
     if start.checkpoint:
         adapter, _ = load_adapter(start.path, converter)
         load_adapter_state(model, adapter)
@@ -135,26 +138,33 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # Data: a global batch of batch_size x gradient_accumulation_steps x processes samples per step.
     tokenizer = instantiate(cfg.tokenizer)
     # the dataset (validation held out, packed on request); a chat dataset's template also goes into each checkpoint
-    dataset, validation = run_data(cfg, tokenizer, checkpointer, say)
+    def make_dataset(**source):  # the config's dataset (with source=: a validation file)
+        return instantiate(cfg.dataset, tokenizer=tokenizer, **source)
+    dataset, validation = run_data(make_dataset, tokenizer, checkpointer, cfg.get("validation"), cfg.seed,
+                                   packed_to=cfg.dataset.max_seq_len if cfg.get("packed", False) else None, say=say)
     collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
-    plan = RunPlan.from_config(cfg, optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
-                                                              cfg.max_steps_per_epoch), cfg.batch_size * accumulate * dist.world_size)
+    steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
+                                                cfg.max_steps_per_epoch)
+    plan = RunPlan(steps_per_epoch, cfg.epochs, cfg.batch_size, accumulate, dist.world_size, cfg.seed,
+                   save_every_n_steps=cfg.save_every_n_steps or 0, save_every_epoch=cfg.save_every_epoch)
 
     # Optimizer over the adapter parameters only.
     optimizer = instantiate(cfg.optimizer, params=trainable)
     scheduler = instantiate(cfg.lr_scheduler, optimizer=optimizer, num_training_steps=plan.total_steps)
 
     # A resumed run gets its optimizer, scheduler, random states and data position back; a fresh one starts at 0.
-    position = start.restore(optimizer, scheduler, model, plan.global_batch, plan.total_steps, say)
+    position = start.restore(optimizer, scheduler, model, plan, say)
     if position is None:
         return 0
     global_step, start_epoch, start_step = position
-    metrics = MetricsLog(output_dir, keep_through_step=global_step, report=tqdm.write,
+    metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
                          tensorboard_dir=cfg.get("log_dir")) if main else None
-    saver = step_saver(cfg, dist, sharded=False, report=tqdm.write)  # the adapters are small: gathered whole
-
-    verify = ExportReload(cfg) if cfg.get("verify_export", True) else None  # the final model read back before its commit
+    saver = WholeStepSaver(dist, run_dir, saving, report=tqdm.write)  # the adapters are small: gathered whole, written by rank 0
+    # the merged model read back, before its commit, into a fresh model of the config's class through its checkpointer
+    reload = ExportReload(build=lambda: instantiate(cfg.model), strict=cfg.strict, key_prefix_map=cfg.key_prefix_map,
+                          read=lambda path: instantiate(cfg.checkpointer, checkpoint_dir=str(path)).load_checkpoint()["model"])
+    verify = reload if cfg.get("verify_export", True) else None
 
     def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
@@ -221,7 +231,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         metrics.close()
     merged = (f"; the merged model is {checkpointer.describe_output(saved / MERGED_DIR)}"
               if (saved / MERGED_DIR).is_dir() else "")
-    say(f"done: the adapter is {stored_at(cfg, saved)}{saved} (PEFT format: PeftModel.from_pretrained(base, '{saved}') loads it){merged}")
+    say(f"done: the adapter is {run_dir.stored_at(saved)}{saved} (PEFT format: PeftModel.from_pretrained(base, '{saved}') loads it){merged}")
     return 0
 
 

@@ -160,12 +160,12 @@ def step_save(ckpt: Path, out: Path) -> float:
 def step_async(ckpt: Path, out: Path) -> tuple[float, float]:
     """(seconds training was blocked by the second of two background saves, bytes of staging buffers)."""
     from waypoint.checkpointers import HFCheckpointer
-    from waypoint.checkpointers.step_saver import StepContent, WholeStepSaver
+    from waypoint.run.savers import SaveOptions, StepContent, WholeStepSaver
     from waypoint.training.distributed import init_distributed
 
     checkpointer = HFCheckpointer(ckpt, output_dir=out)
     state = {"model": {k: v.clone() for k, v in checkpointer.load_checkpoint()["model"].items()}}
-    saver = WholeStepSaver(init_distributed("cpu"), out, asynchronous=True, report=lambda line: None)
+    saver = WholeStepSaver(init_distributed("cpu"), out, SaveOptions(asynchronous=True), report=lambda line: None)
     saver.save(1, StepContent(state, checkpointer.writer))
     saver.wait()
     warm_up(ckpt, out)

@@ -47,11 +47,13 @@ def worker(checkpoint: str, work: str, device: str, steps: int, seq: int, batch:
     import torch
 
     from waypoint.checkpointers import HFCheckpointer, build_model, load_into
-    from waypoint.checkpointers.sharded_saver import ShardedSaver
-    from waypoint.training.step_content import export_step, shards_step
+    from waypoint.checkpointers.dtensor_state import serve_gathers
+    from waypoint.run.recipe_state import optimizer_state
+    from waypoint.run.savers import SaveOptions, StepContent
+    from waypoint.run.sharded_saver import ShardedSaver
+    from waypoint.run.step_content import write_gathered
     from waypoint.training.distributed import init_distributed
     from waypoint.training.fsdp import shard_model
-    from waypoint.training.optimizer_state import optimizer_state
 
     dist = init_distributed(device)
     started = time.perf_counter()
@@ -70,7 +72,10 @@ def worker(checkpoint: str, work: str, device: str, steps: int, seq: int, batch:
         Path("/proc/self/clear_refs").write_text("5")
     rss_before = _status_kb("VmRSS")
     t0 = time.perf_counter()
-    ShardedSaver(dist, Path(work) / "export", report=quiet).save(1, export_step(checkpointer, model.state_dict()), final=True)
+    model_state = model.state_dict()  # only the model in the input's format, gathered file by file as a final step writes it
+    export = StepContent({}, lambda _: lambda stage: write_gathered(stage, checkpointer, model_state),
+                         serve=lambda: serve_gathers(model_state))
+    ShardedSaver(dist, Path(work) / "export", report=quiet).save(1, export, final=True)
     export_s = time.perf_counter() - t0
     rss_peak = _status_kb("VmHWM")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -95,18 +100,18 @@ def worker(checkpoint: str, work: str, device: str, steps: int, seq: int, batch:
     train_s = train_steps(steps)
     tokens_per_s = dist.sum(steps * batch * seq) / train_s
 
-    def sharded_state():
+    def shards():  # only every rank's DCP shards of the model and optimizer, as an intermediate step holds them
         optim = optimizer_state(model, optimizer)
-        return {"model": model.state_dict(), "optimizer": optim["state"]}
+        return StepContent({}, lambda _: lambda stage: None, sharded={"model": model.state_dict(), "optimizer": optim["state"]})
 
     sync = ShardedSaver(dist, Path(work) / "sync", report=quiet)
     t0 = time.perf_counter()
-    sync.save(1, shards_step(sharded_state()))
+    sync.save(1, shards())
     sync_blocked = time.perf_counter() - t0
 
-    background = ShardedSaver(dist, Path(work) / "async", asynchronous=True, report=quiet)
+    background = ShardedSaver(dist, Path(work) / "async", SaveOptions(asynchronous=True), report=quiet)
     t0 = time.perf_counter()
-    background.save(1, shards_step(sharded_state()))
+    background.save(1, shards())
     async_blocked = time.perf_counter() - t0
     overlapped = train_steps(steps)  # training while the shards are written
     t1 = time.perf_counter()

@@ -46,9 +46,8 @@ def build(path: Path, kind: str, size_mb: float) -> int:
     family's converter in that layout, in 100 MB shards with an index."""
     import torch
 
-    from waypoint.checkpointers.export import _write_layout, plan_shards
     from waypoint.checkpointers.commit import StagedDir
-    from waypoint.checkpointers.shard_layout import ShardLayout
+    from waypoint.checkpointers.shard_layout import plan_layout, write_files
     from waypoint.families import family_of, model_args_from_hf_config
     from waypoint.models import Transformer
 
@@ -62,11 +61,9 @@ def build(path: Path, kind: str, size_mb: float) -> int:
     if kind == "packed":
         converter.variant = "packed"
     tensors = converter.from_native(model.state_dict())
-    shards = plan_shards({k: t.numel() * t.element_size() for k, t in tensors.items()}, max_shard_bytes=100_000_000)
-    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    layout = ShardLayout(tuple(names), {k: n for n, keys in zip(names, shards) for k in keys}, "model.safetensors.index.json")
+    layout = plan_layout({k: t.numel() * t.element_size() for k, t in tensors.items()}, max_shard_bytes=100_000_000)
     with StagedDir(path) as stage:
-        _write_layout(stage, tensors, layout)
+        write_files(stage, layout, lambda name: {k: tensors[k] for k in layout.keys_in(name)}, lambda *_: {"format": "pt"})
         stage.write_bytes("config.json", json.dumps(cfg).encode())
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

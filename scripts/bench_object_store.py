@@ -38,7 +38,7 @@ def sharded_save(url: str, work: Path, total: int) -> tuple[float, float]:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     from waypoint.checkpointers.commit import StagedDir, hash_file
-    from waypoint.checkpointers.object_store import ObjectStore
+    from waypoint.run.object_store import ObjectStore
     from waypoint.checkpointers.sharded_checkpoint import save_sharded
 
     rows = max(1, total // (4096 * 4 * 16))
@@ -64,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from waypoint.checkpointers.commit import StagedDir
-    from waypoint.checkpointers.object_store import ObjectStore
+    from waypoint.run.object_store import ObjectStore
     from tests.s3_server import new_bucket, s3_server
 
     work = Path(tempfile.mkdtemp(prefix="bench_object_store_"))

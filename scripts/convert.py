@@ -32,32 +32,21 @@ if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from waypoint.checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
-from waypoint.checkpointers.base import SMALL_FILE_LIMIT  # noqa: E402
-from waypoint.checkpointers.export import export, parse_size  # noqa: E402
+from waypoint.checkpointers.formats import convert as convert_checkpoint  # noqa: E402
 from waypoint.checkpointers.export_check import ExportCheck  # noqa: E402
-from waypoint.checkpointers.hf_source import source_of  # noqa: E402
-from waypoint.checkpointers.load_model import model_args_for, model_from  # noqa: E402
-from waypoint.checkpointers.object_store import local_copy  # noqa: E402
-from waypoint.checkpointers.overlap import refuse_overlap  # noqa: E402
+from waypoint.checkpointers.load_model import model_from  # noqa: E402
+from waypoint.checkpointers.shard_layout import parse_size  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
-from waypoint.checkpointers.shard_layout import WEIGHT_SUFFIXES  # noqa: E402
-from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
-from waypoint.training.step_model import sharded_step_model  # noqa: E402
-
-SKIPPED = {"config.json", "params.json", "waypoint_model.json", "MANIFEST.json", "model.safetensors.index.json",
-           "pytorch_model.bin.index.json", "recipe_state.pt", "extra_state.pt", "hf_source.json"}
-
-
-def side_files(directory: Path) -> list[Path]:
-    """Tokenizer and other small files that travel with the weights in any format."""
-    return [p for p in sorted(directory.iterdir()) if p.is_file() and p.name not in SKIPPED and not p.name.startswith(".")
-            and not p.name.endswith(WEIGHT_SUFFIXES) and p.stat().st_size <= SMALL_FILE_LIMIT]
+from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
+from waypoint.run.object_store import local_copy  # noqa: E402
+from waypoint.run.output_dir import refuse_overlap  # noqa: E402
+from waypoint.run.recipe_state import sharded_step_model  # noqa: E402
 
 
 def special_token_ids(directory: Path) -> dict[str, int]:
     """bos/eos ids of the checkpoint's tokenizer, for a config.json made without a source one (generation stops at
     eos_token_id: a default would contradict the tokenizer)."""
-    from waypoint.training.tokenizer import load_tokenizer
+    from waypoint.text.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(directory)
@@ -89,14 +78,9 @@ def convert(src: Path, dst: Path, to: str, source_format: str | None = None, mod
     check = ExportCheck(model) if verify else None
     del model
 
-    def write(target: Path) -> Path:
-        if to == fmt and not (max_shard_size or num_shards):
-            return ckpt.save_to(state, target, check=check)  # the same files, keys and split as the input
-        files = getattr(ckpt, "files", None) or ckpt.layout.files
-        return export(state["model"], model_args_for(ckpt), model_type or ckpt.model_type, to, target, source=source_of(ckpt),
-                      side_files=side_files(src), num_shards=num_shards, input_files=len(files),
-                      max_shard_bytes=parse_size(max_shard_size) if max_shard_size else None,
-                      special_tokens=special_token_ids(src), check=check)
+    def write(target: Path) -> Path:  # the input's very files, keys and split when --to is its format, unsharded
+        return convert_checkpoint(ckpt, state, to, target, model_type, num_shards,
+                                  parse_size(max_shard_size) if max_shard_size else None, special_token_ids(src), check)
     out = replace_dir(dst, write) if dst.exists() else write(dst)
     if check is not None:
         say(check.line)

@@ -35,8 +35,8 @@ if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from waypoint.errors import CheckpointError  # noqa: E402
-from waypoint.training.cli import OneLineParser  # noqa: E402
-from waypoint.training.hub import (FORMATS, REPO_TYPES, WEIGHT_CHOICES, Snapshot, download, is_hf_uri,  # noqa: E402
+from waypoint.cli.command import OneLineParser  # noqa: E402
+from waypoint.cli.hub import (FORMATS, REPO_TYPES, WEIGHT_CHOICES, Snapshot, download, is_hf_uri,  # noqa: E402
                                    parse_hf_uri, choose_data_file)
 
 

@@ -44,9 +44,9 @@ from waypoint.checkpointers.commit import MANIFEST, verify  # noqa: E402
 from waypoint.checkpointers.file_formats import SAFETENSORS, format_of, load_pickle  # noqa: E402
 from waypoint.checkpointers.load_report import fold_keys  # noqa: E402
 from waypoint.checkpointers.native_checkpointer import ALIASES_KEY  # noqa: E402
-from waypoint.checkpointers.object_store import local_copy  # noqa: E402
+from waypoint.run.object_store import local_copy  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
-from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
+from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
 
 
 def weight_files(ckpt) -> list[Path]:
@@ -75,7 +75,7 @@ def describe_sharded(directory: Path) -> list[str]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from waypoint.checkpointers.sharded_checkpoint import SHARDED_DIR, read_metadata
-    from waypoint.training.recipe_state import load_recipe_state
+    from waypoint.run.recipe_state import load_recipe_state
 
     state = load_recipe_state(directory)
     config = state.get("config") or {}

@@ -8,7 +8,7 @@ tiny model learns fast) and ``<out-dir>/tiny_llama/`` (a byte-level BPE
 randomly initialised ``LlamaForCausalLM`` saved by transformers as three
 safetensors shards with an index). Every seed is fixed: two runs with the same
 library versions write the same bytes. The result is checked by loading it back
-with transformers and with ``waypoint.training.tokenizer``.
+with transformers and with ``waypoint.text.tokenizer``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if importlib.util.find_spec("waypoint") is None:
 import torch  # noqa: E402
 
 from waypoint.training.instruct_dataset import TEMPLATES, InstructDataset  # noqa: E402
-from waypoint.training.tokenizer import load_tokenizer  # noqa: E402
+from waypoint.text.tokenizer import load_tokenizer  # noqa: E402
 
 NUM_RECORDS = 400
 DATA_SEED = 0
@@ -104,7 +104,7 @@ def train_tokenizer(records: list[dict[str, str]]):
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS.values()),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(texts, trainer)
-    # Like Llama's own tokenizer.json: transformers adds BOS by default (training.tokenizer adds it itself).
+    # Like Llama's own tokenizer.json: transformers adds BOS by default (text.tokenizer adds it itself).
     bos = SPECIAL_TOKENS["bos_token"]
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.token_to_id(bos))])

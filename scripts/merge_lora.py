@@ -22,11 +22,10 @@ if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from waypoint.checkpointers import CheckpointError, checkpointer_for  # noqa: E402
-from waypoint.checkpointers.load_model import model_args_for  # noqa: E402
-from waypoint.checkpointers.overlap import refuse_overlap  # noqa: E402
-from waypoint.checkpointers.peft_adapter import hf_converter, load_adapter, read_adapter_config  # noqa: E402
+from waypoint.checkpointers.peft_adapter import load_adapter, read_adapter_config  # noqa: E402
+from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
 from waypoint.models.lora import merge_state_dict  # noqa: E402
-from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
+from waypoint.run.output_dir import refuse_overlap  # noqa: E402
 
 
 def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -37,7 +36,7 @@ def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: 
     read_adapter_config(adapter_dir)  # a bad adapter fails before the base is read
     checkpointer = checkpointer_for(base_dir, output_dir=out_dir.parent)
     base = checkpointer.load_checkpoint()["model"]
-    converter = hf_converter(checkpointer, model_args_for(checkpointer))
+    converter = checkpointer.hf_converter()
     adapter, config = load_adapter(adapter_dir, converter)
     if converter.tied_embeddings and any(k.startswith(converter.native_head_key.rsplit(".", 1)[0] + ".lora_") for k in adapter):
         raise CheckpointError("the adapter changes the output head, which this base ties to the embedding")

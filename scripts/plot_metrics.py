@@ -41,7 +41,7 @@ if importlib.util.find_spec("waypoint") is None:
 from dataclasses import dataclass, field  # noqa: E402 (imports inspect: only once this folder is off the path)
 
 from waypoint.errors import CheckpointError  # noqa: E402
-from waypoint.training.cli import OneLineParser, run_command  # noqa: E402
+from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
 
 METRICS_FILE = "metrics.jsonl"
 TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "aux_loss")

@@ -56,7 +56,7 @@ def write_hf_checkpoint(path: Path, config, fmt: str = "safetensors", max_shard_
 def sigterm_at_step(step: int | None):
     """Within the block, this process gets SIGTERM right after optimizer step ``step`` is logged: a preemption
     arriving mid-run, for recipes run in process (``main([...])``). None: no signal."""
-    from waypoint.training.metrics import MetricsLog
+    from waypoint.run.metrics import MetricsLog
 
     write = MetricsLog.write
 
@@ -70,6 +70,17 @@ def sigterm_at_step(step: int | None):
         yield
     finally:
         MetricsLog.write = write
+
+
+def save_adapter(directory: Path, model, converter, base_model_name_or_path: str, max_lora_rank: int = 16) -> Path:
+    """``model``'s LoRA adapter in PEFT's format as a new directory, written as a LoRA step writes it
+    (``write_adapter`` into a staged directory, committed with its manifest)."""
+    from waypoint.checkpointers.commit import StagedDir
+    from waypoint.checkpointers.peft_adapter import write_adapter
+
+    with StagedDir(directory) as stage:
+        write_adapter(stage, model, converter, base_model_name_or_path, max_lora_rank)
+    return Path(directory)
 
 
 @pytest.fixture

@@ -22,8 +22,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from waypoint.checkpointers import HFCheckpointer, build_model, load_into  # noqa: E402
-from waypoint.checkpointers.sharded_saver import ShardedSaver  # noqa: E402
-from waypoint.training.step_content import export_step  # noqa: E402
+from waypoint.checkpointers.dtensor_state import serve_gathers  # noqa: E402
+from waypoint.run.savers import StepContent  # noqa: E402
+from waypoint.run.sharded_saver import ShardedSaver  # noqa: E402
+from waypoint.run.step_content import write_gathered  # noqa: E402
 from waypoint.training.distributed import init_distributed  # noqa: E402
 from waypoint.training.fsdp import shard_model  # noqa: E402
 
@@ -46,7 +48,10 @@ def main(source: str, output: str) -> None:
     if dist.is_main:
         Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
     before = status_kb("VmRSS")
-    ShardedSaver(dist, output, report=lambda line: None).save(1, export_step(checkpointer, model.state_dict()), final=True)
+    model_state = model.state_dict()  # only the model in the input's format, gathered file by file as a final step writes it
+    export = StepContent({}, lambda _: lambda stage: write_gathered(stage, checkpointer, model_state),
+                         serve=lambda: serve_gathers(model_state))
+    ShardedSaver(dist, output, report=lambda line: None).save(1, export, final=True)
     peak = status_kb("VmHWM")
     if dist.is_main:
         largest = max(p.stat().st_size for p in (Path(output) / "step_1").glob("*.safetensors"))

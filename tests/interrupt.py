@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import waypoint.checkpointers.commit as commit  # noqa: E402
-from waypoint.checkpointers.step_saver import WholeStepSaver  # noqa: E402
+from waypoint.run.savers import WholeStepSaver  # noqa: E402
 from recipes import full_finetune, lora_finetune  # noqa: E402
-from waypoint.training.metrics import MetricsLog  # noqa: E402
+from waypoint.run.metrics import MetricsLog  # noqa: E402
 
 
 def signal_at_step(step: int, name: str) -> None:
@@ -121,7 +121,7 @@ def kill_in_save(target: int, moment: str) -> None:
 
 def kill_in_upload(target: int, _: str) -> None:
     """SIGKILL once step ``target``'s first file is in the object store, before its manifest."""
-    from waypoint.checkpointers.object_store import ObjectStore
+    from waypoint.run.object_store import ObjectStore
 
     send = ObjectStore.send  # every upload of a step's files goes through it (rank 0's, and each rank's shards)
 

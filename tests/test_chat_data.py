@@ -10,9 +10,9 @@ import pytest
 
 from tests.conftest import ROOT
 from waypoint.training.chat_dataset import ChatDataset
-from waypoint.training.chat_template import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
+from waypoint.text.chat_template import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
 from waypoint.training.records import read_records
-from waypoint.training.tokenizer import load_tokenizer
+from waypoint.text.tokenizer import load_tokenizer
 
 # The families' templates, shaped as the real ones (tools branches left out), each with a copy that marks the
 # assistant's text plus its end-of-turn token with {% generation %} for transformers' mask (the oracle).
@@ -602,7 +602,7 @@ def test_chat_dataset_trains_through_the_recipe(tmp_path):
     # the output renders prompts as the run trained (a base model trained with the built-in chatml): generate
     # picks the template up from the checkpoint and stops at its end of turn
     from recipes import generate
-    from waypoint.training.chat_template import BUILTIN_TEMPLATES
+    from waypoint.text.chat_template import BUILTIN_TEMPLATES
 
     step = out / "step_3"
     assert (step / "chat_template.jinja").read_text() == BUILTIN_TEMPLATES["chatml"]

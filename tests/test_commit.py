@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from waypoint.checkpointers.commit import MANIFEST, StagedDir, new_hasher, remove_stale_staging, step_dirs, verify
-from waypoint.checkpointers.retention import prune_checkpoints
-from waypoint.checkpointers.safetensors_writer import write_safetensors
+from waypoint.checkpointers.commit import MANIFEST, StagedDir, new_hasher, verify
+from waypoint.run.step_dirs import prune_checkpoints, remove_stale_staging, step_dirs
+from waypoint.checkpointers.file_formats import write_safetensors
 from waypoint.converters import CheckpointError
 
 

@@ -8,8 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
-from waypoint.training.config import parse_config
-from waypoint.training.config_checks import COMMON, LORA
+from waypoint.cli.config import parse_config
+from waypoint.cli.option_checks import COMMON, LORA
 
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem != "generate")  # training configs
 
@@ -43,7 +43,7 @@ def test_checkpointer_group_switches_format(group, target):
 
 def test_a_saved_config_with_moved_builder_names_maps_to_the_current_ones():
     """Checkpoints written before builders moved into their family's file resume with the same model target."""
-    from waypoint.training.recipe_state import MOVED, current_names
+    from waypoint.run.recipe_state import MOVED, current_names
 
     saved = {"model": {"_target_": "models.llama2_7b"}, "other": [{"_target_": "waypoint.models.gemma_2b"}]}
     assert current_names(saved) == {"model": {"_target_": "waypoint.families.llama.llama2_7b"},
@@ -53,8 +53,22 @@ def test_a_saved_config_with_moved_builder_names_maps_to_the_current_ones():
         assert hasattr(importlib.import_module(module), name), new
 
 
+def test_a_saved_config_naming_a_moved_module_maps_to_its_new_package():
+    """Checkpoints written before the text side left waypoint.training (their tokenizer's _target_) resume with the
+    same tokenizer target as today's configs."""
+    from waypoint.run.recipe_state import MOVED_MODULES, current_names
+
+    saved = {"tokenizer": {"_target_": "waypoint.training.tokenizer.load_tokenizer", "checkpoint_dir": "x"},
+             "dataset": {"_target_": "waypoint.training.chat_dataset.ChatDataset"}}
+    today = parse_config(["--config", str(ROOT / "configs/tiny.yaml")])
+    assert current_names(saved) == {"tokenizer": {"_target_": today.tokenizer._target_, "checkpoint_dir": "x"},
+                                    "dataset": {"_target_": "waypoint.training.chat_dataset.ChatDataset"}}
+    for new in MOVED_MODULES.values():
+        importlib.import_module(new.rstrip("."))
+
+
 def test_generate_config_composes_with_its_own_checks():
-    from waypoint.training.config_checks import GENERATE
+    from waypoint.cli.option_checks import GENERATE
 
     cfg = parse_config(["--config", str(ROOT / "configs/generate.yaml"), "prompt=hi", "temperature=0.7"], checks=GENERATE)
     assert cfg.prompt == "hi" and cfg.temperature == 0.7 and cfg.max_new_tokens >= 1

@@ -19,9 +19,9 @@ import pytest
 from recipes.full_finetune import main as full_finetune
 from scripts import convert
 from tests.conftest import ROOT
-from waypoint.checkpointers.retention import settle_overwritten
-from waypoint.training.metrics import MetricsLog
-from waypoint.training.run_lock import LOCK_FILE, RunLock
+from waypoint.run.step_dirs import settle_overwritten
+from waypoint.run.metrics import MetricsLog
+from waypoint.run.lock import LOCK_FILE, RunLock
 
 TINY = ROOT / "assets/tiny_llama"
 DATA = ROOT / "assets/tiny_alpaca.jsonl"
@@ -150,7 +150,7 @@ def test_a_second_run_on_a_held_output_dir_refuses_naming_the_holder(tmp_path, c
 
 def test_a_lock_left_by_a_killed_process_never_blocks(tmp_path):
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom waypoint.training.run_lock import RunLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom waypoint.run.lock import RunLock\n"
                                f"RunLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

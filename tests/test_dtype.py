@@ -14,7 +14,7 @@ import torch
 from recipes import full_finetune, lora_finetune
 from tests.conftest import ROOT, tiny_llama_config
 from waypoint.checkpointers.file_formats import read_tensors
-from waypoint.training.metrics import MetricsLog
+from waypoint.run.metrics import MetricsLog
 
 TINY = ROOT / "assets/tiny_llama"
 COMMON = [f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", "epochs=1", "max_steps_per_epoch=4", "save_every_n_steps=2",

@@ -54,18 +54,18 @@ def test_an_expert_group_spread_over_files_loads_and_saves_back(tmp_path):
 
 
 def test_lora_on_experts_is_refused_in_one_line(tmp_path):
-    from waypoint.checkpointers.peft_adapter import check_targets, hf_converter
+    from waypoint.checkpointers.peft_adapter import check_targets
     from waypoint.models.lora import apply_lora
 
     write_family_checkpoint(tmp_path / "in", tiny_family_config("mixtral"))
     ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
     model = load_model(tmp_path / "in")
     apply_lora(model, ["q_proj", "v_proj"], rank=2, alpha=4)
-    check_targets(model, hf_converter(ckpt, model.args), ckpt.family)  # attention: fine
+    check_targets(model, ckpt.hf_converter(), ckpt.family)  # attention: fine
     model = load_model(tmp_path / "in")
     with pytest.raises((CheckpointError, ValueError), match="w1") as e:
         apply_lora(model, ["w1"], rank=2, alpha=4)
-        check_targets(model, hf_converter(ckpt, model.args), ckpt.family)
+        check_targets(model, ckpt.hf_converter(), ckpt.family)
     assert "\n" not in str(e.value)
 
 
@@ -114,7 +114,7 @@ def test_a_native_checkpoint_keeps_its_family_for_peft_names(fam, tmp_path):
     (Phi-3's fused projections refused, Qwen3's q/k rows permuted as Qwen3's), not Llama's."""
     from scripts import convert
     from waypoint.checkpointers import NativeCheckpointer
-    from waypoint.checkpointers.peft_adapter import check_targets, hf_converter, hf_module
+    from waypoint.checkpointers.peft_adapter import check_targets, hf_module
     from waypoint.models.lora import apply_lora
 
     write_family_checkpoint(tmp_path / "hf", tiny_family_config(fam))
@@ -122,7 +122,7 @@ def test_a_native_checkpoint_keeps_its_family_for_peft_names(fam, tmp_path):
     ckpt = NativeCheckpointer(tmp_path / "native", output_dir=tmp_path / "out")
     assert ckpt.family.name == fam
     model = load_model(tmp_path / "native")
-    converter = hf_converter(ckpt, model.args)
+    converter = ckpt.hf_converter()
     assert hf_module(converter, "layers.0.attn.output_proj") == "model.layers.0.self_attn.o_proj"
     apply_lora(model, ["q_proj"], rank=2, alpha=4)
     if fam == "phi3":

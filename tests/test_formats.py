@@ -12,7 +12,7 @@ from safetensors import safe_open
 from waypoint.checkpointers import (CheckpointError, HFCheckpointer, MetaCheckpointer, NativeCheckpointer, build_model,
                                     detect_format, load_into, load_model)
 from waypoint.checkpointers.file_formats import read_tensors
-from waypoint.checkpointers.native_checkpointer import write_native_checkpoint
+from waypoint.checkpointers import Conversion, write_checkpoint
 from waypoint.families import get_converter
 from tests.conftest import tiny_llama_config, write_hf_checkpoint
 
@@ -136,7 +136,7 @@ def test_native_round_trip_and_tied_storage(tmp_path, tokens, tie):
     with torch.device("meta"):
         model = build_model(tmp_path / "hf")
     load_into(model, state)
-    native_dir = write_native_checkpoint(tmp_path / "native", model.state_dict(), model.args,
+    native_dir = write_checkpoint(model.state_dict(), Conversion(model.args), "native", tmp_path / "native",
                                          side_files=[tmp_path / "hf" / "tokenizer_config.json"])
     assert detect_format(native_dir) == "native"
 
@@ -163,7 +163,7 @@ def test_native_round_trip_and_tied_storage(tmp_path, tokens, tie):
 def test_native_reads_torch_files(tmp_path, tokens):
     hf_model = write_hf_checkpoint(tmp_path / "hf", tiny_llama_config())
     model = load_model(tmp_path / "hf")
-    native_dir = write_native_checkpoint(tmp_path / "native", model.state_dict(), model.args)
+    native_dir = write_checkpoint(model.state_dict(), Conversion(model.args), "native", tmp_path / "native")
     tensors = read_tensors(native_dir / "model.safetensors")
     (native_dir / "model.safetensors").unlink()
     (native_dir / "MANIFEST.json").unlink()
@@ -182,7 +182,7 @@ def test_extra_state_survives_every_checkpointer(tmp_path, fmt):
         source = tmp_path / "hf"
     elif fmt == "native":
         model = load_model(tmp_path / "hf")
-        source = write_native_checkpoint(tmp_path / "native", model.state_dict(), model.args)
+        source = write_checkpoint(model.state_dict(), Conversion(model.args), "native", tmp_path / "native")
     else:
         config = tiny_llama_config()
         meta = hf_to_meta_oracle(hf_model.state_dict(), config)

@@ -83,10 +83,9 @@ def test_generate_recipe_with_a_peft_adapter_is_transformers_and_peft(tmp_path, 
     from transformers import AutoModelForCausalLM
 
     from recipes import generate as recipe
-    from waypoint.checkpointers.peft_adapter import save_adapter
     from waypoint.models.lora import apply_lora
-    from waypoint.training.tokenizer import load_tokenizer
-    from tests.conftest import ROOT
+    from waypoint.text.tokenizer import load_tokenizer
+    from tests.conftest import ROOT, save_adapter
 
     base = ROOT / "assets/tiny_llama"
     model = load_model(base)
@@ -129,10 +128,10 @@ def test_generation_config_stops_at_the_templates_end_of_turn(tmp_path, family, 
 
     from transformers import GenerationConfig
 
-    from waypoint.training.chat_template import load_chat_template
-    from waypoint.training.inference_bundle import generation_config
-    from waypoint.training.stop_tokens import stop_token_ids
-    from waypoint.training.tokenizer import load_tokenizer
+    from waypoint.text.chat_template import load_chat_template
+    from waypoint.text.inference_bundle import generation_config
+    from waypoint.text.stop_tokens import stop_token_ids
+    from waypoint.text.tokenizer import load_tokenizer
     from tests.test_chat_data import FAMILIES as TEMPLATES, write_checkpoint_tokenizer
 
     d = write_checkpoint_tokenizer(tmp_path / "tok", family, template=TEMPLATES[family][0])

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import ROOT
 from tests.hub_server import HubServer
-from waypoint.training import hub as hubmod
-from waypoint.training.hub import HubError, default_patterns, download, parse_hf_uri, read_source, resolve_hf_uri
+from waypoint.cli import hub as hubmod
+from waypoint.cli.hub import HubError, default_patterns, download, parse_hf_uri, read_source, resolve_hf_uri
 
 TOKEN = "hf_waypointSecretToken0123456789"
 TINY = ROOT / "assets/tiny_llama"
@@ -188,7 +188,7 @@ def test_interrupted_download_resumes_with_a_range_request(clean_env, tmp_path, 
 
 # -- hf:// in a config, the recipe end to end ---------------------------------------------
 def test_parse_config_resolves_every_hf_value(clean_env, tmp_path, monkeypatch):
-    from waypoint.training.config import parse_config
+    from waypoint.cli.config import parse_config
 
     hub = clean_env
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
@@ -294,7 +294,7 @@ def test_no_network_and_not_enough_disk(clean_env, tmp_path, monkeypatch):
 
 
 def test_recipe_config_error_is_one_line(clean_env, tmp_path, monkeypatch, capsys):
-    from waypoint.training.config import parse_config
+    from waypoint.cli.config import parse_config
 
     monkeypatch.setenv("HF_ENDPOINT", clean_env.url)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

@@ -16,7 +16,7 @@ def test_the_distribution_installs_one_import_name():
 
 
 def test_imports_and_a_recipe_work_beside_llama_models_outside_the_repository(tmp_path):
-    probe = ("import models, waypoint.checkpointers, waypoint.training.config\n"
+    probe = ("import models, waypoint.checkpointers, waypoint.cli.config\n"
              "from waypoint.checkpointers import load_model\n"
              f"model = load_model({str(ROOT / 'assets/tiny_llama')!r})\n"
              "print(models.__file__)\n")
@@ -33,25 +33,73 @@ def test_imports_and_a_recipe_work_beside_llama_models_outside_the_repository(tm
     assert (tmp_path / "out" / "step_2" / "MANIFEST.json").is_file()
 
 
-# each layer imports only from the layers before it (and itself): no arrow runs back up
-LAYERS = ["errors", "lazy", "models", "converters", "families", "checkpointers", "training"]
-FOLDERS = {"errors": "waypoint/errors.py", "lazy": "waypoint/lazy.py", "models": "models", "converters": "converters",
-           "families": "families", "checkpointers": "checkpointers", "training": "training"}
-ALLOWED = {"models": {"errors", "lazy", "models"}, "converters": {"errors", "lazy", "converters"}}
+# Each package imports only from the packages below it (and itself): no arrow runs back up. `run` (a run's life in its
+# output_dir) and `training` (what a step is made of) stand side by side above `checkpointers`: neither imports the
+# other; the recipes and `cli` put them together.
+BELOW = {
+    "errors": set(), "lazy": set(),
+    "models": {"errors", "lazy"},
+    "converters": {"errors", "lazy"},
+    "families": {"errors", "lazy", "models", "converters"},
+    "checkpointers": {"errors", "lazy", "models", "converters", "families"},
+    "text": {"errors"},
+    "run": {"errors", "lazy", "models", "converters", "families", "checkpointers"},
+    "training": {"errors", "lazy", "models", "converters", "families", "checkpointers", "text"},
+    "cli": {"errors", "lazy", "models", "converters", "families", "checkpointers", "text", "run", "training"},
+}
+PACKAGES = [p for p in BELOW if p not in ("errors", "lazy")]
 
 
-def test_layers_import_only_downwards():
+def library_modules() -> dict[str, "Path"]:
+    """Import name -> file of every library module."""
+    modules = {f"waypoint.{p.stem}": p for p in (ROOT / "waypoint").glob("*.py") if p.stem != "__init__"}
+    for package in PACKAGES:
+        for path in (ROOT / package).glob("*.py"):
+            modules[f"waypoint.{package}" + ("" if path.stem == "__init__" else f".{path.stem}")] = path
+    return modules
+
+
+def imported(path, modules) -> set[str]:
+    """The library modules a file imports, at the top or inside a function (``from pkg import submodule`` names the
+    submodule)."""
     import ast
 
-    problems = []
-    for layer, folder in FOLDERS.items():
-        allowed = ALLOWED.get(layer, set(LAYERS[:LAYERS.index(layer) + 1]))
-        for path in sorted((ROOT / folder).rglob("*.py")) if (ROOT / folder).is_dir() else [ROOT / folder]:
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
-                         [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-                for name in names:
-                    parts = name.split(".")
-                    if parts[0] == "waypoint" and len(parts) > 1 and parts[1] not in allowed:
-                        problems.append(f"{path.relative_to(ROOT)} imports {name}")
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            submodules = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
+            names |= set(submodules) or {node.module}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return {n for n in names if n in modules}
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_packages_import_only_downwards():
+    modules = library_modules()
+    assert len(modules) > 80 and {package_of(m) for m in modules} == set(BELOW), "every package is named in BELOW"
+    problems = [f"{path.relative_to(ROOT)} imports {name}" for module, path in modules.items()
+                for name in imported(path, modules)
+                if package_of(name) != package_of(module) and package_of(name) not in BELOW[package_of(module)]]
     assert not problems, problems
+
+
+def test_no_module_imports_itself_through_a_circle():
+    modules = library_modules()
+    graph = {m: imported(p, modules) - {m} for m, p in modules.items()}
+    circles, done = [], set()
+
+    def visit(module, path):
+        for nxt in sorted(graph[module]):
+            if nxt in path:
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in done:
+                visit(nxt, path + [nxt])
+        done.add(module)
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not circles, circles

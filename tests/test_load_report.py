@@ -104,7 +104,6 @@ def test_declared_prefix_map(native):
 def test_headless_hf_checkpoint_round_trips_with_its_own_keys(tmp_path):
     from transformers import LlamaModel
 
-    from waypoint.checkpointers.load_model import model_args_for
 
     torch.manual_seed(0)
     LlamaModel(tiny_llama_config()).save_pretrained(tmp_path / "in", max_shard_size="60KB")
@@ -120,7 +119,7 @@ def test_headless_hf_checkpoint_round_trips_with_its_own_keys(tmp_path):
         hf = LlamaModel.from_pretrained(out).eval()
         tokens = torch.randint(0, 128, (1, 7))
         with torch.device("meta"):
-            ours = Transformer(model_args_for(ckpt))
+            ours = Transformer(ckpt.model_args())
         report = load_into(ours, state["model"], strict=False)
         assert report.missing == ["output.weight"]
         h = ours.norm(ours.layers[1](ours.layers[0](ours.tok_embeddings(tokens), ours.rope), ours.rope))

@@ -9,7 +9,7 @@ import types
 import pytest
 
 from waypoint.errors import CheckpointError
-from waypoint.training.metrics import MetricsLog
+from waypoint.run.metrics import MetricsLog
 
 
 def test_records_go_to_tensorboard_as_scalars_at_their_step(tmp_path, monkeypatch):

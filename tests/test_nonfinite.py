@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 import recipes.full_finetune as full
 from tests.conftest import ROOT
-from waypoint.checkpointers.commit import step_dirs, verify
+from waypoint.checkpointers.commit import verify
+from waypoint.run.step_dirs import step_dirs
 from waypoint.checkpointers.file_formats import read_tensors
 
 TINY = ROOT / "assets/tiny_llama"

@@ -34,7 +34,7 @@ def endpoint():
 
 @pytest.fixture
 def store(endpoint):
-    from waypoint.checkpointers.object_store import ObjectStore
+    from waypoint.run.object_store import ObjectStore
 
     return ObjectStore(f"s3://{new_bucket()}/run")
 
@@ -84,7 +84,7 @@ def test_retention_deletes_only_committed_steps_older_than_the_newest(store, tmp
 
 
 def test_one_run_per_prefix(store):
-    from waypoint.training.object_store_run import StoreLease
+    from waypoint.run.lock import StoreLease
 
     first = StoreLease(store)
     first.acquire()
@@ -107,27 +107,26 @@ def test_one_run_per_prefix(store):
 def test_the_mirror_follows_what_the_store_committed(store, tmp_path, capsys):
     """At start the local mirror drops steps the store has not committed, gets the newest committed one (again when
     its cached copy lost a file), and a fresh run on a prefix with checkpoints is refused."""
-    from omegaconf import OmegaConf
-
-    from waypoint.training.object_store_run import sync_mirror
+    from waypoint.run.output_dir import RunDir
+    from waypoint.run.store_run import sync_mirror
 
     store.upload(committed_step(tmp_path / "node", "step_2", {"w": b"2" * 64}))
     store.fs.pipe_file(store.path("step_4/w"), b"half")  # a killed upload
     mirror = tmp_path / "mirror"
     committed_step(mirror, "step_4", {"w": b"4" * 64})  # cached locally, never committed in the store
-    cfg = OmegaConf.create({"output_store": store.url, "output_dir": str(mirror), "resume": "auto", "overwrite": False})
-    sync_mirror(cfg)
+    run_dir = RunDir(mirror, store.url)
+    sync_mirror(run_dir, "auto", False)
     assert sorted(p.name for p in mirror.iterdir() if not p.name.startswith(".")) == ["step_2"]
     assert (mirror / "step_2/w").read_bytes() == b"2" * 64
     assert "skipping s3://" in capsys.readouterr().out
     (mirror / "step_2/w").unlink()  # a cached copy that lost a file is fetched again
-    sync_mirror(cfg)
+    sync_mirror(run_dir, "auto", False)
     assert (mirror / "step_2/w").read_bytes() == b"2" * 64
     with pytest.raises(CheckpointError, match="already holds checkpoints; .* never overwritten"):
-        sync_mirror(OmegaConf.merge(cfg, {"resume": False}))
+        sync_mirror(run_dir, False, False)
     store.delete("step_2")
     with pytest.raises(CheckpointError, match="none is committed and complete; set overwrite=true"):
-        sync_mirror(cfg)
+        sync_mirror(run_dir, "auto", False)
 
 
 def run(out, *overrides, fault=None, cache=None):
@@ -149,7 +148,7 @@ def losses(lines):
 
 @pytest.mark.slow
 def test_fine_tune_to_s3_killed_during_an_upload_resumes_bit_exactly(endpoint, tmp_path, monkeypatch):
-    from waypoint.checkpointers.object_store import ObjectStore
+    from waypoint.run.object_store import ObjectStore
 
     from recipes import full_finetune
 
@@ -222,7 +221,7 @@ def two_machines(url: str, model: str, caches: list, log) -> list[int]:
 def test_torchrun_on_two_machines_without_a_shared_disk_saves_to_s3_and_resumes_bit_exactly(endpoint, tmp_path):
     """Each rank uploads the shards it wrote from its own machine, rank 0 commits the step; a rerun downloads the
     step on every machine whose cache lacks it and continues to the same bytes as the run that never stopped."""
-    from waypoint.checkpointers.object_store import ObjectStore
+    from waypoint.run.object_store import ObjectStore
     from waypoint.checkpointers.file_formats import read_tensors
 
     bucket, log = new_bucket(), tmp_path / "log"

@@ -15,7 +15,7 @@ from recipes import lora_finetune
 from waypoint.checkpointers import HFCheckpointer, build_model, load_into
 from waypoint.checkpointers.file_formats import read_tensors
 from waypoint.models.lora import apply_lora, init_adapters, load_adapter_state
-from waypoint.models.nf4 import LINEARS, dequantized, is_nf4, nf4_nbytes, nf4_tensor_class, quantize_linears
+from waypoint.models.nf4 import LINEARS, is_nf4, nf4_nbytes, nf4_tensor_class, quantize_linears
 from waypoint.models.swap import swapping_conversions
 from tests.conftest import ROOT, sigterm_at_step, tiny_family_config, write_family_checkpoint
 
@@ -62,7 +62,7 @@ def test_nf4_base_computes_what_its_dequantized_weights_compute(tmp_path, family
     plain = {k: reference.get_parameter(k).detach().clone() for k in done.quantized}
     with torch.no_grad():
         for key in done.quantized:
-            reference.get_parameter(key).copy_(dequantized(qlora.get_parameter(key)))
+            reference.get_parameter(key).copy_(qlora.get_parameter(key).get_original_weight())  # 4-bit values x scales
     load_adapter_state(reference, adapters)
     with torch.no_grad():
         ours, theirs = qlora(tokens).float(), reference(tokens).float()
@@ -109,7 +109,7 @@ def test_an_optimizer_built_before_a_swapping_conversion_keeps_training_the_live
         optimizer.step()
         return all(not torch.equal(before[k], v) for k, v in model.state_dict().items() if ".lora_B" in k)
 
-    with swapping_conversions():  # as every recipe runs (waypoint.training.entry)
+    with swapping_conversions():  # as every recipe runs (waypoint.cli.entry)
         model.load_state_dict(fresh, strict=False, assign=True)  # a new tensor for every adapter
         model.to(torch.device("cpu"))  # a device move: NF4 weights are re-made, not copied in place
         assert all(is_nf4(model.get_parameter(k)) for k in ("layers.0.attn.q_proj.weight", "layers.3.mlp.w2.weight"))

@@ -202,7 +202,7 @@ def test_changed_optimizer_settings_take_effect_on_resume(tmp_path, interrupted,
 
 def test_apply_changes_sets_the_resumed_steps_learning_rate():
     from waypoint.training.lr_schedule import warmup_cosine
-    from waypoint.training.resume import apply_changes
+    from waypoint.run.resume import apply_changes
 
     def make(lr):
         param = torch.nn.Parameter(torch.ones(3))
@@ -250,7 +250,7 @@ def test_same_global_batch_in_smaller_micro_batches_resumes(tmp_path, interrupte
 def tiny_in_format(fmt, tmp_path):
     """The embedded tiny checkpoint in HF, native or 2-file Meta format (tokenizer files beside it)."""
     from waypoint.checkpointers import load_model
-    from waypoint.checkpointers.native_checkpointer import write_native_checkpoint
+    from waypoint.checkpointers import Conversion, write_checkpoint
     from tests.test_formats import hf_to_meta_oracle, write_meta_checkpoint
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -260,7 +260,7 @@ def tiny_in_format(fmt, tmp_path):
         return source
     if fmt == "native":
         model = load_model(source)
-        return write_native_checkpoint(tmp_path / "native", model.state_dict(), model.args, side_files=tokenizer_files)
+        return write_checkpoint(model.state_dict(), Conversion(model.args), "native", tmp_path / "native", side_files=tokenizer_files)
     config = LlamaConfig.from_pretrained(source)
     meta = hf_to_meta_oracle(LlamaForCausalLM.from_pretrained(source).state_dict(), config)
     write_meta_checkpoint(tmp_path / "meta", meta, config, 2, 1)

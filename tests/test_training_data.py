@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 from waypoint.training.collate import padded_collate
 from waypoint.training.data_order import batches_per_epoch, epoch_permutation, iterate_batches
 from waypoint.training.instruct_dataset import TEMPLATES, InstructDataset
-from waypoint.training.tokenizer import load_tokenizer
+from waypoint.text.tokenizer import load_tokenizer
 
 TINY_LLAMA = ROOT / "assets" / "tiny_llama"
 TINY_ALPACA = ROOT / "assets" / "tiny_alpaca.jsonl"

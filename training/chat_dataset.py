@@ -5,7 +5,7 @@ or ShareGPT, ``{"conversations": [{"from": "system" | "human" | "gpt", "value": 
 other fields (``{"messages": "dialog", "role": "speaker", "content": "text"}``). Records come from a ``.json``,
 ``.jsonl`` or ``.parquet`` file or a directory of them (``waypoint.training.records``). An item is
 ``{"tokens", "labels"}``: the conversation as ``apply_chat_template(tokenize=True)`` tokenizes it, labels -100
-outside the assistant turns (``waypoint.training.chat_template`` says how those are found), both cut to
+outside the assistant turns (``waypoint.text.chat_template`` says how those are found), both cut to
 ``max_seq_len``. Records are checked when the file is read; they are rendered and tokenized in ``__getitem__``.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from waypoint.training import records as record_files
-from waypoint.training.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from waypoint.training.records import read_records
+from waypoint.text.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from waypoint.training.loss import IGNORE_INDEX
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
@@ -33,7 +33,7 @@ class ChatDataset(Dataset):
 
     Args:
         source: the data file, or a directory of data files.
-        tokenizer: a ``waypoint.training.tokenizer.Tokenizer`` (``encode_with_offsets``, its special tokens and
+        tokenizer: a ``waypoint.text.tokenizer.Tokenizer`` (``encode_with_offsets``, its special tokens and
             chat template).
         max_seq_len: items are cut to this many tokens.
         train_on_input: supervise every token, not only the assistant turns.
@@ -62,7 +62,7 @@ class ChatDataset(Dataset):
         self.where: list[str] = []  # "file: record n" of each kept conversation, for errors in __getitem__
         self.skipped = 0
         first_error = None
-        for record in record_files.read_records(self.source):
+        for record in read_records(self.source):
             try:
                 self.conversations.append(self._messages(record))
                 self.where.append(f"{record.file}: {record.where}")

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from torch.utils.data import Dataset
 
-from waypoint.training import records
+from waypoint.training.records import read_records as read_record_file
 from waypoint.training.loss import IGNORE_INDEX
 
 
@@ -58,7 +58,7 @@ class InstructDataset(Dataset):
 
     Args:
         source: the data file.
-        tokenizer: a ``waypoint.training.tokenizer.Tokenizer`` (``encode``, ``bos_id``, ``eos_id``).
+        tokenizer: a ``waypoint.text.tokenizer.Tokenizer`` (``encode``, ``bos_id``, ``eos_id``).
         max_seq_len: items are cut to this many tokens.
         template: a key of ``TEMPLATES``.
         train_on_input: supervise the prompt tokens too.
@@ -93,7 +93,7 @@ class InstructDataset(Dataset):
 def read_records(path: Path) -> list[dict[str, str]]:
     """The checked records of a ``.json`` (list), ``.jsonl`` or ``.parquet`` file (or a directory of them);
     ``input`` defaults to ""."""
-    return [_check(record.file, record.where, record.data) for record in records.read_records(path)]
+    return [_check(record.file, record.where, record.data) for record in read_record_file(path)]
 
 
 def _check(path: Path, where: str, record) -> dict[str, str]:

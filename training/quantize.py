@@ -9,7 +9,8 @@ compute dtype, named in the run's first lines.
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from dataclasses import dataclass
+
 from torch import nn
 
 from waypoint.checkpointers.load_report import fold_keys
@@ -17,29 +18,31 @@ from waypoint.errors import CheckpointError
 from waypoint.models import parse_dtype
 from waypoint.models.nf4 import quantize_linears
 
-DEFAULTS = {"block_size": 64, "scaler_block_size": 256, "output": False}
+
+@dataclass(frozen=True)
+class NF4Options:
+    """The config's ``nf4`` section (the QLoRA paper's blocks by default)."""
+
+    block_size: int = 64
+    scaler_block_size: int = 256
+    output: bool = False
 
 
-def nf4_options(cfg: DictConfig) -> dict:
-    return {**DEFAULTS, **(cfg.get("nf4") or {})}
-
-
-def quantize_base(model: nn.Module, cfg: DictConfig, shards: int = 1) -> list[str]:
-    """Make the base's frozen linears NF4 placeholders when ``cfg.quantize_base`` asks; the lines to print."""
-    if cfg.get("quantize_base") is None:
+def quantize_base(model: nn.Module, dtype: str, nf4: NF4Options | None, shards: int = 1) -> list[str]:
+    """Make the base's frozen linears NF4 placeholders when ``nf4`` is given (``quantize_base: nf4``), the rest held in
+    ``dtype``; the lines to print."""
+    if nf4 is None:
         return []
-    options = nf4_options(cfg)
-    dtype = parse_dtype(cfg.dtype)
-    done = quantize_linears(model, dtype, options["block_size"], options["scaler_block_size"], options["output"], shards)
+    done = quantize_linears(model, parse_dtype(dtype), nf4.block_size, nf4.scaler_block_size, nf4.output, shards)
     if not done.quantized:
         first, why = next(iter(done.kept.items()), ("(no linear layer)", "none found"))
         raise CheckpointError(f"quantize_base=nf4: no base weight can be held in NF4 ({first}: {why}); choose a smaller "
                               "nf4.block_size or nf4.scaler_block_size")
-    lines = [f"nf4: {len(done.quantized)} frozen base weights held in 4 bits (blocks of {options['block_size']}, "
-             f"scales in blocks of {options['scaler_block_size']}); the rest in {cfg.dtype}"]
+    lines = [f"nf4: {len(done.quantized)} frozen base weights held in 4 bits (blocks of {nf4.block_size}, "
+             f"scales in blocks of {nf4.scaler_block_size}); the rest in {dtype}"]
     reasons: dict[str, list[str]] = {}
     for key, why in done.kept.items():
         reasons.setdefault(why, []).append(key)
     for why, keys in reasons.items():
-        lines.append(f"nf4: kept in {cfg.dtype}: {', '.join(fold_keys(keys))} ({why})")
+        lines.append(f"nf4: kept in {dtype}: {', '.join(fold_keys(keys))} ({why})")
     return lines

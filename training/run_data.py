@@ -4,21 +4,22 @@ bundle (``inference_bundle``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from hydra.utils import instantiate
-from omegaconf import DictConfig
 from torch.utils.data import Dataset
 
-from waypoint.training.chat_template import ChatTemplate
-from waypoint.training.inference_bundle import GENERATION_CONFIG, TEMPLATE_FILE, generation_config, template_file
+from waypoint.text.chat_template import ChatTemplate
+from waypoint.text.inference_bundle import GENERATION_CONFIG, TEMPLATE_FILE, generation_config, template_file
 from waypoint.training.packing import PackedDataset
 from waypoint.training.validation import Validation, split
 
 
-def run_data(cfg: DictConfig, tokenizer, checkpointer, say: Callable[[str], None]) -> tuple[Dataset, Validation | None]:
-    """(the training dataset, the validation or None)."""
-    dataset = instantiate(cfg.dataset, tokenizer=tokenizer)
+def run_data(make_dataset: Callable[..., Dataset], tokenizer, checkpointer, validation: Mapping | None, seed: int,
+             packed_to: int | None, say: Callable[[str], None]) -> tuple[Dataset, Validation | None]:
+    """(the training dataset, the validation or None). ``make_dataset(source=None)``: the config's dataset (of another
+    source: a validation file); ``validation``: the config's section (``{fraction | source, every_n_steps}``);
+    ``packed_to``: the length samples are packed up to (None: not packed)."""
+    dataset = make_dataset()
     template = getattr(dataset, "template", None)
     if isinstance(template, ChatTemplate):  # conversations: the output renders and stops as the run trained
         for name, bundle in ((GENERATION_CONFIG, generation_config(checkpointer.checkpoint_dir, tokenizer, template)),
@@ -26,9 +27,8 @@ def run_data(cfg: DictConfig, tokenizer, checkpointer, say: Callable[[str], None
             if bundle is not None:
                 checkpointer.output_files[name], note = bundle
                 say(note)
-    dataset, validation = split(cfg.get("validation"), dataset, seed=cfg.seed,
-                                make=lambda source: instantiate(cfg.dataset, tokenizer=tokenizer, source=source))
-    if cfg.get("packed", False):  # samples concatenated up to max_seq_len; attention and positions kept per sample
-        dataset = PackedDataset(dataset, cfg.dataset.max_seq_len)
+    dataset, validation = split(validation, dataset, seed=seed, make=lambda source: make_dataset(source=source))
+    if packed_to:  # samples concatenated up to max_seq_len; attention and positions kept per sample
+        dataset = PackedDataset(dataset, packed_to)
         say(f"packed into {len(dataset)} sequences of up to {dataset.max_seq_len} tokens, {dataset.fill:.0%} filled")
     return dataset, validation

@@ -1,8 +1,8 @@
 """Waypoint: every import name of this project lives under ``waypoint``.
 
-The subpackages are the repository's top-level folders: ``waypoint.checkpointers`` is ``checkpointers/``,
-``waypoint.converters`` is ``converters/``, ``waypoint.families`` is ``families/``, ``waypoint.models`` is ``models/`` and ``waypoint.training`` is
-``training/`` (pyproject.toml's ``package-dir`` maps them). Generic top-level names such as ``models`` are
+The subpackages are the repository's top-level folders, each ``waypoint.<name>`` is ``<name>/``:
+``checkpointers``, ``cli``, ``converters``, ``families``, ``models``, ``run``, ``text`` and ``training``
+(pyproject.toml's ``package-dir`` maps them). Generic top-level names such as ``models`` are
 left to other distributions (``llama-models`` installs one).
 
 From a checkout that is not installed (a recipe run as ``python recipes/full_finetune.py``), the

@@ -1,25 +1,103 @@
-"""Which checkpoint a run continues from, and whether the config still fits it.
+"""Where a run starts, and what may change when it resumes.
 
-``resume: auto`` (the default) continues from the newest ``output_dir/step_N`` whose
-manifest verifies, reporting and skipping corrupt ones; ``resume: false`` starts
-fresh; ``resume: <path>`` pins one checkpoint directory.
+``resume: auto`` (the default) continues from the newest ``output_dir/step_N`` whose manifest verifies, reporting and
+setting aside corrupt ones; ``resume: false`` starts fresh; ``resume: <path>`` pins one checkpoint directory. The
+recipe asks before it builds the model, and restores once the optimizer and scheduler exist:
+
+    start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist)   # which checkpoint; is the config compatible
+    ...                                                                  # model, data, optimizer, scheduler
+    position = start.restore(optimizer, scheduler, model, plan, say)     # (step, epoch, step in epoch), or None: done
+
+A config change that makes the saved optimizer state, data position or model meaningless is refused in one line;
+the others take effect from the resumed step, each with a note (optimizer and schedule settings are written into
+the restored state), or are refused when they cannot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from waypoint.checkpointers.commit import STEP_DIR, Verification, step_dirs, verify
-from waypoint.checkpointers.retention import set_aside_earlier_run
+from waypoint.checkpointers.commit import Verification, verify
+from waypoint.checkpointers.sharded_checkpoint import SHARDED_DIR, holds_sharded_model
 from waypoint.errors import CheckpointError
+from waypoint.run.output_dir import RunDir
+from waypoint.run.plan import RunPlan
+from waypoint.run.recipe_state import (load_recipe_state, load_sharded_optimizer_state, load_whole_optimizer_state,
+                                       restore_position)
+from waypoint.run.step_dirs import remove_stale_staging, set_aside_earlier_run, set_aside_newer, step_dirs
+from waypoint.run.store_run import sync_mirror
 
 log = logging.getLogger(__name__)
+AUTO = (True, "auto", "true", "True")  # resume= values that continue the newest verified step
+
+
+class RunStart:
+    """``checkpoint``: the verified step directory to continue (None: start from the input); ``state``: its
+    ``recipe_state.pt``; ``changes``: the harmless config changes, (key, old, new). ``check(saved_config, config,
+    path)`` refuses changes a recipe cannot resume across and returns the dotted prefixes it owns."""
+
+    def __init__(self, run_dir: RunDir, resume: Any, overwrite: bool, config: Mapping[str, Any], dist,
+                 check: Callable[[Mapping, Mapping, Path], tuple[str, ...]] | None = None) -> None:
+        self.run_dir, self.overwrite, self.dist = run_dir, overwrite, dist
+        output_dir = run_dir.path
+        if run_dir.store:  # an object store: its committed steps are the truth, each machine's mirror follows
+            dist.run_on_each_machine(lambda: sync_mirror(run_dir, resume, overwrite))
+        self.checkpoint = dist.run_on_main(lambda: choose_checkpoint(output_dir, resume, overwrite))
+        if self.checkpoint is not None and run_dir.store and resume in AUTO:
+            # rank 0's newest step, in this machine's own mirror (another machine's cache may lie elsewhere)
+            self.checkpoint = dataclasses.replace(self.checkpoint, path=output_dir / self.checkpoint.path.name)
+        self.state = load_recipe_state(self.checkpoint.path) if self.checkpoint else None
+        self.changes = check_config(self.state["config"], config, self.path) if self.state else []
+        if self.state and check is not None:
+            owned = check(self.state["config"], config, self.path)
+            self.changes = [c for c in self.changes if not c[0].startswith(tuple(owned))]
+
+    @property
+    def path(self) -> Path | None:
+        return self.checkpoint.path if self.checkpoint else None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the checkpoint holds the model as torchrun's shards (read with ``load_sharded_into``)."""
+        return self.checkpoint is not None and holds_sharded_model(self.checkpoint.path)
+
+    def restore(self, optimizer, scheduler, model, plan: RunPlan, say: Callable[[str], None]) -> tuple[int, int, int] | None:
+        """(global step, epoch, step in the epoch) to continue from, with the optimizer, scheduler and random
+        states restored; (0, 0, 0) for a fresh run, whose ``output_dir`` is prepared only now (bad input found
+        earlier leaves it as it was); None when the checkpoint is already the run's last step."""
+        dist, state, output_dir = self.dist, self.state, self.run_dir.path
+        if state is None:
+            dist.run_on_main(lambda: start_fresh(output_dir, self.overwrite))
+            dist.run_on_each_machine(lambda: remove_stale_staging(output_dir))
+            return 0, 0, 0
+        check_global_batch(state, plan, self.path)
+        if state["global_step"] >= plan.total_steps:
+            say(f"run already finished: {self.path} is step {state['global_step']} of {plan.total_steps}; nothing to do")
+            return None
+        if state.get("optimizer") is not None:
+            load_whole_optimizer_state(model, optimizer, state["optimizer"])
+        else:  # a torchrun checkpoint: the optimizer's tensors are in its shards
+            load_sharded_optimizer_state(model, optimizer, self.path / SHARDED_DIR, state["optimizer_param_groups"])
+        scheduler.load_state_dict(state["lr_scheduler"])
+        apply_changes(optimizer, scheduler, self.changes)  # changed settings take effect now, or are refused
+        global_step, epoch, step, lines = restore_position(state, dist.rank, dist.world_size, plan.global_batch)
+        global_batch, steps_per_epoch = plan.global_batch, state["steps_per_epoch"]
+        say(f"resuming from {self.path.name} (epoch {epoch}, sample {step * global_batch}/"
+            f"{steps_per_epoch * global_batch}), {self.checkpoint.files} files verified, {self.checkpoint.bytes / 1e9:.2f} GB")
+        for key, old, new in self.changes:
+            say(f"note: {key}: {old} -> {new} (takes effect from step {global_step + 1})")
+        for line in lines:
+            say(line)
+        dist.run_on_each_machine(lambda: remove_stale_staging(output_dir))
+        return global_step, epoch, step
+
 
 # Changing these makes the saved optimizer state, data position or model meaningless. batch_size and
 # gradient_accumulation_steps may change as long as the global batch (their product times the number
@@ -44,28 +122,11 @@ def choose_checkpoint(output_dir: str | Path, resume: Any, overwrite: bool) -> V
     return found
 
 
-def restore_position(recipe_state: Mapping, rank: int, world_size: int, global_batch: int) -> tuple[int, int, int, list[str]]:
-    """Restore this rank's random states; return (global step, epoch, step in the epoch, lines to print).
-
-    The position is kept in samples of the epoch's permutation, so it holds on another number of
-    processes with the same global batch; random states then continue from rank 0's."""
-    from waypoint.training.rng_state import restore_rng
-
-    rng_states = recipe_state.get("rng_per_rank") or [recipe_state["rng"]]
-    same_world = len(rng_states) == world_size
-    restore_rng(rng_states[rank] if same_world else rng_states[0])
-    position = recipe_state["data_position"]
-    samples = position.get("samples_seen_in_epoch", recipe_state["step_in_epoch"] * global_batch)
-    lines = [] if same_world else [f"note: {len(rng_states)} -> {world_size} processes: same samples per step; "
-                                   "random states continue from rank 0's"]
-    return recipe_state["global_step"], recipe_state["epoch"], samples // global_batch, lines
-
-
 def find_checkpoint(output_dir: str | Path, resume: Any) -> Verification | None:
     """The verified checkpoint to resume from, or None to start fresh."""
     if resume in (False, None, "false", "False", "no"):
         return None
-    if resume not in (True, "auto", "true", "True"):
+    if resume not in AUTO:
         checked = verify(resume)
         if not checked.ok:
             raise CheckpointError(f"resume={resume}: not a usable checkpoint ({checked.problem})")
@@ -138,9 +199,9 @@ def apply_changes(optimizer: Optimizer, scheduler: LRScheduler, changes: list[tu
                               "it, or start a new run with another output_dir")
 
 
-def check_global_batch(recipe_state: Mapping, global_batch: int, batch_size: int, accumulate: int, world_size: int,
-                       checkpoint: Path) -> None:
+def check_global_batch(recipe_state: Mapping, plan: RunPlan, checkpoint: Path) -> None:
     """The samples per optimizer step must stay what they were, whatever the number of processes."""
+    global_batch, batch_size, accumulate, world_size = plan.global_batch, plan.batch_size, plan.accumulate, plan.world_size
     saved = recipe_state["data_position"].get("global_batch_size")
     if saved is None:  # written before global batches were recorded: one process
         saved_config = recipe_state["config"]
@@ -153,26 +214,10 @@ def check_global_batch(recipe_state: Mapping, global_batch: int, batch_size: int
             f"set {hint} to keep it")
 
 
-def set_aside_newer(output_dir: str | Path, chosen: Path, suffix: str) -> list[Path]:
-    """Rename the checkpoints after ``chosen`` to ``step_N.<suffix>`` (they failed verification, or the user
-    pinned an earlier one), so the resumed run can write its own ``step_N`` and nothing is deleted."""
-    chosen_step = int(STEP_DIR.match(Path(chosen).name).group(1)) if STEP_DIR.match(Path(chosen).name) else -1
-    moved = []
-    for path in step_dirs(output_dir):
-        if int(STEP_DIR.match(path.name).group(1)) <= chosen_step or path.resolve() == Path(chosen).resolve():
-            continue
-        target, n = path.with_name(f"{path.name}.{suffix}"), 1
-        while target.exists():
-            target, n = path.with_name(f"{path.name}.{suffix}{n}"), n + 1
-        path.rename(target)
-        moved.append(target)
-    return moved
-
-
 def start_fresh(output_dir: Path, overwrite: bool) -> None:
     """Refuse to mix a new run into a directory that holds an earlier run, unless told to replace it. What it
     replaces is set aside until this run commits a checkpoint of its own, and put back if it never does
-    (``checkpointers.retention``)."""
+    (``waypoint.run.step_dirs``)."""
     earlier = [p.name for p in step_dirs(output_dir)]
     if earlier and not overwrite:
         raise CheckpointError(f"output_dir {output_dir} already holds checkpoints ({', '.join(earlier)}); "

@@ -6,7 +6,7 @@ The compose API runs over the config file's directory, so config groups there
 
 After composing, every string value starting with ``hf://`` (``hf://org/name[@revision]``,
 ``hf://datasets/org/name[/file]``) is replaced by the local path of a hub snapshot, downloaded
-when not cached (``waypoint.training.hub``); interpolations are resolved first, so copies such as
+when not cached (``waypoint.cli.hub``); interpolations are resolved first, so copies such as
 ``model.config: ${checkpointer.checkpoint_dir}`` follow.
 """
 
@@ -22,8 +22,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from waypoint.errors import CheckpointError, first_line
-from waypoint.training.cli import DEBUG, OneLineParser
-from waypoint.training.config_checks import COMMON, Check, check_options
+from waypoint.cli.command import DEBUG, OneLineParser
+from waypoint.cli.option_checks import COMMON, Check, check_options
 
 
 def parse_config(argv: list[str] | None = None, description: str | None = None, example: str = "configs/tiny.yaml",
@@ -39,7 +39,7 @@ def parse_config(argv: list[str] | None = None, description: str | None = None, 
     try:
         cfg = _compose(path, args.overrides)
         if _has_hf_uri(cfg):
-            from waypoint.training.hub import resolve_hf_uris  # imports huggingface_hub only when needed
+            from waypoint.cli.hub import resolve_hf_uris  # imports huggingface_hub only when needed
 
             resolve_hf_uris(cfg)
         check_options(cfg, checks)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from waypoint.training.chat_template import ChatTemplate
-from waypoint.training.stop_tokens import end_of_turn
+from waypoint.text.chat_template import ChatTemplate
+from waypoint.text.stop_tokens import end_of_turn
 
 GENERATION_CONFIG = "generation_config.json"
 TEMPLATE_FILE = "chat_template.jinja"  # transformers reads it before tokenizer_config.json's chat_template

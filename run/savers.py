@@ -1,7 +1,9 @@
-"""One way to save a step: the recipe says what a step checkpoint holds (:class:`StepContent`), a saver writes
-and commits it. ``WholeStepSaver`` has rank 0 write whole files (a single process; LoRA's adapters under
-torchrun), synchronously or, on one process, in the background; ``ShardedSaver`` (``sharded_saver``) has every
-rank write its DCP shards. Both take the same content and commit ``output_dir/step_N`` the same way.
+"""One way to save a step: the recipe says what a step checkpoint holds (:class:`StepContent`, built by
+``step_content``), a saver writes and commits it. ``WholeStepSaver`` has rank 0 write whole files (a single
+process; LoRA's adapters under torchrun), synchronously or, on one process, in the background; ``ShardedSaver``
+(``sharded_saver``) has every rank write its DCP shards. Both take the same content, commit ``output_dir/step_N``
+the same way and then, once it is committed (:func:`after_commit`), delete what it replaces (an overwritten run's
+steps, steps beyond ``keep_last_n``) and hand it to the object store of an object-store run.
 
 An asynchronous save copies the step's tensors into CPU buffers kept from one save to the next (pinned when the
 model is on CUDA) at the step boundary, checks what it will write, and leaves writing, hashing and committing to
@@ -21,9 +23,21 @@ from typing import Any, Protocol
 
 import torch
 
+from waypoint.checkpointers.base import write_directory
 from waypoint.checkpointers.commit import StagedDir
-from waypoint.checkpointers.retention import prune_checkpoints
 from waypoint.errors import CheckpointError
+from waypoint.run.output_dir import RunDir
+from waypoint.run.step_dirs import prune_checkpoints, settle_overwritten
+from waypoint.run.store_run import StorePublisher
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a run keeps its step checkpoints: the newest ``keep_last_n`` (None: all), written in the background with
+    ``asynchronous`` (``async_checkpoint``)."""
+
+    keep_last_n: int | None = None
+    asynchronous: bool = False
 
 
 @dataclass
@@ -55,10 +69,21 @@ class Publisher(Protocol):
 
 
 class StepSaver:
-    """What the recipes call: ``save`` once per due step, ``check`` every step, ``close`` at the end."""
+    """What the recipes call: ``save`` once per due step, ``check`` every step, ``close`` at the end.
 
-    blocked_s: float = 0.0  # training time spent in saves, all saves together
-    publish: Publisher | None = None  # where each committed step goes next (an object store)
+    ``run_dir``: where the run lives (a ``RunDir``, or a local path); ``dist``: a
+    ``waypoint.training.distributed.Distributed``; ``report``: where rank 0's lines go. An object-store run's
+    committed steps are uploaded to its store (``publish``)."""
+
+    def __init__(self, dist, run_dir: RunDir | str | Path, options: SaveOptions = SaveOptions(),
+                 report: Callable[[str], None] = print) -> None:
+        run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+        self.dist, self.output_dir, self.keep_last_n = dist, run_dir.path, options.keep_last_n
+        self.report = report if dist.is_main else (lambda line: None)
+        self.blocked_s = 0.0  # training time spent in saves, all saves together
+        self.publish: Publisher | None = None  # where each committed step goes next (an object store)
+        if run_dir.store:
+            self.publish = StorePublisher(run_dir.store, run_dir.path, options.keep_last_n, self.report)
 
     def save(self, step: int, content: StepContent, final: bool = False) -> Path:
         raise NotImplementedError
@@ -122,11 +147,10 @@ class WholeStepSaver(StepSaver):
     """Rank 0 writes the step's files and commits them; the other ranks run ``content.serve`` meanwhile.
     ``asynchronous`` (one process only): non-final saves are written in the background."""
 
-    def __init__(self, dist, output_dir: str | Path, keep_last_n: int | None = None, asynchronous: bool = False,
+    def __init__(self, dist, run_dir: RunDir | str | Path, options: SaveOptions = SaveOptions(),
                  report: Callable[[str], None] = print) -> None:
-        self.dist, self.output_dir, self.keep_last_n, self.report = dist, Path(output_dir), keep_last_n, report
-        self.asynchronous = asynchronous and not dist.enabled
-        self.blocked_s = 0.0
+        super().__init__(dist, run_dir, options, report)
+        self.asynchronous = options.asynchronous and not dist.enabled
         self._staging = CpuStaging()
         self._pending: Future | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-save") if self.asynchronous else None
@@ -160,15 +184,8 @@ class WholeStepSaver(StepSaver):
         return saved
 
     def _write(self, target: Path, write: Callable[[StagedDir], None]) -> Path:
-        try:
-            with StagedDir(target) as stage:
-                write(stage)
-        except OSError as e:
-            raise CheckpointError(f"could not write {target}: {e.strerror or e} ({e.__class__.__name__}); "
-                                  "nothing was committed and earlier checkpoints are intact") from e
-        prune_checkpoints(self.output_dir, self.keep_last_n)
-        if self.publish is not None:
-            self.publish(target)
+        write_directory(target, write)
+        after_commit(self, target)
         return target
 
     def check(self) -> None:
@@ -201,3 +218,13 @@ class WholeStepSaver(StepSaver):
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+
+
+def after_commit(saver: StepSaver, target: Path, sent: frozenset[str] = frozenset()) -> None:
+    """Once ``target`` is committed (rank 0): an overwritten earlier run's steps go (this run has one of its own now),
+    and so do the steps beyond the newest ``keep_last_n``; then the step goes to the object store, if any (``sent``:
+    its files that every rank already uploaded)."""
+    settle_overwritten(saver.output_dir)
+    prune_checkpoints(saver.output_dir, saver.keep_last_n)
+    if saver.publish is not None:
+        saver.publish(target, sent=sent)

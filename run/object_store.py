@@ -27,8 +27,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from waypoint.checkpointers.commit import MANIFEST, MANIFEST_VERSION, STEP_DIR, Verification, _safe_relative, fsync_dir, verify
+from waypoint.checkpointers.commit import MANIFEST, MANIFEST_VERSION, Verification, fsync_dir, safe_relative, verify
 from waypoint.errors import CheckpointError
+from waypoint.run.step_dirs import step_number
 
 URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
 PARALLEL_FILES = 4  # files uploaded at once (each large one in parallel parts as well)
@@ -104,7 +105,7 @@ class ObjectStore:
         except FileNotFoundError:
             return []
         names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
-        numbered = [(int(STEP_DIR.match(n).group(1)), n) for n in names if STEP_DIR.match(n)]
+        numbered = [(step_number(n), n) for n in names if step_number(n) is not None]
         return [n for _, n in sorted(numbered, reverse=True)]
 
     def manifest(self, name: str) -> dict | None:
@@ -127,7 +128,7 @@ class ObjectStore:
         sizes = {p[len(self.path(name)) + 1:]: info["size"] for p, info in self.fs.find(self.path(name), detail=True).items()}
         total = 0
         for file, entry in manifest["files"].items():
-            if not _safe_relative(file):
+            if not safe_relative(file):
                 return Verification(where, False, problem=f"{MANIFEST} names {file!r}, outside the checkpoint")
             if file not in sizes:
                 return Verification(where, False, problem=f"{file} is missing")

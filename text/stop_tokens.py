@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from waypoint.training.chat_template import ChatTemplate, ChatTemplateError
+from waypoint.text.chat_template import ChatTemplate, ChatTemplateError
 
 _MARK = "W4YP01NT"  # assistant content no template writes on its own
 

@@ -1,4 +1,4 @@
-"""What a step checkpoint of each recipe holds, for the savers (``waypoint.checkpointers.step_saver``).
+"""What a step checkpoint of each recipe holds, for the savers (``waypoint.run.savers``).
 
 ``model_step``: a full fine-tune's model, optimizer and recipe state; one process writes the model in the
 input's format, torchrun writes DCP shards (and, for the final step, the model in the input's format as well).
@@ -11,43 +11,46 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 
-from waypoint.checkpointers.base import RECIPE_STATE_FILE
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.dtensor_state import GatheredState, serve_gathers
 from waypoint.checkpointers.export_check import ExportCheck
-from waypoint.checkpointers.load_model import load_into
 from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, split_extra_state
+from waypoint.checkpointers.load_model import load_into
 from waypoint.checkpointers.peft_adapter import write_adapter
-from waypoint.checkpointers.step_saver import StepContent
 from waypoint.models.lora import MergedState, adapter_state, lora_modules
 from waypoint.models.nf4 import is_nf4
-from waypoint.training.optimizer_state import optimizer_state
-from waypoint.training.recipe_state import RecipeState
+from waypoint.run.recipe_state import RECIPE_STATE_FILE, RecipeState, optimizer_state
+from waypoint.run.savers import StepContent
 
 MERGED_DIR = "merged"
 
 
+@dataclass(frozen=True)
 class ExportReload:
-    """How a recipe reads an export back (``verify_export``): a fresh model of its config's class, given the
-    directory's tensors through its config's checkpointer, in the dtypes they were written in."""
+    """How a recipe reads an export back (``verify_export``): ``build()`` makes a fresh model of its config's class
+    (on the current default device), ``read(directory)`` reads a directory through its config's checkpointer
+    (``load_checkpoint()["model"]``); the tensors are loaded as they were written, ``strict`` and with the
+    ``key_prefix_map`` the run loaded its input with."""
 
-    def __init__(self, cfg) -> None:
-        self.cfg = cfg
+    build: Callable[[], torch.nn.Module]
+    read: Callable[[Path], Mapping[str, Any]]
+    strict: bool = True
+    key_prefix_map: Mapping[str, str] | None = None
 
-    def build(self) -> torch.nn.Module:
+    def fresh_model(self) -> torch.nn.Module:
         with torch.device("meta"):
-            return instantiate(self.cfg.model)
+            return self.build()
 
     def __call__(self, directory: Path) -> torch.nn.Module:
-        state = instantiate(self.cfg.checkpointer, checkpoint_dir=str(directory)).load_checkpoint()
-        model = self.build()
-        load_into(model, state["model"], device="cpu", strict=self.cfg.strict, key_prefix_map=self.cfg.key_prefix_map)
+        state = self.read(directory)
+        model = self.fresh_model()
+        load_into(model, state, device="cpu", strict=self.strict, key_prefix_map=self.key_prefix_map)
         return model
 
 
@@ -57,10 +60,21 @@ def model_step(model, optimizer, checkpointer, recipe: RecipeState, final: bool,
     optim = optimizer_state(model, optimizer)
     model_state = model.state_dict()
     check = ExportCheck(model, report=report, reload=verify) if verify and final else None
-    if not dist.enabled:  # one process: whole tensors, in the input's format
+    if not dist.enabled:  # one process: whole tensors, in the input's format, and the recipe state beside them
         recipe.optimizer = optim
-        state = {"model": model_state, "recipe_state": recipe.as_dict()}
-        return StepContent(state, lambda s: _checked(checkpointer.writer(s), check))
+
+        def whole(state: Mapping[str, Any]) -> Callable[[StagedDir], None]:
+            write_model = _checked(checkpointer.writer(state), check)
+            native = split_extra_state(state["model"])[0]
+            recipe_state = state["recipe_state"]
+            if checkpointer.narrows(native):  # the files hold less than the model: resuming needs the model as it trained
+                recipe_state = recipe_state | {"model": dict(native)}
+
+            def write(stage: StagedDir) -> None:
+                write_model(stage)
+                stage.write(RECIPE_STATE_FILE, lambda f: torch.save(recipe_state, f))
+            return write
+        return StepContent({"model": model_state, "recipe_state": recipe.as_dict()}, whole)
     # torchrun: every rank's DCP shards (the model, unless the final step writes it in the input's format and no
     # narrower than it trained), rank 0 the recipe and extra state and, at the end, the model gathered file by file
     tensors, extra = split_extra_state(model_state)
@@ -73,27 +87,10 @@ def model_step(model, optimizer, checkpointer, recipe: RecipeState, final: bool,
             for name, obj in state.items():
                 stage.write(name, lambda f, obj=obj: torch.save(obj, f))
             if final:
-                with GatheredState(model_state) as gathered:
-                    _checked(checkpointer.writer({"model": gathered}), check)(stage)
+                write_gathered(stage, checkpointer, model_state, check)
         return write
     return StepContent(files, writer, sharded={"optimizer": optim["state"]} | ({"model": dict(tensors)} if keep_model else {}),
                        serve=(lambda: serve_gathers(model_state)) if final else None)
-
-
-def export_step(checkpointer, model_state: Mapping[str, Any], sharded: Mapping[str, Any] | None = None) -> StepContent:
-    """Only the model in the checkpointer's format, a sharded model's gathered file by file (and ``sharded``'s
-    DCP tensors beside it): what the benchmarks and memory probes time."""
-    def writer(_: Mapping[str, Any]) -> Callable[[StagedDir], None]:
-        def write(stage: StagedDir) -> None:
-            with GatheredState(model_state) as gathered:
-                checkpointer.writer({"model": gathered})(stage)
-        return write
-    return StepContent({}, writer, sharded=sharded or {}, serve=lambda: serve_gathers(model_state))
-
-
-def shards_step(sharded: Mapping[str, Any]) -> StepContent:
-    """Only every rank's DCP tensors."""
-    return StepContent({}, lambda _: (lambda stage: None), sharded=sharded)
 
 
 def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, converter, base_name: str, max_lora_rank: int,
@@ -130,9 +127,16 @@ def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, convert
                        serve=(lambda: serve_gathers(model_state)) if merge else None)
 
 
+def write_gathered(stage: StagedDir, checkpointer, model_state: Mapping[str, Any], check: ExportCheck | None = None) -> None:
+    """Rank 0: a sharded model in the input's format and files, each tensor gathered from every rank as its file is
+    written (the other ranks run ``serve_gathers(model_state)`` meanwhile), checked before anything is committed."""
+    with GatheredState(model_state) as gathered:
+        _checked(checkpointer.writer({"model": gathered}), check)(stage)
+
+
 def _merged_reference_check(model, model_state, scalings, original, sources, verify: ExportReload, report) -> ExportCheck:
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and not is_nf4(p))
-    reference = verify.build()
+    reference = verify.fresh_model()
     load_into(reference, MergedState(model_state, scalings, original, sources), dtype=dtype, device="cpu")
     check = ExportCheck(reference, report=report, reload=verify)
     del reference

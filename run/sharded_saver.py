@@ -22,22 +22,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from waypoint.checkpointers.commit import StagedDir, hash_file
-from waypoint.checkpointers.retention import prune_checkpoints
-from waypoint.checkpointers.step_saver import StepContent, StepSaver
 from waypoint.checkpointers.sharded_checkpoint import DCP_ERRORS, SHARDED_DIR, describe_error, rank_files, save_sharded
 from waypoint.errors import CheckpointError
+from waypoint.run.output_dir import RunDir
+from waypoint.run.savers import SaveOptions, StepContent, StepSaver, after_commit
 
 class ShardedSaver(StepSaver):
-    """Saves of a multi-process run; ``dist`` is a :class:`waypoint.training.distributed.Distributed`."""
+    """Saves of a multi-process run (``StepSaver``'s arguments)."""
 
-    def __init__(self, dist, output_dir: str | Path, keep_last_n: int | None = None, asynchronous: bool = False,
+    def __init__(self, dist, run_dir: RunDir | str | Path, options: SaveOptions = SaveOptions(),
                  report: Callable[[str], None] = print) -> None:
-        self.dist = dist
-        self.output_dir = Path(output_dir)
-        self.keep_last_n = keep_last_n
-        self.asynchronous = asynchronous
-        self.report = report
-        self.blocked_s = 0.0  # training time spent in saves, all saves together
+        super().__init__(dist, run_dir, options, report)
+        self.asynchronous = options.asynchronous
         self._pending: Future | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharded-save")
 
@@ -61,7 +57,7 @@ class ShardedSaver(StepSaver):
         # differs between machines whose caches do)
         asynchronous = self.asynchronous and not final
         try:
-            writing = save_sharded(content.sharded, path / SHARDED_DIR, group=self.dist.checkpoint_group,
+            writing = save_sharded(content.sharded or {}, path / SHARDED_DIR, group=self.dist.checkpoint_group,
                                    asynchronous=asynchronous)
         except DCP_ERRORS as e:  # DCP fails on every rank together
             if stage is not None:
@@ -121,9 +117,7 @@ class ShardedSaver(StepSaver):
                     problem = f"could not write {target}: {describe_error(e)}"
                 else:
                     try:
-                        prune_checkpoints(self.output_dir, self.keep_last_n)
-                        if self.publish is not None:
-                            self.publish(target, sent=frozenset(n for hashes, _ in everyone for n in hashes))
+                        after_commit(self, target, sent=frozenset(n for hashes, _ in everyone for n in hashes))
                     except CheckpointError as e:
                         problem = str(e)
         problem = self.dist.broadcast(problem, group=self.dist.checkpoint_group)

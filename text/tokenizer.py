@@ -36,7 +36,7 @@ class Tokenizer:
         pad_id: the tokenizer's pad id if it defines one, else ``eos_id``.
         vocab_size: the number of ids, special and added tokens included.
 
-    What chat templates need (``waypoint.training.chat_template``):
+    What chat templates need (``waypoint.text.chat_template``):
         special_tokens: the named special tokens as text, as transformers passes them to a template
             (``{"bos_token": "<s>", "eos_token": "</s>", ...}``; only those the checkpoint names).
         added_tokens: the text of the tokenizer's added (control) tokens, e.g. ``<|im_end|>``.

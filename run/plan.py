@@ -1,7 +1,7 @@
-"""A run's plan, the same for every recipe: how many optimizer steps per epoch and in all, the global batch,
-the seed of the data order, and when a step checkpoint is due: at the last step, on preemption (a signal on
-any rank), every ``save_every_n_steps`` and, with ``save_every_epoch``, at each epoch's end; always at an
-optimizer-step boundary."""
+"""A run's plan, the same for every recipe: how many optimizer steps per epoch and in all, the global batch (and
+how each process's share of it is made), the seed of the data order, and when a step checkpoint is due: at the
+last step, on preemption (a signal on any rank), every ``save_every_n_steps`` and, with ``save_every_epoch``, at
+each epoch's end; always at an optimizer-step boundary."""
 
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ from dataclasses import dataclass
 class RunPlan:
     steps_per_epoch: int
     epochs: int
-    global_batch: int  # samples per optimizer step, all processes together
+    batch_size: int  # samples per micro-batch, per process
+    accumulate: int  # micro-batches per optimizer step (gradient_accumulation_steps)
+    world_size: int  # processes
     seed: int
     save_every_n_steps: int = 0
     save_every_epoch: bool = False
 
-    @classmethod
-    def from_config(cls, cfg, steps_per_epoch: int, global_batch: int) -> RunPlan:
-        return cls(steps_per_epoch, cfg.epochs, global_batch, cfg.seed, cfg.save_every_n_steps or 0,
-                   bool(cfg.save_every_epoch))
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step, all processes together."""
+        return self.batch_size * self.accumulate * self.world_size
 
     @property
     def total_steps(self) -> int:

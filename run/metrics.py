@@ -18,9 +18,11 @@ from pathlib import Path
 
 from waypoint.errors import CheckpointError
 
+METRICS_FILE = "metrics.jsonl"
+
 
 class MetricsLog:
-    def __init__(self, output_dir: str | os.PathLike, name: str = "metrics.jsonl", keep_through_step: int | None = None,
+    def __init__(self, output_dir: str | os.PathLike, name: str = METRICS_FILE, keep_through_step: int | None = None,
                  report: Callable[[str], None] = print, tensorboard_dir: str | os.PathLike | None = None) -> None:
         self.path = Path(output_dir) / name
         self._tensorboard = _summary_writer(tensorboard_dir) if tensorboard_dir else None

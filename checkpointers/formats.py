@@ -1,0 +1,69 @@
+"""The formats, found by name or by the files in a directory, and conversion between them.
+
+    checkpointer_for(path)                    # the checkpointer of whatever format `path` holds
+    convert(checkpointer, "meta", target)     # its weights as a new checkpoint of another format (or re-sharded)
+
+A new format is one file with a ``Checkpointer`` subclass, added to ``FORMATS``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from waypoint.checkpointers.base import Checkpointer, Conversion, write_directory
+from waypoint.checkpointers.commit import StagedDir
+from waypoint.checkpointers.hf_checkpointer import HFCheckpointer
+from waypoint.checkpointers.meta_checkpointer import MetaCheckpointer
+from waypoint.checkpointers.native_checkpointer import NativeCheckpointer
+from waypoint.errors import CheckpointError
+
+FORMATS: dict[str, type[Checkpointer]] = {cls.name: cls for cls in (NativeCheckpointer, HFCheckpointer, MetaCheckpointer)}
+DESCRIPTION_FILES = frozenset().union(*(cls.description_files for cls in FORMATS.values()))
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """'hf', 'meta' or 'native', from the files in a checkpoint directory."""
+    path = Path(path)
+    for name, cls in FORMATS.items():  # native first: it may keep an HF config beside its own
+        if cls.recognises(path):
+            return name
+    raise CheckpointError(f"{path}: not a recognised checkpoint directory (no config.json, params.json + "
+                          f"consolidated.*.pth, or {next(iter(NativeCheckpointer.description_files))})")
+
+
+def checkpointer_for(path: str | os.PathLike, output_dir: str | os.PathLike | None = None, **kwargs) -> Checkpointer:
+    """The checkpointer that reads ``path``'s format (writing to ``output_dir``, default ``path``)."""
+    return FORMATS[detect_format(path)](path, output_dir=output_dir if output_dir is not None else path, **kwargs)
+
+
+def write_checkpoint(native: Mapping[str, Any], conversion: Conversion, to: str, target: str | os.PathLike,
+                     side_files: list[Path] = (), check: Callable[[Path], Any] | None = None) -> Path:
+    """``native`` as a new ``to``-format checkpoint at ``target``, with ``side_files`` (the tokenizer) beside it,
+    checked by ``check(staged path)`` and committed atomically."""
+    if to not in FORMATS:
+        raise CheckpointError(f"--to {to!r}: expected {', '.join(sorted(FORMATS))}")
+    tensors = {k: v for k, v in native.items() if isinstance(v, torch.Tensor)}
+
+    def write(stage: StagedDir) -> None:
+        FORMATS[to].write_new(stage, tensors, conversion)
+        for path in side_files:
+            stage.copy_file(Path(path))
+    return write_directory(target, write, check)
+
+
+def convert(checkpointer: Checkpointer, state: Mapping[str, Any], to: str, target: str | os.PathLike,
+            model_type: str | None = None, num_shards: int | None = None, max_shard_bytes: int | None = None,
+            special_tokens: Mapping[str, int] | None = None, check: Callable[[Path], Any] | None = None) -> Path:
+    """The loaded ``state`` of ``checkpointer``'s input written at ``target`` in the format ``to``: its very files,
+    keys and split when that is the input's format and no other sharding is asked for; otherwise a new checkpoint
+    that remembers the HF checkpoint it came from (so that converting back reproduces it)."""
+    if to == checkpointer.name and not (num_shards or max_shard_bytes):
+        return checkpointer.save_to(state, target, check=check)
+    conversion = Conversion(checkpointer.model_args(), model_type or checkpointer.model_type, checkpointer.hf_source(),
+                            dict(special_tokens or {}), len(checkpointer.files), num_shards, max_shard_bytes)
+    return write_checkpoint(state["model"], conversion, to, target, checkpointer.side_files(skip=DESCRIPTION_FILES), check)
