@@ -163,10 +163,10 @@ class HFCheckpointer(Checkpointer):
         if source is not None and not conversion.resharded and source.layout and source.layout.weight_map \
                 and set(source.layout.weight_map) == set(tensors):
             layout = source.layout  # the very files and key -> file map the weights came in
-        layout = layout or plan_layout({k: t.numel() * t.element_size() for k, t in tensors.items()}, conversion.files,
-                                       conversion.max_shard_bytes)
+        sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+        layout = layout or plan_layout(sizes, conversion.files, conversion.max_shard_bytes)
         write_files(stage, layout, lambda name: {k: tensors[k] for k in layout.keys_in(name)},
-                    lambda name, _: {"format": "pt"})
+                    lambda name, _: {"format": "pt"}, total_bytes=sum(sizes.values()))
         stage.write_bytes(CONFIG_FILE, json_bytes(config))
 
 

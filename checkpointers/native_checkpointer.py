@@ -134,8 +134,8 @@ class NativeCheckpointer(Checkpointer):
     def write_new(cls, stage: StagedDir, native: Mapping[str, torch.Tensor], conversion: Conversion) -> None:
         args = conversion.args
         tensors = native_converter(args.tie_embeddings).from_native(native)
-        layout = plan_layout({k: t.numel() * t.element_size() for k, t in tensors.items()}, conversion.files,
-                             conversion.max_shard_bytes)
+        sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+        layout = plan_layout(sizes, conversion.files, conversion.max_shard_bytes)
         write_files(stage, layout, lambda name: {k: tensors[k] for k in layout.keys_in(name)},
-                    lambda name, written: file_metadata(args.tie_embeddings, written))
+                    lambda name, written: file_metadata(args.tie_embeddings, written), total_bytes=sum(sizes.values()))
         stage.write_bytes(MODEL_FILE, json_bytes(describe(args, conversion.model_type, conversion.source)))
