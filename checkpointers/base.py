@@ -105,8 +105,8 @@ class Checkpointer:
     # -- what each format implements ---------------------------------------------------
     @classmethod
     def recognises(cls, path: Path) -> bool:
-        """Whether the directory ``path`` holds a checkpoint of this format."""
-        raise NotImplementedError
+        """Whether the directory ``path`` holds a checkpoint of this format (by default: its description file)."""
+        return all((path / name).is_file() for name in cls.description_files)
 
     def _load_model(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -121,8 +121,8 @@ class Checkpointer:
 
     @property
     def files(self) -> tuple[str, ...]:
-        """The input's weight files."""
-        raise NotImplementedError
+        """The input's weight files (by default: its shard layout's)."""
+        return self.layout.files
 
     def model_args(self) -> ModelArgs:
         """The native model the input describes."""

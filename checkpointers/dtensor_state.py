@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from waypoint.lazy import local_shard, nbytes, spec_of  # noqa: F401 (re-exported)
-
 _DONE = None  # the key that ends serve_gathers
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
@@ -62,14 +61,6 @@ class HFCheckpointer(Checkpointer):
         self._file_metadata: dict[str, dict | None] = {}
         self._disk_prefix = self._added_prefix = ""  # on-disk key = disk prefix + key[len(added prefix):]
         self._passthrough: dict[str, tuple[torch.Tensor, str]] = {}  # keys outside the text model: (tensor, file)
-
-    @classmethod
-    def recognises(cls, path: Path) -> bool:
-        return (path / CONFIG_FILE).is_file()
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return self.layout.files
 
     def model_args(self) -> ModelArgs:
         return model_args_from_hf_config(self.config)

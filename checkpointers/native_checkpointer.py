@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
@@ -85,14 +84,6 @@ class NativeCheckpointer(Checkpointer):
         self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
         self.safe_serialization = safe_serialization
         self._file_metadata: dict[str, dict | None] = {}
-
-    @classmethod
-    def recognises(cls, path: Path) -> bool:
-        return (path / MODEL_FILE).is_file()
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return self.layout.files
 
     def model_args(self) -> ModelArgs:
         return self.args

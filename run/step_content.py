@@ -3,8 +3,8 @@
 ``model_step``: a full fine-tune's model, optimizer and recipe state; one process writes the model in the
 input's format, torchrun writes DCP shards (and, for the final step, the model in the input's format as well).
 ``adapter_step``: LoRA's adapters in PEFT's format with their optimizer and recipe state, and the merged model
-in ``merged/`` when asked. With ``verify`` the model in the input's format is read back into a fresh model
-before the step is committed (``ExportCheck``), and the line it prints is returned by ``content.verified``.
+in ``merged/`` when asked. With ``verify`` (an :class:`ExportReload`) the model in the input's format is read back
+into a fresh model before the step is committed (``ExportCheck``), and the line it prints goes to ``report``.
 """
 
 from __future__ import annotations

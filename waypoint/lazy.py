@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
