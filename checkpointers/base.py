@@ -12,7 +12,6 @@ files (tokenizer, generation config, ...) and the modules' extra state.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -35,20 +34,6 @@ log = logging.getLogger(__name__)
 
 SMALL_FILE_LIMIT = 100 * 2**20  # non-weight files up to this size travel with the model (tokenizer, README, ...)
 RUN_FILES = frozenset({MANIFEST, EXTRA_STATE_FILE, "recipe_state.pt"})  # a run's step files, never a model's side files
-
-
-def read_json(path: Path) -> dict:
-    """A checkpoint's description file (config.json, params.json, ...); one-line errors naming it."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (this checkpoint format needs {path.name})")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid json ({e})") from e
-
-
-def json_bytes(data: Any) -> bytes:
-    return (json.dumps(data, indent=2) + "\n").encode()
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,20 @@ SAFETENSORS = "safetensors"
 TORCH = "torch"
 
 
+def read_json(path: Path) -> dict:
+    """A checkpoint's description file (config.json, params.json, ...); one-line errors naming it."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (this checkpoint format needs {path.name})")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid json ({e})") from e
+
+
+def json_bytes(data: Any) -> bytes:
+    return (json.dumps(data, indent=2) + "\n").encode()
+
+
 def format_of(path: str | Path) -> str:
     name = Path(path).name
     if name.endswith(".safetensors"):

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from waypoint.checkpointers.base import Checkpointer, Conversion, json_bytes, read_json
+from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
-from waypoint.checkpointers.file_formats import read_tensors
+from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tensors
 from waypoint.checkpointers.hf_source import SOURCE_FILE, HFSource
 from waypoint.converters import CheckpointError, Converter, Group
 from waypoint.converters.meta import EMBEDDING, meta_converter, model_parallel_dim, vocab_parallel

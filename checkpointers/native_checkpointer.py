@@ -16,9 +16,9 @@ from collections.abc import Mapping
 
 import torch
 
-from waypoint.checkpointers.base import Checkpointer, Conversion, json_bytes, read_json
+from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
-from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH
+from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, json_bytes, read_json
 from waypoint.checkpointers.hf_source import HFSource
 from waypoint.checkpointers.shard_layout import ShardLayout, discover, plan_files, plan_layout, read_files, write_files
 from waypoint.converters import CheckpointError, Converter, Rule

@@ -14,7 +14,6 @@ At save, the adapter is checked against what vLLM serves (``vllm_problems``); ea
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from collections.abc import Mapping
@@ -24,9 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from waypoint.checkpointers.base import read_json
 from waypoint.checkpointers.commit import StagedDir
-from waypoint.checkpointers.file_formats import read_tensors
+from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tensors
 from waypoint.errors import CheckpointError
 from waypoint.converters.ops import Identity, RopePermute
 from waypoint.converters.table import Converter, Rule
@@ -164,7 +162,7 @@ def write_adapter(stage: StagedDir, model: torch.nn.Module, converter: Converter
     warn_vllm(config, max_lora_rank)
     payload = save(tensors, metadata={"format": "pt"})
     stage.write_bytes(ADAPTER_WEIGHTS, payload)
-    stage.write_bytes(ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+    stage.write_bytes(ADAPTER_CONFIG, json_bytes(config))
     if layout is not None:
         name, own = layout
         stage.write_bytes(f"adapter_{name}.safetensors", save(to_layout(adapter, own), metadata={"format": "pt"}))

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, format_of, read_metadata, read_tensors, write_tensors
+from waypoint.checkpointers.file_formats import (SAFETENSORS, TORCH, format_of, json_bytes, read_metadata, read_tensors,
+                                                write_tensors)
 from waypoint.errors import CheckpointError
 
 INDEX_NAMES = {SAFETENSORS: "model.safetensors.index.json", TORCH: "pytorch_model.bin.index.json"}
@@ -188,7 +189,7 @@ def write_files(stage, layout: ShardLayout, tensors_of: Callable[[str], Mapping[
         if "total_parameters" in metadata:
             metadata["total_parameters"] = total_params
         index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
-        stage.write_bytes(layout.index_name, (json.dumps(index, indent=2) + "\n").encode())
+        stage.write_bytes(layout.index_name, json_bytes(index))
     return dtypes
 
 
