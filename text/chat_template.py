@@ -1,10 +1,8 @@
 """Conversations rendered with a checkpoint's own chat template, as transformers' ``apply_chat_template`` does.
 
-The template is untrusted input (it comes with a checkpoint from the Hub), so it runs in jinja2's
-``ImmutableSandboxedEnvironment``, set up as transformers sets it up (``utils/chat_template_utils.py``):
-``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}`` tag, the globals
-``raise_exception``, ``strftime_now``, ``dict`` and ``namespace`` (which refuses ``_``-names), and a ``tojson``
-filter that does not escape HTML. A template is rendered with ``messages``, ``tools=None``, ``documents=None``,
+The template is untrusted input (it comes with a checkpoint from the Hub), so it runs in jinja2's sandbox as
+transformers sets it up, with a step and a size limit on each rendering (``waypoint.text.template_sandbox``).
+A template is rendered with ``messages``, ``tools=None``, ``documents=None``,
 ``add_generation_prompt`` and the tokenizer's named special tokens (``bos_token``, ``eos_token``, ...). The text
 is tokenized as ``apply_chat_template(tokenize=True)`` does it: no BOS/EOS added, the special tokens written
 in the text read as those tokens.
@@ -32,12 +30,11 @@ and byte-fallback tokenizers).
 from __future__ import annotations
 
 import bisect
-import json
 import re
 from collections.abc import Sequence
-from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
+
+from waypoint.text.template_sandbox import TemplateLimitError, render_limited, sandboxed_environment
 
 # Templates for checkpoints without their own (base models), by name: chat.template = "chatml" | "llama3".
 BUILTIN_TEMPLATES: dict[str, str] = {
@@ -66,6 +63,10 @@ class ChatTemplateError(ValueError):
     """A template that cannot be compiled or rendered, or whose assistant turns cannot be found."""
 
 
+class ChatTemplateLimitError(ChatTemplateError):
+    """A template that ran past the sandbox's step or size limit: broken or hostile, whatever it renders."""
+
+
 def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
@@ -79,90 +80,6 @@ def _template_line(error: BaseException) -> str:
             lineno = tb.tb_lineno
         tb = tb.tb_next
     return f" (line {lineno})" if lineno else ""
-
-
-def _environment():
-    """A sandboxed jinja environment like transformers' (``_cached_compile_jinja_template``)."""
-    try:
-        import jinja2
-        import jinja2.ext
-        import jinja2.nodes
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError as e:
-        raise ChatTemplateError("chat templates need jinja2 (pip install 'jinja2>=3.1.6')") from e
-
-    class GenerationTracker(jinja2.ext.Extension):
-        """``{% generation %}...{% endgeneration %}``: records the character span its body renders to."""
-
-        tags = {"generation"}
-
-        def __init__(self, environment):
-            super().__init__(environment)
-            environment.extend(track_generation=self.track)
-            self._blocks = None
-            self._spans = None
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_generation"), [], [], body).set_lineno(lineno)
-
-        def _generation(self, caller):
-            rendered = caller()
-            if self._spans is not None:
-                start = sum(len(block) for block in self._blocks)
-                self._spans.append((start, start + len(rendered)))
-            return rendered
-
-        @contextmanager
-        def track(self, blocks, spans):
-            self._blocks, self._spans = blocks, spans
-            try:
-                yield
-            finally:
-                self._blocks, self._spans = None, None
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(format):
-        return datetime.now().strftime(format)
-
-    class TemplateDict:  # dict() without the class itself (no attribute tricks through it)
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(jinja2.utils.Namespace):  # refuses dunder and private names
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            TemplateNamespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTracker, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = TemplateDict()
-    env.globals["namespace"] = TemplateNamespace
-    return env
 
 
 class ChatTemplate:
@@ -186,7 +103,10 @@ class ChatTemplate:
         self.control_tokens = tuple(sorted({t for t in control_tokens if t and not t.isspace()}, key=len, reverse=True))
         self._control_re = re.compile("|".join(map(re.escape, self.control_tokens))) if self.control_tokens else None
         self.marks_generation = bool(_GENERATION_TAG.search(text))
-        self._env = _environment()
+        try:
+            self._env = sandboxed_environment()
+        except ImportError as e:
+            raise ChatTemplateError(f"{source}: {e}") from e
         try:
             self._template = self._env.from_string(text)
         except Exception as e:  # TemplateSyntaxError and friends
@@ -210,12 +130,13 @@ class ChatTemplate:
         try:
             if track:
                 with self._env.track_generation(blocks, spans):
-                    for block in self._template.generate(**variables):
-                        blocks.append(block)
-                return "".join(blocks), spans
-            return self._template.render(**variables), spans
+                    return render_limited(self._env, self._template, variables, blocks), spans
+            return render_limited(self._env, self._template, variables, blocks), spans
         except ChatTemplateError:
             raise
+        except TemplateLimitError as e:
+            raise ChatTemplateLimitError(f"{self.source}: chat template stopped{_template_line(e)}: {e}; a real template "
+                                    "renders a conversation far within this, so this one is broken or hostile") from e
         except Exception as e:  # raise_exception, SecurityError, UndefinedError, TypeError, ...
             kind = "refused" if type(e).__name__ == "SecurityError" else "failed"
             raise ChatTemplateError(f"{self.source}: chat template {kind}{_template_line(e)}: "
