@@ -553,7 +553,9 @@ def test_bad_records_are_one_line_errors_or_skipped_and_counted(tmp_path, chatml
     assert out.count("skipped 2 malformed record(s)") == 1 and len(out.strip().splitlines()) == 1
 
 
-def test_records_are_checked_at_construction_and_tokenized_lazily(tmp_path, chatml_tokenizer):
+def test_records_are_tokenized_once_at_construction(tmp_path, chatml_tokenizer):
+    """Every record is rendered before the first step (a record the template cannot render stops the run then),
+    and only once: reading items tokenizes nothing again."""
     calls = []
 
     class Counting:
@@ -567,9 +569,9 @@ def test_records_are_checked_at_construction_and_tokenized_lazily(tmp_path, chat
             return self.inner.encode_with_offsets(text)
 
     dataset = ChatDataset(write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in CONVERSATIONS]), Counting(chatml_tokenizer), 64)
-    assert calls == []
-    dataset[2]
-    assert len(calls) == 1
+    assert len(calls) == len(CONVERSATIONS)
+    assert dataset[2] == ChatDataset(tmp_path / "d.jsonl", chatml_tokenizer, 64)[2]
+    assert len(calls) == len(CONVERSATIONS)
 
 
 def test_unknown_columns_option_is_named(tmp_path, chatml_tokenizer):

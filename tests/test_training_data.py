@@ -172,12 +172,13 @@ def test_truncation_and_json_list_source(tmp_path, tokenizer):
     assert full == InstructDataset(write_jsonl(tmp_path / "d.jsonl", RECORDS), tokenizer, 512)[0]
 
 
-def test_tokenizes_lazily(tmp_path, tokenizer):
+def test_tokenizes_once_when_read(tmp_path, tokenizer):
+    """Tokenized before the first step (so the data can be checked against the model), and only then."""
     counting = CountingTokenizer(tokenizer)
     dataset = InstructDataset(TINY_ALPACA, counting, max_seq_len=128)
-    assert counting.calls == 0
-    dataset[7]
-    assert counting.calls == 2  # prompt and response of one record
+    assert counting.calls == 2 * len(dataset)  # prompt and response of each record
+    assert dataset[7] == InstructDataset(TINY_ALPACA, tokenizer, max_seq_len=128)[7]
+    assert counting.calls == 2 * len(dataset)
 
 
 @pytest.mark.parametrize("write, match", [
@@ -260,10 +261,19 @@ def test_resuming_at_batch_k_yields_exactly_the_tail(small_dataset, tokenizer):
 
 
 def test_skipped_batches_are_not_read(tokenizer):
-    counting = CountingTokenizer(tokenizer)
-    dataset = InstructDataset(TINY_ALPACA, counting, max_seq_len=128)
-    batches = iterate_batches(dataset, 8, seed=0, epoch=0, collate_fn=lambda b: b, start_batch=48)
-    assert [i for i, _ in batches] == [48, 49] and counting.calls == 2 * 8 * 2
+    dataset = InstructDataset(TINY_ALPACA, tokenizer, max_seq_len=128)
+    read = []
+
+    class Counting:
+        def __len__(self):
+            return len(dataset)
+
+        def __getitem__(self, index):
+            read.append(index)
+            return dataset[index]
+
+    batches = iterate_batches(Counting(), 8, seed=0, epoch=0, collate_fn=lambda b: b, start_batch=48)
+    assert [i for i, _ in batches] == [48, 49] and len(read) == 8 * 2
 
 
 def test_order_depends_on_seed_and_epoch_only():

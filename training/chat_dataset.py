@@ -1,12 +1,14 @@
 """Conversations rendered with the model's own chat template; loss on the assistant's turns only.
 
 A record is OpenAI style, ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``,
-or ShareGPT, ``{"conversations": [{"from": "system" | "human" | "gpt", "value": str}, ...]}``; ``columns`` names
+or ShareGPT, ``{"conversations": [{"from": "system" | "human" | "gpt", "value": str}, ...], "system": str}`` (the
+optional ``system`` is the system turn, as ShareGPT readers take it, unless the first turn is one); ``columns`` names
 other fields (``{"messages": "dialog", "role": "speaker", "content": "text"}``). Records come from a ``.json``,
 ``.jsonl`` or ``.parquet`` file or a directory of them (``waypoint.training.records``). An item is
 ``{"tokens", "labels"}``: the conversation as ``apply_chat_template(tokenize=True)`` tokenizes it, labels -100
 outside the assistant turns (``waypoint.text.chat_template`` says how those are found), both cut to
-``max_seq_len``. Records are checked when the file is read; they are rendered and tokenized in ``__getitem__``.
+``max_seq_len``. Every record is checked, rendered and tokenized when the file is read, so a record the template
+cannot render stops the run before its first step, naming its file and index (``skip_bad_records`` counts it out).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from waypoint.training.records import read_records
-from waypoint.text.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from waypoint.training.loss import IGNORE_INDEX
+from waypoint.text.chat_template import ChatTemplate, ChatTemplateLimitError, load_chat_template
+from waypoint.training.tokenized import TokenizedRecords
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
          "model": "assistant", "tool": "tool"}
@@ -40,45 +42,42 @@ class ChatDataset(Dataset):
         template: None for the checkpoint's own chat template; else a built-in name (``chatml``, ``llama3``) or
             a ``.jinja`` file.
         columns: field names of other layouts: ``messages`` (the list), ``role``, ``content``.
-        skip_bad_records: leave malformed records out (counted, noted once) instead of stopping.
+        skip_bad_records: leave malformed records (and records the template refuses) out, counted and noted
+            once, instead of stopping; a template that runs past its limits stops the run whatever this says.
     """
 
     def __init__(self, source: str | Path, tokenizer, max_seq_len: int, train_on_input: bool = False,
                  template: str | None = None, columns: dict[str, str] | None = None,
                  skip_bad_records: bool = False) -> None:
-        if not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         columns = dict(columns or {})
         unknown = sorted(set(columns) - set(COLUMN_KEYS))
         if unknown or not all(isinstance(v, str) and v for v in columns.values()):
             raise ValueError(f"columns: expected names for {', '.join(COLUMN_KEYS)}, got {columns!r}")
         self.source = Path(source)
         self.tokenizer = tokenizer
-        self.max_seq_len = max_seq_len
-        self.train_on_input = train_on_input
         self.columns = columns
+        self.items = TokenizedRecords(max_seq_len, train_on_input)
         self.template: ChatTemplate = load_chat_template(tokenizer, template)
-        self.conversations: list[list[dict[str, str]]] = []
-        self.where: list[str] = []  # "file: record n" of each kept conversation, for errors in __getitem__
         self.skipped = 0
         first_error = None
         for record in read_records(self.source):
-            try:
-                self.conversations.append(self._messages(record))
-                self.where.append(f"{record.file}: {record.where}")
-            except ValueError as e:
+            where = f"{record.file}: {record.where}"
+            try:  # every record rendered and tokenized now: a record the template cannot render stops the run here
+                tokens, mask = self.template.encode(self._messages(record), tokenizer)
+            except ChatTemplateLimitError as e:  # the template's fault, not the record's: never skipped
+                raise ValueError(f"{where}: {e}") from e
+            except ValueError as e:  # a malformed record, or one the template refuses (raise_exception)
+                error = str(e) if str(e).startswith(where) else f"{where}: {e}"
                 if not skip_bad_records:
-                    raise
+                    raise ValueError(error) from e
                 self.skipped += 1
-                first_error = first_error or str(e)
+                first_error = first_error or error
+                continue
+            self.items.add(tokens, mask, where)
         if self.skipped:
             print(f"note: {self.source}: skipped {self.skipped} malformed record(s) (skip_bad_records); first: {first_error}")
-        if not self.conversations:
+        if not len(self.items):
             raise ValueError(f"{self.source}: no usable conversations")
-        try:  # a template that cannot render this data at all stops the run here, not at some later step
-            self.template.render(self.conversations[0])
-        except ChatTemplateError as e:
-            raise ValueError(f"{self.where[0]}: {e}") from e
 
     def _messages(self, record) -> list[dict[str, str]]:
         where = f"{record.file}: {record.where}"
@@ -100,6 +99,12 @@ class ChatDataset(Dataset):
         if not isinstance(turns, list) or not turns:
             raise ValueError(f"{where}: {field!r} must be a non-empty list of messages")
         messages = []
+        system = data.get("system") if field == "conversations" else None  # ShareGPT's system prompt, beside the turns
+        if system is not None:
+            if not isinstance(system, str):
+                raise ValueError(f"{where}: 'system' must be a string, got {type(system).__name__}")
+            if system and ROLES.get(turns[0].get(role_key) if isinstance(turns[0], dict) else None) != "system":
+                messages.append({"role": "system", "content": system})
         for n, turn in enumerate(turns, start=1):
             if not isinstance(turn, dict):
                 raise ValueError(f"{where}: message {n}: expected an object, got {type(turn).__name__}")
@@ -107,7 +112,7 @@ class ChatDataset(Dataset):
                 if key not in turn:
                     raise ValueError(f"{where}: message {n}: missing key {key!r}")
             role, content = turn[role_key], turn[content_key]
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:
                 raise ValueError(f"{where}: message {n}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
             if not isinstance(content, str):
                 raise ValueError(f"{where}: message {n}: {content_key!r} must be a string, got {type(content).__name__}")
@@ -117,12 +122,7 @@ class ChatDataset(Dataset):
         return messages
 
     def __len__(self) -> int:
-        return len(self.conversations)
+        return len(self.items)
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
-        try:
-            tokens, mask = self.template.encode(self.conversations[index], self.tokenizer)
-        except ChatTemplateError as e:
-            raise ValueError(f"{self.where[index]}: {e}") from e
-        labels = tokens[:] if self.train_on_input else [t if m else IGNORE_INDEX for t, m in zip(tokens, mask)]
-        return {"tokens": tokens[: self.max_seq_len], "labels": labels[: self.max_seq_len]}
+        return self.items[index]

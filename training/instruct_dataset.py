@@ -7,9 +7,8 @@ record a line. An item is ``{"tokens", "labels"}`` where
     tokens = BOS + prompt + response + EOS
     labels = tokens, with BOS and the prompt set to -100 (unless train_on_input)
 
-both truncated to ``max_seq_len``. Records are checked when the file is read (so bad
-input stops a run before it starts) but tokenized only in ``__getitem__``, so skipping
-items costs nothing.
+both truncated to ``max_seq_len``. Records are checked and tokenized when the file is read, so
+bad input stops a run before it starts and the data can be checked against the model.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import NamedTuple
 from torch.utils.data import Dataset
 
 from waypoint.training.records import read_records as read_record_file
-from waypoint.training.loss import IGNORE_INDEX
+from waypoint.training.tokenized import TokenizedRecords
 
 
 class PromptTemplate(NamedTuple):
@@ -54,7 +53,7 @@ REQUIRED_KEYS = ("instruction", "output")
 
 
 class InstructDataset(Dataset):
-    """Instruction/response pairs from a local ``.json`` or ``.jsonl`` file, tokenized on access.
+    """Instruction/response pairs from a local ``.json``, ``.jsonl`` or ``.parquet`` file, tokenized when read.
 
     Args:
         source: the data file.
@@ -68,26 +67,23 @@ class InstructDataset(Dataset):
                  train_on_input: bool = False) -> None:
         if template not in TEMPLATES:
             raise ValueError(f"unknown template {template!r}; known: {', '.join(sorted(TEMPLATES))}")
-        if not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         self.source = Path(source)
         self.tokenizer = tokenizer
-        self.max_seq_len = max_seq_len
         self.template = TEMPLATES[template]
-        self.train_on_input = train_on_input
-        self.records = read_records(self.source)
+        self.items = TokenizedRecords(max_seq_len, train_on_input)
+        self.records = []
+        for read in read_record_file(self.source):
+            record = _check(read.file, read.where, read.data)
+            prompt = tokenizer.encode(self.template.format(record["instruction"], record["input"]), add_bos=True, add_eos=False)
+            response = tokenizer.encode(record["output"], add_bos=False, add_eos=True)
+            self.items.add(prompt + response, [0] * len(prompt) + [1] * len(response), f"{read.file}: {read.where}")
+            self.records.append(record)
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.items)
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
-        record = self.records[index]
-        prompt = self.tokenizer.encode(self.template.format(record["instruction"], record["input"]),
-                                       add_bos=True, add_eos=False)
-        response = self.tokenizer.encode(record["output"], add_bos=False, add_eos=True)
-        tokens = prompt + response
-        labels = tokens[:] if self.train_on_input else [IGNORE_INDEX] * len(prompt) + response
-        return {"tokens": tokens[: self.max_seq_len], "labels": labels[: self.max_seq_len]}
+        return self.items[index]
 
 
 def read_records(path: Path) -> list[dict[str, str]]:

@@ -45,7 +45,12 @@ def read_file(path: Path) -> list[Record]:
         return [Record(path, f"record {n}", data) for n, data in enumerate(read_parquet(path), start=1)]
     if path.suffix not in (".json", ".jsonl"):
         raise ValueError(f"{path}: unsupported dataset file type {path.suffix!r} (expected .json, .jsonl or .parquet)")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                         f"a {path.suffix} data file is UTF-8 JSON (a binary file named {path.suffix}?)") from e
     if path.suffix == ".jsonl":
         records = []
         for line_no, line in enumerate(text.split("\n"), start=1):

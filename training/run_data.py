@@ -10,15 +10,17 @@ from torch.utils.data import Dataset
 
 from waypoint.text.chat_template import ChatTemplate
 from waypoint.text.inference_bundle import GENERATION_CONFIG, TEMPLATE_FILE, generation_config, template_file
+from waypoint.training.data_checks import check_data
 from waypoint.training.packing import PackedDataset
 from waypoint.training.validation import Validation, split
 
 
 def run_data(make_dataset: Callable[..., Dataset], tokenizer, checkpointer, validation: Mapping | None, seed: int,
-             packed_to: int | None, say: Callable[[str], None]) -> tuple[Dataset, Validation | None]:
-    """(the training dataset, the validation or None). ``make_dataset(source=None)``: the config's dataset (of another
-    source: a validation file); ``validation``: the config's section (``{fraction | source, every_n_steps}``);
-    ``packed_to``: the length samples are packed up to (None: not packed)."""
+             packed_to: int | None, vocab_size: int, say: Callable[[str], None]) -> tuple[Dataset, Validation | None]:
+    """(the training dataset, the validation or None), checked against the model's ``vocab_size`` (``data_checks``).
+    ``make_dataset(source=None)``: the config's dataset (of another source: a validation file); ``validation``: the
+    config's section (``{fraction | source, every_n_steps}``); ``packed_to``: the length samples are packed up to
+    (None: not packed)."""
     dataset = make_dataset()
     template = getattr(dataset, "template", None)
     if isinstance(template, ChatTemplate):  # conversations: the output renders and stops as the run trained
@@ -28,6 +30,9 @@ def run_data(make_dataset: Callable[..., Dataset], tokenizer, checkpointer, vali
                 checkpointer.output_files[name], note = bundle
                 say(note)
     dataset, validation = split(validation, dataset, seed=seed, make=lambda source: make_dataset(source=source))
+    check_data(dataset, tokenizer, vocab_size, "dataset", say)
+    if validation:
+        check_data(validation.dataset, tokenizer, vocab_size, "validation", say, required=False)
     if packed_to:  # samples concatenated up to max_seq_len; attention and positions kept per sample
         dataset = PackedDataset(dataset, packed_to)
         say(f"packed into {len(dataset)} sequences of up to {dataset.max_seq_len} tokens, {dataset.fill:.0%} filled")
