@@ -12,7 +12,8 @@ Retention deletes a step's manifest first, then its objects, so a half-deleted s
 one. An upload killed half way leaves objects without a manifest, which nothing takes for a checkpoint; a later
 save of the same step first moves them aside (``step_N.partial``), so nothing is deleted silently.
 Endpoint, region and credentials come from the client's usual environment variables and config files
-(``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...) and are never printed.
+(``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ...) and are never printed; missing credentials or an unreachable endpoint
+are one line naming the URL and what to set (``store_errors``). A scheme in any case is the store's (``S3://``).
 """
 
 from __future__ import annotations
@@ -24,21 +25,35 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
 from waypoint.checkpointers.commit import MANIFEST, MANIFEST_VERSION, Verification, fsync_dir, safe_relative, verify
-from waypoint.errors import CheckpointError
+from waypoint.errors import CheckpointError, first_line
 from waypoint.run.step_dirs import step_number
 
-URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
+SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # a URL's scheme, in any case (S3:// is s3://)
 PARALLEL_FILES = 4  # files uploaded at once (each large one in parallel parts as well)
+CREDENTIALS = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE to a profile of ~/.aws/credentials"
+ENDPOINT = "set AWS_ENDPOINT_URL to the store's endpoint (unset for AWS S3) and check that it is reachable"
+
+
+def url_scheme(path) -> str | None:
+    """The scheme of a URL (``s3`` for ``S3://bucket``), lower case; None for a path."""
+    match = SCHEME.match(str(path))
+    return match.group(1).lower() if match else None
 
 
 def is_url(path) -> bool:
-    """An object-store location (``s3://bucket/prefix``); ``file://`` and plain paths are local."""
-    text = str(path)
-    return bool(URL.match(text)) and not text.startswith("file://")
+    """An object-store location (``s3://bucket/prefix``, the scheme in any case); ``file://`` and plain paths are local."""
+    return url_scheme(path) not in (None, "file")
+
+
+def store_url(url: str) -> str:
+    """``url`` with its scheme in lower case (fsspec knows ``s3``, not ``S3``) and no trailing slash."""
+    scheme = url_scheme(url)
+    return f"{scheme}{str(url)[len(scheme):]}".rstrip("/") if scheme else str(url).rstrip("/")
 
 
 def cache_dir() -> Path:
@@ -47,7 +62,7 @@ def cache_dir() -> Path:
 
 
 def input_copy_path(url: str) -> Path:
-    return cache_dir() / "inputs" / str(url).rstrip("/").replace("://", "/", 1)
+    return cache_dir() / "inputs" / store_url(url).replace("://", "/", 1)
 
 
 def local_copy(path, say=None) -> Path:
@@ -64,17 +79,40 @@ def local_copy(path, say=None) -> Path:
     return local
 
 
+def access_problem(e: BaseException) -> tuple[str, str] | None:
+    """(what went wrong, what to set) when ``e``, or an error it was raised from, is botocore's for missing
+    credentials or an unreachable endpoint; None for any other failure (and without botocore)."""
+    try:
+        from botocore import exceptions as boto
+    except ImportError:
+        return None
+    while e is not None:
+        if isinstance(e, (boto.NoCredentialsError, boto.PartialCredentialsError, boto.CredentialRetrievalError, boto.ProfileNotFound)):
+            return f"no usable credentials ({e}; {e.__class__.__name__})", CREDENTIALS
+        if isinstance(e, boto.ConnectionError):  # EndpointConnectionError, ConnectTimeoutError, ...
+            endpoint = urlsplit(str(e.kwargs.get("endpoint_url", "")))
+            where = f"{endpoint.scheme}://{endpoint.netloc}" if endpoint.netloc else "the store's endpoint"
+            return f"cannot connect to {where} ({e.__class__.__name__})", ENDPOINT
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return None
+
+
 @contextmanager
 def store_errors(url: str, doing: str):
-    """A store's failures (a missing bucket, denied access, an unreachable endpoint) as one line naming the URL."""
+    """A store's failures (a missing bucket, denied access, no credentials, an unreachable endpoint) as one line
+    naming the URL and what to set."""
     try:
         yield
     except CheckpointError:
         raise
-    except (OSError, ValueError, RuntimeError) as e:
-        reason = str(e).strip() or e.__class__.__name__
-        raise CheckpointError(f"{url}: could not {doing}: {reason} ({e.__class__.__name__}); check the bucket, the "
-                              "credentials and AWS_ENDPOINT_URL (or your store's settings)") from e
+    except Exception as e:
+        access = access_problem(e)
+        if access is not None:
+            raise CheckpointError(f"{url}: could not {doing}: {access[0]}; {access[1]}") from e
+        if not isinstance(e, (OSError, ValueError, RuntimeError)) and not type(e).__module__.startswith("botocore."):
+            raise
+        raise CheckpointError(f"{url}: could not {doing}: {first_line(e)} ({e.__class__.__name__}); check the bucket, "
+                              "the credentials and AWS_ENDPOINT_URL (or your store's settings)") from e
 
 
 class ObjectStore:
@@ -83,11 +121,11 @@ class ObjectStore:
     def __init__(self, url: str) -> None:
         import fsspec
 
-        self.url = str(url).rstrip("/")
+        self.url = store_url(url)
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url)
         except (ImportError, ValueError) as e:
-            scheme = self.url.split("://")[0]
+            scheme = url_scheme(self.url)
             package = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}.get(scheme, f"an fsspec package for {scheme}://")
             raise CheckpointError(f"{self.url}: cannot open this object store ({e.__class__.__name__}); pip install {package}") from None
 
@@ -114,6 +152,10 @@ class ObjectStore:
         except FileNotFoundError:
             return None
 
+    def sizes(self, name: str) -> dict[str, int]:
+        """Each object under ``name``: its path relative to ``name`` -> its size."""
+        return {p[len(self.path(name)) + 1:]: info["size"] for p, info in self.fs.find(self.path(name), detail=True).items()}
+
     def check(self, name: str) -> Verification:
         """Whether ``name`` is committed: its manifest exists and every object it lists has the listed size."""
         where = Path(self.where(name))
@@ -125,7 +167,7 @@ class ObjectStore:
             return Verification(where, False, problem=f"no {MANIFEST} (an upload that did not finish)")
         if manifest.get("format_version") != MANIFEST_VERSION or not isinstance(manifest.get("files"), dict):
             return Verification(where, False, problem=f"{MANIFEST} is not a manifest of this version")
-        sizes = {p[len(self.path(name)) + 1:]: info["size"] for p, info in self.fs.find(self.path(name), detail=True).items()}
+        sizes = self.sizes(name)
         total = 0
         for file, entry in manifest["files"].items():
             if not safe_relative(file):
@@ -159,18 +201,19 @@ class ObjectStore:
         return verify(local, hash_contents=False)
 
     # -- writing ---------------------------------------------------------------------
-    def upload(self, local: Path, name: str | None = None, sent: frozenset[str] = frozenset()) -> int:
+    def upload(self, local: Path, name: str | None = None, sent: frozenset[str] = frozenset(), replace: bool = False) -> int:
         """Upload the committed local step directory ``local`` as ``name``: its files, then its manifest last.
         Objects already under ``name`` (an upload that did not finish) are moved aside first, unless ``sent`` names
         files that other processes already uploaded for this step (``send``; the caller set leftovers aside
-        before they began): those are checked against the manifest instead. Returns the bytes in the step."""
+        before they began), or files already there intact (``replace``: a repair, which overwrites the others in
+        place under the manifest): those are checked against the manifest instead. Returns the bytes in the step."""
         name = name or local.name
         manifest = json.loads((local / MANIFEST).read_text())
-        if not sent and self.fs.exists(self.path(name)):
+        if not sent and not replace and self.fs.exists(self.path(name)):
             self.set_aside(name, "partial")
         self.send(local, name, [f for f in manifest["files"] if f not in sent])
         if sent:
-            there = {p[len(self.path(name)) + 1:]: info["size"] for p, info in self.fs.find(self.path(name), detail=True).items()}
+            there = self.sizes(name)
             wrong = next((f for f in sorted(sent) if there.get(f) != manifest["files"][f]["size"]), None)
             if wrong is not None:
                 raise CheckpointError(f"{self.where(name)}/{wrong}: missing or of the wrong size after its upload; "
@@ -199,17 +242,19 @@ class ObjectStore:
         if self.fs.exists(self.path(name)):
             self.fs.rm(self.path(name), recursive=True)
 
-    def set_aside(self, name: str, suffix: str) -> str:
-        """Move ``name``'s objects to ``name.<suffix>`` (or ``.<suffix>2``...): copied, then deleted, manifest first."""
+    def set_aside(self, name: str, suffix: str, files: list[str] | None = None) -> str:
+        """Move ``name``'s objects to ``name.<suffix>`` (or ``.<suffix>2``...): copied, then deleted, manifest first.
+        ``files``: only these objects, copied (the caller replaces them next)."""
         existing = {e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False, refresh=True)}
         aside, n = f"{name}.{suffix}", 1
         while aside in existing:
             n += 1
             aside = f"{name}.{suffix}{n}"
         prefix = self.path(name)
-        for source in self.fs.find(prefix):
+        for source in self.fs.find(prefix) if files is None else [f"{prefix}/{f}" for f in files]:
             self.fs.copy(source, self.path(aside) + source[len(prefix):])
-        self.delete(name)
+        if files is None:
+            self.delete(name)
         return aside
 
     def prune(self, keep_last_n: int | None) -> list[str]:

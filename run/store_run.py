@@ -5,23 +5,27 @@ The run works in a local mirror of the prefix (``$WAYPOINT_CACHE/runs/s3/bucket/
 (``waypoint.run.object_store``); under torchrun each rank uploads the shards it wrote from its own machine's
 mirror, so machines need no shared disk. The store is the truth: at start every machine's mirror drops any step
 the store has not committed, and the newest committed step is downloaded (and its hashes verified) where a mirror
-lacks it, so a rerun on other machines resumes the same way. ``metrics.jsonl`` is uploaded after every step. One
-run per prefix: the store's lock object (``waypoint.run.lock.StoreLease``).
+lacks it, so a rerun on other machines resumes the same way. A committed step broken in the store (objects truncated
+or lost) is repaired from rank 0's mirror when its copy there verifies; otherwise it is skipped, with a line saying
+how to be rid of it. ``metrics.jsonl`` is uploaded after every step. One run per prefix: the store's lock object
+(``waypoint.run.lock.StoreLease``).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from waypoint.checkpointers.commit import verify
-from waypoint.errors import CheckpointError
+from waypoint.checkpointers.commit import MANIFEST, verify
+from waypoint.errors import CheckpointError, first_line
 from waypoint.run.lock import StoreLease
 from waypoint.run.metrics import METRICS_FILE
-from waypoint.run.object_store import ObjectStore, cache_dir, is_url, store_errors
+from waypoint.run.object_store import ObjectStore, access_problem, cache_dir, is_url, store_errors
 from waypoint.run.output_dir import RunDir
 from waypoint.run.step_dirs import step_dirs
 
@@ -66,8 +70,8 @@ def sync_mirror(run_dir: RunDir, resume, overwrite: bool, say=print) -> None:
 def _sync_mirror(store: ObjectStore, local: Path, resume, overwrite: bool, say) -> None:
     remote = store.steps()
     for path in step_dirs(local):
-        if path.name not in remote or store.manifest(path.name) is None:
-            shutil.rmtree(path)  # a cached copy of a step the store does not hold committed
+        if path.name not in remote or not _same_step(store.manifest(path.name), path):
+            shutil.rmtree(path)  # a cached copy of a step the store does not hold committed (or holds another of)
     if not (local / METRICS_FILE).exists():
         store.get(METRICS_FILE, local / METRICS_FILE)
     fresh = resume in (False, "false", "False", "no")
@@ -78,6 +82,8 @@ def _sync_mirror(store: ObjectStore, local: Path, resume, overwrite: bool, say) 
         return
     for name in remote:
         checked = store.check(name)
+        if not checked.ok and (local / name).is_dir() and _repair(store, local / name, checked.problem, say):
+            return
         if checked.ok and (local / name).is_dir():
             if verify(local / name, hash_contents=False).ok:
                 return
@@ -87,10 +93,40 @@ def _sync_mirror(store: ObjectStore, local: Path, resume, overwrite: bool, say) 
             if checked.ok:
                 say(f"downloaded {store.where(name)} ({checked.files} files, {checked.bytes / 1e9:.2f} GB, hashes verified)")
                 return
-        say(f"warning: skipping {store.where(name)}: {checked.problem}")
+        unfinished = checked.problem.startswith(f"no {MANIFEST}")  # an upload that did not finish: no checkpoint
+        say(f"warning: skipping {store.where(name)}: {checked.problem}" + ("" if unfinished else (
+            f"; the store's copy is broken and was not repaired (rank 0's machine holds no verified copy of it): "
+            f"delete {store.where(name)} so that no run resumes from it")))
     if remote and not overwrite:
         raise CheckpointError(f"output_dir {store.url} holds checkpoints but none is committed and complete; "
                               "set overwrite=true to start again (what is there is moved aside, never deleted)")
+
+
+def _same_step(manifest: dict | None, path: Path) -> bool:
+    """Whether the local step ``path`` is a copy of the step the store committed with ``manifest``."""
+    try:
+        return manifest is not None and json.loads((path / MANIFEST).read_text())["files"] == manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _repair(store: ObjectStore, mirrored: Path, problem: str, say) -> bool:
+    """A step committed in the store but broken there (``problem``: objects missing or of the wrong size) whose copy
+    in this machine's mirror verifies (every hash): the store's step is repaired from it (``ObjectStore.upload`` in
+    place: the wrong objects copied aside to ``step_N.broken`` first, the manifest written last). Only rank 0, which
+    holds the lock and syncs before the other machines, writes to the store. Whether it was repaired."""
+    if int(os.environ.get("RANK", "0")) != 0 or not verify(mirrored).ok:
+        return False
+    name = mirrored.name
+    with store_errors(store.where(name), "repair it from this machine's copy"):
+        files, there = json.loads((mirrored / MANIFEST).read_text())["files"], store.sizes(name)
+        bad = sorted(f for f, entry in files.items() if there.get(f) != entry["size"])
+        wrong = [f for f in bad if f in there]
+        aside = store.set_aside(name, "broken", wrong) if wrong else None
+        store.upload(mirrored, sent=frozenset(files) - set(bad), replace=True)
+    say(f"repaired {store.where(name)} ({problem}): uploaded {len(bad)} file(s) from this machine's verified copy, "
+        f"manifest last" + (f"; the broken objects are kept at {store.where(aside)}" if aside else ""))
+    return True
 
 
 class StorePublisher:
@@ -133,5 +169,6 @@ class StorePublisher:
         except CheckpointError:
             raise
         except Exception as e:
-            raise CheckpointError(f"could not {doing}: {e} ({e.__class__.__name__}){where}; "
-                                  "the store's earlier checkpoints are intact") from e
+            what, to_do = access_problem(e) or (f"{first_line(e)} ({e.__class__.__name__})", "")
+            raise CheckpointError(f"could not {doing}: {what}{where}; " + (f"{to_do}; " if to_do else "")
+                                  + "the store's earlier checkpoints are intact") from e

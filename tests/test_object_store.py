@@ -1,8 +1,9 @@
 """Checkpoints in an object store: a real S3 API (moto's server on 127.0.0.1) through the real s3fs client.
 
 The commit protocol (files, then the manifest), what counts as committed (a truncated object, a deleted manifest,
-a missing part, a corrupt byte), retention, the lock, and a fine-tune to ``s3://`` killed during an upload and
-resumed bit-exactly on a machine without the local mirror, and torchrun across two machines that share no disk."""
+a missing part, a corrupt byte), retention, the lock, a step broken in the store repaired from the mirror, a
+fine-tune to ``s3://`` killed during an upload and resumed bit-exactly on a machine without the local mirror, and
+torchrun across two machines that share no disk. A store out of reach: tests/test_script_bad_input.py."""
 
 from __future__ import annotations
 
@@ -129,6 +130,66 @@ def test_the_mirror_follows_what_the_store_committed(store, tmp_path, capsys):
         sync_mirror(run_dir, "auto", False)
 
 
+def test_a_step_broken_in_the_store_is_repaired_from_the_verified_mirror(store, tmp_path, capsys):
+    """The store is what other machines resume from: a committed step whose objects were truncated or lost there is
+    uploaded again from the mirror's copy when that copy verifies (the wrong objects kept aside, the manifest last);
+    otherwise one line says it is broken and how to be rid of it. A mirror copy of another step_N is dropped."""
+    from waypoint.run.output_dir import RunDir
+    from waypoint.run.store_run import sync_mirror
+
+    mirror, weights_data = tmp_path / "mirror", os.urandom(3000)
+    store.upload(committed_step(tmp_path / "node", "step_2", {"w": b"2" * 64}))
+    store.upload(committed_step(mirror, "step_4", {"model.safetensors": weights_data, "config.json": b"{}"}))
+    store.fs.pipe_file(store.path("step_4/model.safetensors"), b"short")
+    store.fs.rm_file(store.path("step_4/config.json"))
+    run_dir = RunDir(mirror, store.url)
+    sync_mirror(run_dir, "auto", False)
+    assert capsys.readouterr().out.splitlines() == [
+        f"repaired {store.url}/step_4 (config.json is missing): uploaded 2 file(s) from this machine's verified copy, "
+        f"manifest last; the broken objects are kept at {store.url}/step_4.broken"]
+    assert store.check("step_4").ok and store.fs.cat_file(store.path("step_4/model.safetensors")) == weights_data
+    assert store.fs.cat_file(store.path("step_4.broken/model.safetensors")) == b"short"
+
+    store.fs.pipe_file(store.path("step_4/model.safetensors"), b"short again")
+    (mirror / "step_4/model.safetensors").write_bytes(bytes([weights_data[0] ^ 1]) + weights_data[1:])
+    sync_mirror(run_dir, "auto", False)  # the mirror's copy does not verify either: nothing is uploaded
+    assert f"warning: skipping {store.url}/step_4: model.safetensors has 11 bytes, manifest says 3000; the store's copy " \
+           f"is broken and was not repaired (rank 0's machine holds no verified copy of it): delete {store.url}/step_4 " \
+           "so that no run resumes from it" in capsys.readouterr().out
+    assert store.fs.cat_file(store.path("step_4/model.safetensors")) == b"short again"
+
+    committed_step(tmp_path / "other", "step_2", {"w": b"x" * 64})  # a mirror's copy of another step_2: dropped
+    shutil.rmtree(mirror / "step_2")
+    shutil.move(tmp_path / "other/step_2", mirror / "step_2")
+    store.delete("step_4")
+    sync_mirror(run_dir, "auto", False)
+    assert (mirror / "step_2/w").read_bytes() == b"2" * 64
+
+
+def test_a_rerun_repairs_its_step_broken_in_the_store_and_S3_in_upper_case_is_the_store(endpoint, tmp_path, monkeypatch, capsys):
+    """The issue's case: the run's last step truncated in the store, the mirror intact; the rerun said "nothing to
+    do" and left the store broken for every other machine. ``S3://`` is ``s3://``, never a local folder ``S3:``."""
+    from waypoint.run.object_store import ObjectStore
+
+    from recipes import full_finetune
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WAYPOINT_CACHE", str(tmp_path / "cache"))
+    bucket = new_bucket()
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir=S3://{bucket}/run", *BASE[:2], "max_steps_per_epoch=2",
+            f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", "verify_export=false"]
+    assert full_finetune.main(args) == 0
+    assert sorted(os.listdir(tmp_path)) == ["cache"]
+    store = ObjectStore(f"s3://{bucket}/run")
+    shard = sorted(f for f in store.manifest("step_2")["files"] if f.endswith(".safetensors"))[0]
+    store.fs.pipe_file(store.path(f"step_2/{shard}"), b"truncated")
+    capsys.readouterr()
+    assert full_finetune.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"repaired s3://{bucket}/run/step_2 ({shard} has 9 bytes, manifest says " in out and "nothing to do" in out
+    assert store.check("step_2").ok
+
+
 def run(out, *overrides, fault=None, cache=None):
     cmd = [sys.executable, str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [sys.executable, str(ROOT / "recipes/full_finetune.py")]
     cmd += ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides]
@@ -246,7 +307,7 @@ def test_torchrun_on_two_machines_without_a_shared_disk_saves_to_s3_and_resumes_
     assert "resuming from step_6" in first and "downloaded s3://" in first  # machine a's copy lacked b's shards
     assert "downloaded s3://" in second  # machine c had nothing
     assert store.check("step_8").ok and store.fs.exists(store.path("step_8.partial"))
-    remade, before = store.manifest("step_8")["files"], {}
+    remade = store.manifest("step_8")["files"]
     weights_files = [f for f in remade if f.endswith(".safetensors")]
     assert weights_files
     for f in weights_files:
