@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from waypoint.errors import CheckpointError
 from waypoint.models.dtypes import DTYPE_NAMES
 from waypoint.models.nf4 import QUANTIZE_BASE
+from waypoint.run.object_store import url_scheme
 
 Check = Callable[[Any], "str | None"]
 
@@ -81,6 +82,21 @@ def device(v) -> str | None:
     return None
 
 
+def output_dir(v) -> str | None:
+    """A local directory or an object-store URL (any scheme, in any case: ``S3://`` is ``s3://``); a ``file://`` URL
+    would become a local folder named ``file:``, and the hub (``hf://``) is where inputs come from."""
+    if not isinstance(v, str) or not v or url_scheme(v) == "hf":
+        return "a local directory or an object-store URL such as s3://bucket/prefix"
+    return "a local path without file:// (or an object-store URL such as s3://bucket/prefix)" if url_scheme(v) == "file" else None
+
+
+def local_directory(what: str) -> Check:
+    """A local directory (a URL, which the writer would make into a folder named after its scheme, is refused)."""
+    def check(v):
+        return None if isinstance(v, str) and v and url_scheme(v) is None else f"a local directory for {what}, not a URL"
+    return check
+
+
 def strings(v) -> str | None:
     return None if isinstance(v, (list, tuple)) and v and all(isinstance(s, str) for s in v) else "a non-empty list of names"
 
@@ -88,7 +104,7 @@ def strings(v) -> str | None:
 DTYPES = one_of(*DTYPE_NAMES)
 
 COMMON: dict[str, tuple[bool, Check]] = {
-    "output_dir": (True, lambda v: None if isinstance(v, str) and v else "a directory path"),
+    "output_dir": (True, output_dir),
     "resume": (True, resume),
     "overwrite": (True, boolean),
     "seed": (True, integer(0)),
@@ -116,7 +132,7 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "lr_scheduler.num_warmup_steps": (False, integer(0)),
     "dataset.max_seq_len": (False, integer(1)),
     "packed": (False, boolean),
-    "log_dir": (False, optional(lambda v: None if isinstance(v, str) and v else "a directory for TensorBoard event files")),
+    "log_dir": (False, optional(local_directory("TensorBoard event files"))),
     "quantize_base": (False, lambda v: None if v is None else "null (a 4-bit base is frozen: QLoRA is recipes/lora_finetune.py)"),
     "validation": (False, lambda v: None if v is None or isinstance(v, Mapping) else "a section {source or fraction, every_n_steps}"),
     **{key: (True, lambda v: None if isinstance(v, Mapping) and v.get("_target_") else "a section with a _target_")

@@ -11,7 +11,8 @@
   failed), deleted when it did; again at the end.
 
 Overlap is judged on resolved real paths (symlinks and ``..`` followed), so that no output is ever written over,
-into or around what a command reads (``refuse_overlap``, for the scripts too).
+into or around what a command reads (``refuse_overlap``, for the scripts too). A script's output is a local path:
+a URL there is refused (``local_output``), never made into a folder named ``s3:``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from waypoint.errors import CheckpointError
 from waypoint.run.lock import RunLock
+from waypoint.run.object_store import url_scheme
 from waypoint.run.step_dirs import settle_overwritten
 
 # Names in output_dir that a run creates, renames or deletes.
@@ -69,6 +71,19 @@ def refuse_overlap(output: str | os.PathLike, inputs: Mapping[str, str | os.Path
         if how:
             raise CheckpointError(f"{output_label} {output} {how} {label} {path}, which this command reads; "
                                   "choose an output outside it")
+
+
+def local_output(path: str | os.PathLike, option: str) -> Path:
+    """An output that a command writes to this machine's disk only (a script's OUT_DIR): ``path``; a URL (any scheme
+    in any case, ``file://`` included) is refused in one line naming ``option``, never made into a local folder
+    named after its scheme."""
+    scheme = url_scheme(path)
+    if scheme == "file":
+        raise CheckpointError(f"{option} {path}: a file:// URL; give the path itself ({str(path)[len('file://'):]})")
+    if scheme:
+        raise CheckpointError(f"{option} {path}: this command writes a local directory, not a URL; give a local path "
+                              "(and copy the result to the store afterwards)")
+    return Path(path)
 
 
 def run_inputs(config: Mapping, prefix: str = "") -> dict[str, Path]:

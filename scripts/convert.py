@@ -9,7 +9,8 @@ replaces it only once the new output is complete. OUT_DIR may not be IN_DIR, lie
 contain it (real paths: symlinks are followed). Before the output is committed it is read back into a
 fresh model whose logits on a fixed 2x64-token probe must match the input's (``--no-verify`` skips it).
 
-IN_DIR may be an object-store URL (``s3://bucket/run/step_400``): it is copied to the local cache first.
+IN_DIR may be an object-store URL (``s3://bucket/run/step_400``): it is copied to the local cache first. OUT_DIR is
+a local directory: a URL there is refused.
 IN_DIR may also be a sharded step checkpoint of a torchrun run (``step_N/sharded/``): its
 model is read from the shards and written in the format, files and key -> file map of the
 run's input checkpoint (``--to`` its format), or converted further. One process holds the
@@ -39,7 +40,7 @@ from waypoint.checkpointers.shard_layout import parse_size  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
 from waypoint.run.object_store import local_copy  # noqa: E402
-from waypoint.run.output_dir import refuse_overlap  # noqa: E402
+from waypoint.run.output_dir import local_output, refuse_overlap  # noqa: E402
 from waypoint.run.recipe_state import sharded_step_model  # noqa: E402
 
 
@@ -117,7 +118,7 @@ def size(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("input", help="a checkpoint directory, or its object-store URL (s3://bucket/run/step_400)")
-    parser.add_argument("output", type=Path)
+    parser.add_argument("output", metavar="OUT_DIR", help="a local directory (not a URL)")
     parser.add_argument("--to", required=True, choices=["hf", "meta", "native"])
     parser.add_argument("--from", dest="source_format", choices=["hf", "meta", "native"], help="default: detected")
     parser.add_argument("--model-type", help="LLAMA2, LLAMA3, MISTRAL, ... (default: detected)")
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> int:
-        out = convert(local_copy(args.input, say=print), args.output, args.to, args.source_format, args.model_type, args.max_shard_size,
+        output = local_output(args.output, "OUT_DIR")  # before the input is fetched
+        out = convert(local_copy(args.input, say=print), output, args.to, args.source_format, args.model_type, args.max_shard_size,
                       args.num_shards, args.overwrite, verify=args.verify)
         print(f"wrote {out}")
         return 0

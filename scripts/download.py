@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         repo_type = args.repo_type or ref.repo_type
         revision = revision or ref.revision
     try:
+        if args.output_dir:  # a URL is refused, never made into a folder named "s3:" (imported here: it imports torch)
+            from waypoint.run.output_dir import local_output
+            local_output(args.output_dir, "--output-dir")
         snap = download(repo_id, repo_type=repo_type, revision=revision, fmt=args.fmt, weights=args.weights,
                         allow_patterns=args.allow_patterns, ignore_patterns=args.ignore_patterns, subpath=subpath,
                         local_dir=args.output_dir, token=args.hf_token or None)

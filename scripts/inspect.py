@@ -39,9 +39,9 @@ from collections import defaultdict  # noqa: E402
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from waypoint.checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
+from waypoint.checkpointers import checkpointer_for, detect_format  # noqa: E402
 from waypoint.checkpointers.commit import MANIFEST, verify  # noqa: E402
-from waypoint.checkpointers.file_formats import SAFETENSORS, format_of, load_pickle  # noqa: E402
+from waypoint.checkpointers.file_formats import SAFETENSORS, format_of, load_pickle, read_metadata  # noqa: E402
 from waypoint.checkpointers.load_report import fold_keys  # noqa: E402
 from waypoint.checkpointers.native_checkpointer import ALIASES_KEY  # noqa: E402
 from waypoint.run.object_store import local_copy  # noqa: E402
@@ -55,10 +55,12 @@ def weight_files(ckpt) -> list[Path]:
 
 
 def tensor_headers(path: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict]:
-    """key -> (shape, dtype) and the file's metadata, without reading tensor data."""
+    """key -> (shape, dtype) and the file's metadata, without reading tensor data; a file that is not safetensors, is
+    truncated or damaged is a one-line error naming it (``read_metadata``, which reads and checks the header)."""
     if format_of(path) == SAFETENSORS:
+        metadata = read_metadata(path) or {}
         with safe_open(str(path), framework="pt") as f:
-            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}, f.metadata() or {}
+            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}, metadata
     state = load_pickle(path)
     return {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in state.items()}, {}
 

@@ -5,7 +5,7 @@
 OUT_DIR gets the base's format, file names and key -> file map (and its tokenizer and other side files),
 with every adapted weight replaced by W + (lora_alpha / r) * B @ A (computed in fp32, cast back to W's
 dtype), committed atomically with a MANIFEST.json. OUT_DIR must not exist yet, nor be or lie inside BASE_DIR
-or ADAPTER_DIR.
+or ADAPTER_DIR, and is a local directory (a URL there is refused).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from waypoint.checkpointers import CheckpointError, checkpointer_for  # noqa: E4
 from waypoint.checkpointers.peft_adapter import load_adapter, read_adapter_config  # noqa: E402
 from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
 from waypoint.models.lora import merge_state_dict  # noqa: E402
-from waypoint.run.output_dir import refuse_overlap  # noqa: E402
+from waypoint.run.output_dir import local_output, refuse_overlap  # noqa: E402
 
 
 def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    out_dir = Path(out_dir)
+    out_dir = local_output(out_dir, "OUT_DIR")
     refuse_overlap(out_dir, {"the base": base_dir, "the adapter": adapter_dir}, "OUT_DIR")
     if out_dir.exists():
         raise CheckpointError(f"{out_dir}: already exists; choose a new output directory")
