@@ -38,11 +38,11 @@ def parse_config(argv: list[str] | None = None, description: str | None = None, 
         parser.error(f"--config {path}: file not found")
     try:
         cfg = _compose(path, args.overrides)
+        check_options(cfg, checks)  # before any download: a bad option (or output_dir=hf://...) costs nothing
         if _has_hf_uri(cfg):
             from waypoint.cli.hub import resolve_hf_uris  # imports huggingface_hub only when needed
 
             resolve_hf_uris(cfg)
-        check_options(cfg, checks)
     except (CheckpointError, FileNotFoundError) as e:  # before the recipe's own error handling
         if os.environ.get(DEBUG):
             raise

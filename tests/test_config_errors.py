@@ -30,6 +30,9 @@ CASES = [
     ("batch_size=[", "error: cannot parse the override 'batch_size=['"),
     ("+batch_size=4", "error: +batch_size: batch_size is already in the config; drop the +"),
     ("dataset.max_seq_len=${nope}", "error: "),
+    ("output_dir=hf://org/name", "error: output_dir=hf://org/name: expected a local directory or an object-store URL"),
+    ("output_dir=file:///tmp/x", "error: output_dir=file:///tmp/x: expected a local path without file://"),
+    ("log_dir=S3://bucket/tb", "error: log_dir=S3://bucket/tb: expected null or a local directory for TensorBoard event files"),
 ]
 
 
