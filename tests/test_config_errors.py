@@ -33,6 +33,40 @@ CASES = [
     ("output_dir=hf://org/name", "error: output_dir=hf://org/name: expected a local directory or an object-store URL"),
     ("output_dir=file:///tmp/x", "error: output_dir=file:///tmp/x: expected a local path without file://"),
     ("log_dir=S3://bucket/tb", "error: log_dir=S3://bucket/tb: expected null or a local directory for TensorBoard event files"),
+    ("resume=", "error: resume=: expected auto, true, false or the path of a step_N checkpoint"),
+    ("seed=-1", "error: seed=-1: expected an integer >= 0"),
+    ("strict=maybe", "error: strict=maybe: expected true or false"),
+    ("clip_grad_norm=-1", "error: clip_grad_norm=-1: expected null or a number > 0"),
+    ("enable_activation_checkpointing=2", "error: enable_activation_checkpointing=2: expected true or false"),
+    ("save_every_epoch=no", "error: save_every_epoch=no: expected true or false"),
+    ("requeue=1", "error: requeue=1: expected true or false"),
+    ("async_checkpoint=sure", "error: async_checkpoint=sure: expected true or false"),
+    ("verify_export=0", "error: verify_export=0: expected true or false"),
+    ("fused_loss=x", "error: fused_loss=x: expected true or false"),
+    ("optimizer.weight_decay=-1", "error: optimizer.weight_decay=-1: expected a number >= 0"),
+    ("lr_scheduler.num_warmup_steps=-5", "error: lr_scheduler.num_warmup_steps=-5: expected an integer >= 0"),
+    ("packed=yes", "error: packed=yes: expected true or false"),
+    ("+quantize_base=nf4", "error: quantize_base=nf4: expected null (a 4-bit base is frozen: QLoRA is recipes/lora_finetune.py)"),
+    ("validation=0.1", "error: validation=0.1: expected a section {source or fraction, every_n_steps}"),
+    ("model=null", "error: model=null: expected a section with a _target_"),
+    ("tokenizer=null", "error: tokenizer=null: expected a section with a _target_"),
+    ("dataset=null", "error: dataset=null: expected a section with a _target_"),
+    ("optimizer=null", "error: optimizer=null: expected a section with a _target_"),
+    ("lr_scheduler=null", "error: lr_scheduler=null: expected a section with a _target_"),
+]
+
+LORA_CASES = [
+    ("lora.rank=0", "error: lora.rank=0: expected an integer >= 1"),
+    ("lora.dropout=1", "error: lora.dropout=1: expected a number >= 0 and < 1"),
+    ("save_merged=sometimes", "error: save_merged=sometimes: expected one of final, every, never"),
+    ("lora.targets=[]", "error: lora.targets=[]: expected a non-empty list of names"),
+    ("lora.alpha=-1", "error: lora.alpha=-1: expected a number > 0"),
+    ("max_lora_rank=0", "error: max_lora_rank=0: expected an integer >= 1"),
+    ("save_adapter_weights_only=2", "error: save_adapter_weights_only=2: expected true or false"),
+    ("+quantize_base=int8", "error: quantize_base=int8: expected null or one of nf4"),
+    ("+nf4.block_size=0", "error: nf4.block_size=0: expected an even integer >= 2"),
+    ("+nf4.scaler_block_size=0", "error: nf4.scaler_block_size=0: expected an integer >= 1"),
+    ("+nf4.output=fp4", "error: nf4.output=fp4: expected true or false"),
 ]
 
 
@@ -47,9 +81,7 @@ def test_bad_option_is_one_line_and_touches_nothing(override, expected, tmp_path
     assert not out.exists()
 
 
-@pytest.mark.parametrize("override,expected", [("lora.rank=0", "error: lora.rank=0: expected an integer >= 1"),
-                                               ("lora.dropout=1", "error: lora.dropout=1: expected a number >= 0 and < 1"),
-                                               ("save_merged=sometimes", "error: save_merged=sometimes: expected one of final, every, never")])
+@pytest.mark.parametrize("override,expected", LORA_CASES, ids=[c[0] for c in LORA_CASES])
 def test_bad_lora_option_is_one_line(override, expected, tmp_path, capsys):
     with pytest.raises(SystemExit):
         lora_finetune(["--config", str(ROOT / "configs/tiny_lora.yaml"), f"output_dir={tmp_path / 'out'}", override])
