@@ -158,3 +158,13 @@ def test_a_tokenizer_from_another_model_is_refused_before_the_first_step(tmp_pat
     err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error" in line]
     assert code == 1 and len(err) == 1 and err[0].startswith("error: "), err
     assert "is past the model's embedding of 128 rows (the tokenizer at" in err[0] and "has 512 ids)" in err[0], err[0]
+
+
+def test_large_numbers_that_build_nothing_render():
+    """The size limit applies to what builds text or items (padding widths, repeats, powers), not to any number
+    a template holds: a default, an index, a namespace value, a range's step."""
+    from waypoint.text.chat_template import ChatTemplate
+
+    source = ("{{ x|default(100000000) }} {{ 'abc'.find('b', 0, 10**9) }} {% set ns = namespace(n=10**9) %}{{ ns.n }} "
+              "{{ range(0, 10**9, 10**8)|list|length }} {{ 'ab'.center(6) }}")
+    assert ChatTemplate(source, "t.jinja").render([]) == "100000000 1 1000000000 10   ab  "

@@ -56,10 +56,16 @@ def _check_widths(text: str) -> None:
                 raise _too_big(f"a format width of {int(number):,}")
 
 
-def _check_arguments(args, kwargs) -> None:
+# What takes an integer as the size of what it builds (a width, a count of items): str's padding methods and the
+# filters that pad or split into that many pieces. Other integers (indices, counts to replace) build nothing.
+SIZING_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+SIZING_FILTERS = frozenset({"center", "indent", "batch", "slice"})
+
+
+def _check_arguments(args, kwargs, sizing: bool = True) -> None:
     for value in (*args, *kwargs.values()):
         _check_size(value)
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > SIZE_LIMIT:
+        if sizing and isinstance(value, int) and not isinstance(value, bool) and abs(value) > SIZE_LIMIT:
             raise _too_big(f"an argument of {value:,}")
 
 
@@ -86,10 +92,10 @@ def _modulo(left, right):
     return _check_size(left % right)
 
 
-def _limited_filter(function):
+def _limited_filter(name: str, function):
     @functools.wraps(function)  # keeps jinja's pass_context / pass_environment marks
     def limited(*args, **kwargs):
-        _check_arguments(args[1:], kwargs)
+        _check_arguments(args[1:], kwargs, sizing=name in SIZING_FILTERS)
         if args and isinstance(args[0], str) and function.__name__ == "do_format":
             _check_widths(args[0])
         return _check_size(function(*args, **kwargs))
@@ -136,7 +142,8 @@ def sandboxed_environment():
             return super().call_binop(context, operator_, left, right)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
-            _check_arguments(args, kwargs)
+            _check_arguments(args, kwargs, sizing=isinstance(getattr(__obj, "__self__", None), str)
+                             and getattr(__obj, "__name__", "") in SIZING_METHODS)
             if getattr(__obj, "__name__", "") == "replace" and isinstance(getattr(__obj, "__self__", None), str) \
                     and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
                 old, new = args[0], args[1]
@@ -227,7 +234,7 @@ def sandboxed_environment():
 
     env = LimitedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTracker, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
-    env.filters = {name: _limited_filter(function) for name, function in env.filters.items()}
+    env.filters = {name: _limited_filter(name, function) for name, function in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
