@@ -15,6 +15,8 @@ At save, the adapter is checked against what vLLM serves (``vllm_problems``); ea
 from __future__ import annotations
 
 import os
+import re
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,12 +27,14 @@ from safetensors.torch import save
 
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tensors
-from waypoint.errors import CheckpointError
+from waypoint.errors import CheckpointError, first_line
+from waypoint.lazy import spec_of
 from waypoint.converters.ops import Identity, RopePermute
 from waypoint.converters.table import Converter, Rule
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+OTHER_BASE = f"the adapter was trained for another base model (see base_model_name_or_path in its {ADAPTER_CONFIG})"
 PEFT_PREFIX = "base_model.model."
 DEFAULT_MAX_LORA_RANK = 16
 # The LoRA modules vLLM serves for Llama-family models (its packed_modules_mapping and embedding_modules aside)
@@ -73,8 +77,11 @@ def to_layout(adapter: Mapping[str, torch.Tensor], converter: Converter, prefix:
     return out
 
 
-def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source: str = ADAPTER_WEIGHTS) -> dict[str, torch.Tensor]:
-    """PEFT adapter tensors -> native adapter tensors (the inverse of ``to_peft``)."""
+def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source: str = ADAPTER_WEIGHTS,
+              base: Mapping[str, torch.Tensor] | None = None, rank: int | None = None) -> dict[str, torch.Tensor]:
+    """PEFT adapter tensors -> native adapter tensors (the inverse of ``to_peft``). With ``base`` (the native state
+    dict it is merged onto) and ``rank`` (adapter_config.json's ``r``), every tensor is checked to fit: an adapter
+    of another base model is one line naming ``source`` and the key, not a shape error in the merge."""
     out = {}
     for key, t in tensors.items():
         stem = key.removeprefix(PEFT_PREFIX)
@@ -85,12 +92,39 @@ def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source:
                 break
         else:
             raise CheckpointError(f"{source}: key {key!r} is not a LoRA A/B weight (only plain LoRA adapters load)")
-        rule, native_key = _single_rule(converter, f"{module}.weight", "hf")
+        try:
+            rule, native_key = _single_rule(converter, f"{module}.weight", "hf")
+        except CheckpointError:
+            raise CheckpointError(f"{source}: {key}: this base has no {module} that a plain LoRA can adapt; "
+                                  f"{OTHER_BASE}, or adapts a fused projection") from None
         native_module = native_key.removesuffix(".weight")
+        _check_fits(key, part, t, source, rank, base, native_key, module)
         if part == "lora_B":
-            (t,) = rule.op.forward([t])
+            try:
+                (t,) = rule.op.forward([t])
+            except ValueError as e:  # RopePermute: rows of other heads
+                raise CheckpointError(f"{source}: {key} {first_line(e)}; {OTHER_BASE}") from None
         out[f"{native_module}.{part}.weight"] = t
     return out
+
+
+def _check_fits(key: str, part: str, t: torch.Tensor, source: str, rank: int | None,
+                base: Mapping[str, torch.Tensor] | None, native_key: str, module: str) -> None:
+    """Raise when ``t`` (``key``'s lora_A [r, in] or lora_B [out, r]) cannot adapt the base's ``native_key``."""
+    if t.ndim != 2:
+        raise CheckpointError(f"{source}: {key} has shape {list(t.shape)}, expected a matrix")
+    if rank is not None and t.shape[0 if part == "lora_A" else 1] != rank:
+        raise CheckpointError(f"{source}: {key} has shape {list(t.shape)}, not rank r={rank} of {ADAPTER_CONFIG}")
+    if base is None:
+        return
+    try:
+        shape = spec_of(base, native_key)[0]  # a lazy state's shape, without reading the tensor
+    except KeyError:
+        raise CheckpointError(f"{source}: {key} adapts {module}, which the base model lacks; {OTHER_BASE}") from None
+    axis = 1 if part == "lora_A" else 0  # A reads the weight's input columns, B writes its output rows
+    if len(shape) != 2 or t.shape[axis] != shape[axis]:
+        raise CheckpointError(f"{source}: {key} has shape {list(t.shape)}, but the base's {module}.weight is "
+                              f"{list(shape)}; {OTHER_BASE}")
 
 
 def check_targets(model: torch.nn.Module, converter: Converter, family=None) -> None:
@@ -189,12 +223,67 @@ def read_adapter_config(directory: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
-def load_adapter(directory: str | os.PathLike, converter: Converter) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(native adapter tensors, adapter_config) of a PEFT LoRA adapter directory (ours or PEFT's)."""
+def load_adapter(directory: str | os.PathLike, converter: Converter, base: Mapping[str, torch.Tensor] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(native adapter tensors, adapter_config) of a PEFT LoRA adapter directory (ours or PEFT's); with ``base``, the
+    native state dict it is for, each tensor is checked to fit its weight (``from_peft``)."""
     directory = Path(directory)
     config = read_adapter_config(directory)
     weights = next((directory / name for name in (ADAPTER_WEIGHTS, "adapter_model.bin") if (directory / name).is_file()), None)
     if weights is None:
         raise CheckpointError(f"{directory / ADAPTER_WEIGHTS}: missing")
     tensors = read_tensors(weights)
-    return from_peft(tensors, converter, str(weights)), config
+    return from_peft(tensors, converter, str(weights), base, int(config["r"])), config
+
+
+def other_base(config: Mapping[str, Any], checkpoint_dir: str | os.PathLike, family=None) -> str | None:
+    """Why an adapter (its adapter_config.json ``config``) looks trained for another base than the checkpoint in
+    ``checkpoint_dir`` (of ``family``), or None: ``base_model_name_or_path`` names none of the checkpoint's names
+    (its directory, the hub repo it was downloaded from, config.json's ``_name_or_path``; compared by their last
+    path part, so a moved base is the same), or the model class PEFT records (``auto_mapping``) is of another family.
+    What the adapter does not record is not compared."""
+    reasons = []
+    recorded = config.get("base_model_name_or_path")
+    if isinstance(recorded, str) and recorded.strip() and _last_part(recorded) not in base_names(checkpoint_dir):
+        reasons.append(f"base_model_name_or_path is {recorded!r}, not {checkpoint_dir}")
+    mapping = config.get("auto_mapping")
+    trained_on = mapping.get("base_model_class") if isinstance(mapping, Mapping) else None
+    if family is not None and isinstance(trained_on, str) and _model_family(trained_on) != _model_family(family.architecture):
+        reasons.append(f"it was trained on a {trained_on}, the base is a {family.architecture}")
+    return "; ".join(reasons) or None
+
+
+def warn_other_base(adapter_dir: str | os.PathLike, config: Mapping[str, Any], checkpoint_dir: str | os.PathLike,
+                    family=None) -> str | None:
+    """One ``warning:`` line on stderr when ``other_base`` finds a reason; the merge goes on (a renamed copy of the
+    base is still its base). Returns the reason."""
+    reason = other_base(config, checkpoint_dir, family)
+    if reason:
+        print(f"warning: {Path(adapter_dir) / ADAPTER_CONFIG}: {reason}; merged anyway, but an adapter merged onto "
+              "another base model gives nonsense: check that the adapter belongs to this base", file=sys.stderr)
+    return reason
+
+
+def base_names(checkpoint_dir: str | os.PathLike) -> set[str]:
+    """The names an adapter's ``base_model_name_or_path`` may give the checkpoint in ``checkpoint_dir``, each as
+    ``_last_part``: the directory's, what a LoRA run records for it (``base_model_name``: the hub repo id when it was
+    downloaded), config.json's ``_name_or_path``, and the repo of a hub cache folder (``models--org--name``)."""
+    from waypoint.cli.hub import base_model_name  # imports huggingface_hub: only when an adapter is merged
+
+    path = Path(checkpoint_dir).resolve()
+    names = [path.name, base_model_name(path)]
+    if (path / "config.json").is_file():
+        config = read_json(path / "config.json")
+        names.append(config.get("_name_or_path") if isinstance(config, Mapping) else None)
+    names += [p.name.rsplit("--", 1)[-1] for p in path.parents if p.name.startswith("models--")]
+    return {_last_part(n) for n in names if isinstance(n, str) and n.strip()}
+
+
+def _last_part(name: str) -> str:
+    """``org/Name`` and ``/data/Name/`` -> ``name``."""
+    return name.strip().rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower()
+
+
+def _model_family(class_name: str) -> str:
+    """``LlamaForCausalLM`` and ``LlamaModel`` -> ``llama``."""
+    return re.sub(r"(For[A-Z]\w*|Model)$", "", class_name).lower()

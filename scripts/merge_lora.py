@@ -5,7 +5,9 @@
 OUT_DIR gets the base's format, file names and key -> file map (and its tokenizer and other side files),
 with every adapted weight replaced by W + (lora_alpha / r) * B @ A (computed in fp32, cast back to W's
 dtype), committed atomically with a MANIFEST.json. OUT_DIR must not exist yet, nor be or lie inside BASE_DIR
-or ADAPTER_DIR, and is a local directory (a URL there is refused).
+or ADAPTER_DIR, and is a local directory (a URL there is refused). An adapter whose tensors do not fit the base is
+refused in one line; one whose adapter_config.json names another base (``base_model_name_or_path``, or the model
+class PEFT records) is merged with a ``warning:`` line on stderr.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from waypoint.checkpointers import CheckpointError, checkpointer_for  # noqa: E402
-from waypoint.checkpointers.peft_adapter import load_adapter, read_adapter_config  # noqa: E402
+from waypoint.checkpointers.peft_adapter import load_adapter, read_adapter_config, warn_other_base  # noqa: E402
 from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
 from waypoint.models.lora import merge_state_dict  # noqa: E402
 from waypoint.run.output_dir import local_output, refuse_overlap  # noqa: E402
@@ -37,7 +39,8 @@ def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: 
     checkpointer = checkpointer_for(base_dir, output_dir=out_dir.parent)
     base = checkpointer.load_checkpoint()["model"]
     converter = checkpointer.hf_converter()
-    adapter, config = load_adapter(adapter_dir, converter)
+    adapter, config = load_adapter(adapter_dir, converter, base)  # a tensor that does not fit the base: one line
+    warn_other_base(adapter_dir, config, checkpointer.checkpoint_dir, checkpointer.family)
     if converter.tied_embeddings and any(k.startswith(converter.native_head_key.rsplit(".", 1)[0] + ".lora_") for k in adapter):
         raise CheckpointError("the adapter changes the output head, which this base ties to the embedding")
     merged = merge_state_dict(base, adapter, float(config["lora_alpha"]) / int(config["r"]))
