@@ -46,11 +46,12 @@ def report(e: BaseException) -> int:
     return 1
 
 
-def run_command(fn: Callable[[], int]) -> int:
-    """``fn()``, with bad input (and Ctrl-C) reported in one line."""
+def run_command(fn: Callable[[], int], also: tuple[type[BaseException], ...] = ()) -> int:
+    """``fn()``, with bad input (and Ctrl-C) reported in one line; ``also``: further error types that only the
+    command's input raises (recipes/generate.py: ValueError, which the training recipes' datasets raise through Hydra)."""
     try:
         return fn()
-    except user_errors() as e:
+    except (*user_errors(), *also) as e:
         if os.environ.get(DEBUG):
             raise
         return report(e)

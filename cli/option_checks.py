@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -28,12 +29,13 @@ def integer(minimum: int) -> Check:
     return check
 
 
-def number(minimum: float, inclusive: bool = True, below: float | None = None) -> Check:
+def number(minimum: float, inclusive: bool = True, below: float | None = None, at_most: float | None = None) -> Check:
     def check(v):
         fits = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= minimum if inclusive else v > minimum)
-        if fits and (below is None or v < below):
+        if fits and (below is None or v < below) and (at_most is None or v <= at_most):
             return None
-        return f"a number {'>=' if inclusive else '>'} {minimum}" + (f" and < {below}" if below is not None else "")
+        upper = f" and < {below}" if below is not None else f" and <= {at_most}" if at_most is not None else ""
+        return f"a number {'>=' if inclusive else '>'} {minimum}{upper}"
     return check
 
 
@@ -188,7 +190,18 @@ def _show(value: Any) -> str:
 
 
 def text(v) -> str | None:
+    if isinstance(v, (bool, int, float)):  # Hydra reads key=42 and key=true as a number and a boolean
+        return "a non-empty string (text Hydra reads as a number or true/false is quoted: key='\"42\"')"
     return None if isinstance(v, str) and v else "a non-empty string"
+
+
+def chat_template(v) -> str | None:
+    """A built-in template's name or a template file (a missing ``.jinja`` file is named when it is read)."""
+    from waypoint.text.chat_template import BUILTIN_TEMPLATES
+
+    if v is None or (isinstance(v, str) and (v in BUILTIN_TEMPLATES or v.endswith(".jinja") or Path(v).is_file())):
+        return None
+    return f"null (the checkpoint's own), {', '.join(sorted(BUILTIN_TEMPLATES))} or a .jinja file"
 
 
 # recipes/generate.py
@@ -198,11 +211,12 @@ GENERATE: dict[str, tuple[bool, Check]] = {
     "prompt": (False, optional(text)),
     "system": (False, optional(text)),
     "chat": (True, boolean),
-    "chat_template": (False, optional(text)),
+    "chat_template": (False, chat_template),
+    "plain_text": (False, boolean),
     "max_new_tokens": (True, integer(1)),
     "temperature": (True, number(0)),
     "top_k": (True, integer(0)),
-    "top_p": (True, number(0, inclusive=False, below=1.000001)),
+    "top_p": (True, number(0, inclusive=False, at_most=1)),
     "repetition_penalty": (True, number(0, inclusive=False)),
     "seed": (True, integer(0)),
     "device": (True, device),
