@@ -39,6 +39,7 @@ from waypoint.checkpointers.load_model import model_from  # noqa: E402
 from waypoint.checkpointers.shard_layout import parse_size  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
+from waypoint.families import family_named  # noqa: E402
 from waypoint.run.object_store import local_copy  # noqa: E402
 from waypoint.run.output_dir import local_output, refuse_overlap  # noqa: E402
 from waypoint.run.recipe_state import sharded_step_model  # noqa: E402
@@ -115,16 +116,32 @@ def size(text: str) -> str:
     return text
 
 
+def count(text: str) -> int:
+    """--num-shards's check: 0 would keep the input's files and -2 write one, without a word."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of files >= 1")
+    return int(text)
+
+
+def model_type(text: str) -> str:
+    """--model-type's check, before the input is read: a family's model type (LLAMA3) or HF model_type (llama)."""
+    try:
+        family_named(text)
+    except CheckpointError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("input", help="a checkpoint directory, or its object-store URL (s3://bucket/run/step_400)")
     parser.add_argument("output", metavar="OUT_DIR", help="a local directory (not a URL)")
     parser.add_argument("--to", required=True, choices=["hf", "meta", "native"])
     parser.add_argument("--from", dest="source_format", choices=["hf", "meta", "native"], help="default: detected")
-    parser.add_argument("--model-type", help="LLAMA2, LLAMA3, MISTRAL, ... (default: detected)")
+    parser.add_argument("--model-type", type=model_type, help="LLAMA2, LLAMA3, MISTRAL, ... (default: detected)")
     shard = parser.add_mutually_exclusive_group()
     shard.add_argument("--max-shard-size", type=size, help="e.g. 5GB (HF and native outputs)")
-    shard.add_argument("--num-shards", type=int, help="number of output files (Meta: model-parallel files)")
+    shard.add_argument("--num-shards", type=count, help="number of output files (Meta: model-parallel files)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a non-empty output directory (only once the new one is complete)")
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,

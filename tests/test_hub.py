@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -272,6 +273,16 @@ def test_gated_missing_repository_revision_and_file_errors_are_one_line(clean_en
     message = one_line_error(uri="hf://datasets/org/multi", **common)
     assert "2 data files (a.jsonl, b.jsonl)" in message
     assert hub.downloads() == [r for r in hub.downloads() if r.path.startswith("/org/gated/")]
+
+
+def test_patterns_that_match_no_file_are_one_line(clean_env, tmp_path):
+    """--allow-patterns / --ignore-patterns that leave nothing to fetch say so, and fetch nothing."""
+    hub = clean_env
+    common = dict(cache_dir=tmp_path / "cache", endpoint=hub.url, token=False)
+    assert re.fullmatch(r"no file of org/tiny \(commit \w+\) matches allow_patterns=\['\*\.gguf'\] ignore_patterns=None",
+                        one_line_error(repo_id="org/tiny", allow_patterns=["*.gguf"], **common))
+    assert "ignore_patterns=['*']" in one_line_error(repo_id="org/tiny", ignore_patterns=["*"], **common)
+    assert hub.downloads() == []
 
 
 def test_no_network_and_not_enough_disk(clean_env, tmp_path, monkeypatch):

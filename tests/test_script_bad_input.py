@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from scripts import convert, download, inspect as inspect_script, merge_lora
+from scripts import convert, download, inspect as inspect_script, merge_lora, plot_metrics
 from tests.conftest import ROOT
 from tests.s3_server import free_port
 
@@ -107,6 +107,9 @@ class Setup:
         return "out"
 
 
+SCRIPTS = {"inspect": inspect_script, "convert": convert, "merge_lora": merge_lora, "download": download,
+           "plot_metrics": plot_metrics}
+
 # (case id, setup -> argv (the script's name first), the one error line's expected regex)
 CASES = [
     ("inspect_garbage_shard", lambda s: ["inspect", s.local(garbage)], UNREADABLE + "header too large"),
@@ -147,6 +150,27 @@ CASES = [
      r"out: not empty; choose another directory or pass --overwrite$"),
     ("merge_lora_to_s3", lambda s: ["merge_lora", str(TINY), str(TINY), "s3://bucket/merged"], rf"OUT_DIR s3://bucket/merged: {A_URL}"),
     ("download_to_S3", lambda s: ["download", "org/name", "--output-dir", "S3://bucket/x"], rf"--output-dir S3://bucket/x: {A_URL}"),
+    ("convert_to_unknown_format", lambda s: ["convert", str(TINY), "out", "--to", "gguf"],
+     r"argument --to: invalid choice: 'gguf' \(choose from 'hf', 'meta', 'native'\)"),
+    ("convert_unknown_model_type", lambda s: ["convert", str(TINY), "out", "--to", "hf", "--model-type", "LLAMA9"],
+     r"argument --model-type: unknown model_type 'LLAMA9'; known: LLAMA2, "),
+    ("convert_no_shards", lambda s: ["convert", str(TINY), "out", "--to", "hf", "--num-shards", "0"],
+     r"argument --num-shards: '0': expected a number of files >= 1"),  # kept the input's 3 files before
+    ("convert_negative_shards", lambda s: ["convert", str(TINY), "out", "--to", "meta", "--num-shards", "-2"],
+     r"argument --num-shards: '-2': expected a number of files >= 1"),  # wrote 1 file before
+    ("download_unknown_format", lambda s: ["download", "org/name", "--format", "gguf"], r"argument --format: invalid choice: 'gguf'"),
+    ("download_unknown_weights", lambda s: ["download", "org/name", "--weights", "pt"], r"argument --weights: invalid choice: 'pt'"),
+    ("download_unknown_repo_type", lambda s: ["download", "org/name", "--repo-type", "space"],
+     r"argument --repo-type: invalid choice: 'space'"),
+    ("merge_lora_missing_adapter", lambda s: ["merge_lora", str(TINY), str(s.tmp / "nowhere"), "merged"],
+     r"nowhere/adapter_config\.json: missing"),
+    ("plot_metrics_not_a_run", lambda s: ["plot_metrics", str(s.tmp / "nowhere")],
+     r"nowhere/metrics\.jsonl: no such file \(is \S+/nowhere a training run's output_dir\?\)$"),
+    ("plot_metrics_several_runs_without_out", lambda s: ["plot_metrics", "a", "b"], r"several runs: name the PNG with --out"),
+    ("plot_metrics_out_not_a_run", lambda s: ["plot_metrics", str(s.tmp / "nowhere"), "--out", "m.png"],
+     r"nowhere/metrics\.jsonl: no such file"),
+    ("plot_metrics_smoothing_of_one", lambda s: ["plot_metrics", str(s.tmp / "nowhere"), "--smooth", "1"],
+     r"argument --smooth: 1: must be at least 0 and below 1"),
     ("convert_bad_shard_size", lambda s: ["convert", str(TINY), "out", "--to", "hf", "--max-shard-size", "0"],
      r"argument --max-shard-size: invalid size value: '0' \(see "),
 ]
@@ -173,7 +197,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(setup, expected, tmp_pat
     argv = setup(Setup(tmp_path, request, monkeypatch))
     before = sorted(os.listdir(tmp_path))
     capsys.readouterr()
-    script = {"inspect": inspect_script, "convert": convert, "merge_lora": merge_lora, "download": download}[argv[0]]
+    script = SCRIPTS[argv[0]]
     try:
         code = script.main(argv[1:])
     except SystemExit as usage:  # argparse: a malformed command line
