@@ -73,8 +73,6 @@ def reset_peak_rss() -> None:
 
 def build(impl: str, shape: str, device, dtype):
     """(model, step(tokens, labels) -> loss) for ``impl``."""
-    import torch
-
     from waypoint.training.loss import forward_backward
     from waypoint.training.distributed import Distributed
 
