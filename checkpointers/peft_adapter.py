@@ -236,15 +236,16 @@ def load_adapter(directory: str | os.PathLike, converter: Converter, base: Mappi
     return from_peft(tensors, converter, str(weights), base, int(config["r"])), config
 
 
-def other_base(config: Mapping[str, Any], checkpoint_dir: str | os.PathLike, family=None) -> str | None:
+def other_base(config: Mapping[str, Any], checkpoint_dir: str | os.PathLike, family=None, recorded_name: str | None = None
+               ) -> str | None:
     """Why an adapter (its adapter_config.json ``config``) looks trained for another base than the checkpoint in
     ``checkpoint_dir`` (of ``family``), or None: ``base_model_name_or_path`` names none of the checkpoint's names
-    (its directory, the hub repo it was downloaded from, config.json's ``_name_or_path``; compared by their last
-    path part, so a moved base is the same), or the model class PEFT records (``auto_mapping``) is of another family.
+    (its directory, ``recorded_name``: the name a LoRA run records for it, such as the hub repo it was downloaded
+    from, config.json's ``_name_or_path``; compared by their last path part, so a moved base is the same), or the model class PEFT records (``auto_mapping``) is of another family.
     What the adapter does not record is not compared."""
     reasons = []
     recorded = config.get("base_model_name_or_path")
-    if isinstance(recorded, str) and recorded.strip() and _last_part(recorded) not in base_names(checkpoint_dir):
+    if isinstance(recorded, str) and recorded.strip() and _last_part(recorded) not in base_names(checkpoint_dir, recorded_name):
         reasons.append(f"base_model_name_or_path is {recorded!r}, not {checkpoint_dir}")
     mapping = config.get("auto_mapping")
     trained_on = mapping.get("base_model_class") if isinstance(mapping, Mapping) else None
@@ -254,24 +255,23 @@ def other_base(config: Mapping[str, Any], checkpoint_dir: str | os.PathLike, fam
 
 
 def warn_other_base(adapter_dir: str | os.PathLike, config: Mapping[str, Any], checkpoint_dir: str | os.PathLike,
-                    family=None) -> str | None:
+                    family=None, recorded_name: str | None = None) -> str | None:
     """One ``warning:`` line on stderr when ``other_base`` finds a reason; the merge goes on (a renamed copy of the
     base is still its base). Returns the reason."""
-    reason = other_base(config, checkpoint_dir, family)
+    reason = other_base(config, checkpoint_dir, family, recorded_name)
     if reason:
         print(f"warning: {Path(adapter_dir) / ADAPTER_CONFIG}: {reason}; merged anyway, but an adapter merged onto "
               "another base model gives nonsense: check that the adapter belongs to this base", file=sys.stderr)
     return reason
 
 
-def base_names(checkpoint_dir: str | os.PathLike) -> set[str]:
+def base_names(checkpoint_dir: str | os.PathLike, recorded_name: str | None = None) -> set[str]:
     """The names an adapter's ``base_model_name_or_path`` may give the checkpoint in ``checkpoint_dir``, each as
-    ``_last_part``: the directory's, what a LoRA run records for it (``base_model_name``: the hub repo id when it was
-    downloaded), config.json's ``_name_or_path``, and the repo of a hub cache folder (``models--org--name``)."""
-    from waypoint.cli.hub import base_model_name  # imports huggingface_hub: only when an adapter is merged
-
+    ``_last_part``: the directory's, ``recorded_name`` (what a LoRA run records for it: cli.hub's
+    ``base_model_name``, the hub repo id when it was downloaded), config.json's ``_name_or_path``, and the repo of a
+    hub cache folder (``models--org--name``)."""
     path = Path(checkpoint_dir).resolve()
-    names = [path.name, base_model_name(path)]
+    names = [path.name, recorded_name]
     if (path / "config.json").is_file():
         config = read_json(path / "config.json")
         names.append(config.get("_name_or_path") if isinstance(config, Mapping) else None)

@@ -46,6 +46,7 @@ from waypoint.checkpointers.peft_adapter import load_adapter, read_adapter_confi
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from waypoint.cli.command import run_command  # noqa: E402
 from waypoint.cli.config import parse_config  # noqa: E402
+from waypoint.cli.hub import base_model_name  # noqa: E402
 from waypoint.cli.option_checks import GENERATE  # noqa: E402
 from waypoint.errors import CheckpointError  # noqa: E402
 from waypoint.models import Transformer, parse_dtype  # noqa: E402
@@ -109,7 +110,8 @@ def load_model(cfg, checkpointer, state: dict, adapter_dir: Path | None) -> Tran
     """The checkpoint's model, with ``adapter_dir``'s LoRA merged in, in ``dtype`` on ``device``, for inference."""
     if adapter_dir is not None:
         tensors, config = load_adapter(adapter_dir, checkpointer.hf_converter(), state)  # each checked to fit
-        warn_other_base(adapter_dir, config, checkpointer.checkpoint_dir, checkpointer.family)
+        warn_other_base(adapter_dir, config, checkpointer.checkpoint_dir, checkpointer.family,
+                        base_model_name(checkpointer.checkpoint_dir))
         state = merge_state_dict(state, tensors, float(config["lora_alpha"]) / int(config["r"]))
     with torch.device("meta"):
         model = Transformer(checkpointer.model_args())

@@ -26,6 +26,7 @@ if importlib.util.find_spec("waypoint") is None:
 from waypoint.checkpointers import CheckpointError, checkpointer_for  # noqa: E402
 from waypoint.checkpointers.peft_adapter import load_adapter, read_adapter_config, warn_other_base  # noqa: E402
 from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
+from waypoint.cli.hub import base_model_name  # noqa: E402
 from waypoint.models.lora import merge_state_dict  # noqa: E402
 from waypoint.run.output_dir import local_output, refuse_overlap  # noqa: E402
 
@@ -40,7 +41,8 @@ def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: 
     base = checkpointer.load_checkpoint()["model"]
     converter = checkpointer.hf_converter()
     adapter, config = load_adapter(adapter_dir, converter, base)  # a tensor that does not fit the base: one line
-    warn_other_base(adapter_dir, config, checkpointer.checkpoint_dir, checkpointer.family)
+    warn_other_base(adapter_dir, config, checkpointer.checkpoint_dir, checkpointer.family,
+                    base_model_name(checkpointer.checkpoint_dir))
     if converter.tied_embeddings and any(k.startswith(converter.native_head_key.rsplit(".", 1)[0] + ".lora_") for k in adapter):
         raise CheckpointError("the adapter changes the output head, which this base ties to the embedding")
     merged = merge_state_dict(base, adapter, float(config["lora_alpha"]) / int(config["r"]))

@@ -289,6 +289,30 @@ def test_base_model_name_is_the_hub_repo_when_recorded(tmp_path):
     assert json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"] == "meta-llama/Llama-2-7b-hf"
 
 
+@pytest.mark.parametrize("recorded,where,other", [
+    ("meta-llama/Llama-2-7b-hf", "hub_repo", False),          # downloaded: its waypoint_source.json's repo
+    ("/old/disk/base", "base", False),                       # the same base, moved
+    ("org/Base/", "base", False),                            # names compare by their last part, in any case
+    ("Qwen/Qwen2-0.5B", "hub_cache", False),                 # a snapshot folder of the hub cache
+    ("someone/tiny-from-config", "config", False),           # config.json's _name_or_path
+    ("meta-llama/Llama-3.1-8B", "base", True),
+    ("", "base", False),                                     # nothing recorded: nothing compared
+])
+def test_an_adapter_names_its_base_by_any_of_its_names(recorded, where, other, tmp_path):
+    from waypoint.checkpointers.peft_adapter import other_base
+    from waypoint.cli.hub import base_model_name
+
+    base = tmp_path / ("models--Qwen--Qwen2-0.5B/snapshots/abc" if where == "hub_cache" else "base")
+    write_family_checkpoint(base, tiny_family_config("llama"))
+    if where == "hub_repo":
+        (base / "waypoint_source.json").write_text(json.dumps({"repo_id": recorded, "revision": "0" * 40}))
+    if where == "config":
+        config = json.loads((base / "config.json").read_text())
+        (base / "config.json").write_text(json.dumps({**config, "_name_or_path": recorded}))
+    reason = other_base({"base_model_name_or_path": recorded}, base, recorded_name=base_model_name(base))
+    assert (reason == f"base_model_name_or_path is {recorded!r}, not {base}") if other else reason is None, reason
+
+
 def test_lora_on_a_tied_head_is_refused(tmp_path):
     base = tmp_path / "base"
     write_family_checkpoint(base, tiny_family_config("gemma"))
