@@ -24,16 +24,16 @@ class TokenizedRecords:
         self._masks: list[bytes] = []
 
     def add(self, tokens: Sequence[int], mask: Sequence[int], where: str) -> None:
-        """A record's ids and its mask (1 on the tokens trained on), whole: cut when read."""
-        self._tokens.append(array("q", tokens))
-        self._masks.append(bytes(1 if m else 0 for m in mask))
+        """A record's ids and its mask (1 on the tokens trained on), kept up to ``max_seq_len``."""
+        self._tokens.append(array("i", tokens[: self.max_seq_len]))  # 4 bytes an id: vocabularies are far below 2**31
+        self._masks.append(bytes(1 if m else 0 for m in mask[: self.max_seq_len]))
         self.where.append(where)
 
     def __len__(self) -> int:
         return len(self._tokens)
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
-        tokens = self._tokens[index][: self.max_seq_len].tolist()
+        tokens = self._tokens[index].tolist()
         if self.train_on_input:
             return {"tokens": tokens, "labels": tokens[:]}
         mask = self._masks[index]
