@@ -17,6 +17,13 @@ included), which the model keeps from step to step on the CPU: a step there allo
 
 The per-token losses are the plain path's (the same rows through the same matmul, the same fp32 log-softmax); the
 sum and the gradients agree with it up to the order in which the chunks are added.
+
+:func:`linear_cross_entropy_rows` gives each sequence's loss sum, a [batch] vector, for losses such as DPO's that
+are nonlinear in them. Its upstream gradient is then a vector, a factor per sequence that is unknown until backward,
+so the gradients cannot be formed in forward: forward computes the losses only and keeps the supervised hidden rows
+(and the weight), and backward recomputes each chunk's logits and softmax, scales softmax minus one-hot row by row,
+and forms the gradients as above. One extra [chunk, dim] x [dim, vocab] matmul per chunk, and still nothing
+[tokens, vocab]-sized kept between forward and backward.
 """
 
 from __future__ import annotations
@@ -40,6 +47,14 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     """
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def next_token_loss_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's :func:`next_token_loss_sum`: [batch] fp32, 0 for a row with no supervised position."""
+    batch, seq = labels.shape
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                             ignore_index=IGNORE_INDEX, reduction="none")
+    return losses.view(batch, seq - 1).sum(1)
 
 
 def chunk_tokens(vocab: int, chunk: int | None = None) -> int:
@@ -93,11 +108,40 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     return _LinearCrossEntropySum.apply(rows, weight, targets, chunk, softcap, buffer)
 
 
-def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight, buffer=None):
+def linear_cross_entropy_rows(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                              chunk: int | None = None, softcap: float | None = None,
+                              buffer: ChunkBuffer | None = None) -> torch.Tensor:
+    """:func:`linear_cross_entropy_sum` row by row: each row's next-token loss sum [batch] (fp32, 0 for a row with no
+    supervised position), :func:`next_token_loss_rows` of the (capped) logits ``hidden @ weight.T``, one chunk of
+    ``chunk`` supervised positions at a time. The gradients are recomputed in backward, a chunk at a time."""
+    batch, seq = labels.shape
+    rows = hidden[:, :-1].flatten(0, 1)
+    targets = labels[:, 1:].flatten()
+    index = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # the supervised positions, flat over [batch, seq - 1]
+    if len(index) < len(targets):  # autograd scatters the rows' gradient back (zeros for the ignored ones)
+        rows, targets = rows[index], targets[index]
+    chunk = chunk_tokens(weight.shape[0], chunk)
+    if not torch.is_grad_enabled():  # evaluation: the losses only
+        return _row_sums(rows, weight, targets, index, batch, seq, chunk, softcap, buffer)
+    return _LinearCrossEntropyRows.apply(rows, weight, targets, index, batch, seq, chunk, softcap, buffer)
+
+
+def _row_sums(hidden, weight, targets, index, batch, seq, chunk, softcap, buffer):
+    """Each row's loss sum [batch]: the supervised positions' losses scattered to their places in [batch, seq - 1]
+    and summed as :func:`next_token_loss_rows` sums them."""
+    losses = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+    _chunks(hidden, weight, targets, chunk, softcap, False, False, buffer, losses=losses)
+    placed = torch.zeros(batch * (seq - 1), dtype=torch.float32, device=hidden.device)
+    return placed.index_copy_(0, index, losses).view(batch, seq - 1).sum(1)
+
+
+def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight, buffer=None, losses=None, scale=None):
     """(loss sum, its gradient with respect to ``hidden`` or None, to ``weight`` in fp32 or None), a chunk at a time;
     every row of ``hidden`` supervised by its label. Every [chunk, vocab] tensor is a view of ``buffer`` (a
     :class:`ChunkBuffer`; None: one for this call), each step written in place in the order the out-of-place
-    formulas take (the same bits)."""
+    formulas take (the same bits). ``losses``: an fp32 [rows] tensor that takes each row's loss as well.
+    ``scale``: fp32 [rows], each row's factor on the gradients (the upstream gradient of each row's loss, applied to
+    softmax minus one-hot in fp32, where autograd applies it in the plain path)."""
     buffer = buffer if buffer is not None else ChunkBuffer()
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -114,11 +158,16 @@ def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight, bu
         if logits.dtype != torch.float32:
             logits = take("fp32", dtype=torch.float32).copy_(logits)
         log_probs = torch._log_softmax(logits, -1, False, out=logits)
-        total += log_probs.gather(1, y[:, None]).sum().neg()
+        picked = log_probs.gather(1, y[:, None])
+        total += picked.sum().neg()
+        if losses is not None:
+            torch.neg(picked.squeeze(1), out=losses[start: start + chunk])
         if not (need_hidden or need_weight):
             continue
         g = log_probs.exp_()  # softmax minus one-hot: d(loss sum) / d(logits)
         g[torch.arange(len(y), device=g.device), y] -= 1.0
+        if scale is not None:
+            g.mul_(scale[start: start + chunk, None])
         if g.dtype != h.dtype:  # back to h's dtype, into a buffer whose contents are no longer needed
             g = take("capped" if softcap is not None else "logits", dtype=h.dtype).copy_(g)
         if softcap is not None:  # through tanh(l / c) * c as autograd goes: (g * c) * (1 - tanh * tanh) / c
@@ -154,3 +203,33 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_total).to(dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+class _LinearCrossEntropyRows(torch.autograd.Function):
+    """Forward: the row sums only, keeping the supervised hidden rows, the weight, the targets and the positions.
+    Backward: each chunk's logits and softmax again, softmax minus one-hot scaled by its row's upstream gradient.
+
+    Under FSDP2 (``training.fsdp.shard_model``) the output weight belongs to the root unit, which FSDP2 does not
+    reshard after forward (with ``reshard_after_forward`` left at its default, as ``shard_model`` leaves it: the root's
+    parameters would be all-gathered again at once for backward), so the unsharded weight kept here is still whole
+    when backward recomputes the logits with it (tests/test_sequence_logps.py checks it on two processes)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, index, batch, seq, chunk, softcap, buffer):
+        ctx.save_for_backward(hidden, weight, targets, torch.div(index, max(seq - 1, 1), rounding_mode="floor"))
+        ctx.settings = (chunk, softcap, buffer)
+        return _row_sums(hidden, weight, targets, index, batch, seq, chunk, softcap, buffer)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        hidden, weight, targets, row_of = ctx.saved_tensors
+        chunk, softcap, buffer = ctx.settings
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = grad_weight = None
+        if need_hidden or need_weight:
+            scale = grad_rows.float()[row_of]  # each supervised position's row's upstream gradient
+            _, grad_hidden, grad_weight = _chunks(hidden, weight, targets, chunk, softcap, need_hidden, need_weight,
+                                                  buffer, scale=scale)
+            if grad_weight is not None:
+                grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None

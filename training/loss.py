@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from waypoint.models.fused_loss import IGNORE_INDEX, next_token_loss_sum
+from waypoint.models.fused_loss import IGNORE_INDEX, next_token_loss_rows, next_token_loss_sum
 
 
 def supervised_tokens(labels: torch.Tensor) -> int:
@@ -22,6 +22,16 @@ def model_loss_sum(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.T
     if "labels" in inspect.signature(model.forward).parameters:
         return model(tokens, labels=labels, loss_chunk=loss_chunk, **packed)
     return next_token_loss_sum(model(tokens, **packed), labels)
+
+
+def sequence_loss_sums(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
+                       loss_chunk: int | None = None) -> torch.Tensor:
+    """Each sequence's next-token loss sum [batch] (fp32; minus its labels' summed log-probabilities), as
+    :func:`model_loss_sum` takes the batch's: the native model's fused path (``per_sequence``), else from the logits
+    of a model whose ``forward`` takes no ``labels``."""
+    if "labels" in inspect.signature(model.forward).parameters:
+        return model(tokens, labels=labels, loss_chunk=loss_chunk, per_sequence=True)
+    return next_token_loss_rows(model(tokens), labels)
 
 
 def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: torch.device,
