@@ -31,3 +31,31 @@ def padded_collate(batch: list[dict], pad_id: int, ignore_index: int = IGNORE_IN
         for key, values in packed.items():
             values[row, :n] = torch.as_tensor(item[key], dtype=torch.long)
     return {"tokens": tokens, "labels": labels, "mask": mask, **packed}
+
+
+def preference_collate(pairs: list[dict], pad_id: int, ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
+    """``{"prompt", "chosen", "rejected"}`` pairs (token ids) -> one batch of 2 x pairs rows in TRL's concatenated
+    order: rows ``0..B-1`` prompt + chosen, rows ``B..2B-1`` prompt + rejected, right-padded with ``pad_id`` to the
+    longest. ``tokens`` and ``labels`` LongTensors [2B, longest] (labels: the completion's tokens where they are,
+    ``ignore_index`` on the prompt and the padding, so ``labels[:, 1:]`` are what a next-token loss predicts),
+    ``mask`` [2B, longest] True on the rows' own tokens, and ``completion_tokens`` [2B]: each row's number of
+    completion tokens (IPO and SimPO average by it)."""
+    if not pairs:
+        raise ValueError("preference_collate: empty batch")
+    rows, completions = [], []
+    for side in ("chosen", "rejected"):
+        for pair in pairs:
+            rows.append((pair["prompt"], pair[side]))
+            completions.append(len(pair[side]))
+    longest = max(len(prompt) + len(completion) for prompt, completion in rows)
+    tokens = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), longest), ignore_index, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.bool)
+    for row, (prompt, completion) in enumerate(rows):
+        n_prompt, n = len(prompt), len(prompt) + len(completion)
+        tokens[row, :n_prompt] = torch.as_tensor(prompt, dtype=torch.long)
+        tokens[row, n_prompt:n] = torch.as_tensor(completion, dtype=torch.long)
+        labels[row, n_prompt:n] = tokens[row, n_prompt:n]
+        mask[row, :n] = True
+    return {"tokens": tokens, "labels": labels, "mask": mask,
+            "completion_tokens": torch.tensor(completions, dtype=torch.long)}

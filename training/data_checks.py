@@ -1,7 +1,8 @@
 """What a run checks of its data before the first step, so that it does not fail mid-step or train on nothing:
 every token id fits the model's embedding (a tokenizer from another model would fail inside ``F.embedding``),
 and some record supervises a token within ``max_seq_len`` (records whose assistant turns are all cut off train
-with loss 0)."""
+with loss 0). Preference pairs (items ``{"prompt", "chosen", "rejected"}``) are checked alike: their ids fit, and
+the pairs with a completion that has no token to predict within ``max_length`` are noted."""
 
 from __future__ import annotations
 
@@ -12,15 +13,20 @@ from torch.utils.data import Dataset
 from waypoint.errors import CheckpointError
 from waypoint.training.loss import IGNORE_INDEX
 
+PAIR_KEYS = {"prompt", "chosen", "rejected"}
+
 
 def check_data(dataset: Dataset, tokenizer, vocab_size: int, name: str, say: Callable[[str], None],
                required: bool = True) -> None:
-    """Refuse ``dataset`` (items ``{"tokens", "labels"}``, called ``name`` in messages) when a token id or the
-    padding id is past the model's ``vocab_size``, or (``required``) when no record supervises a token; note the
-    records that supervise none."""
+    """Refuse ``dataset`` (items ``{"tokens", "labels"}``, or preference pairs ``{"prompt", "chosen", "rejected"}``;
+    called ``name`` in messages) when a token id or the padding id is past the model's ``vocab_size``, or
+    (``required``) when no record supervises a token; note the records that supervise none (of pairs: those with a
+    completion that does)."""
     pad_id = getattr(tokenizer, "pad_id", None)
     if pad_id is not None and pad_id >= vocab_size:
         raise CheckpointError(_does_not_fit(f"the padding id {pad_id}", tokenizer, vocab_size))
+    if len(dataset) and PAIR_KEYS <= set(dataset[0]):
+        return _check_pairs(dataset, tokenizer, vocab_size, name, say, required)
     unsupervised = 0
     for index in range(len(dataset)):
         item = dataset[index]
@@ -41,6 +47,36 @@ def check_data(dataset: Dataset, tokenizer, vocab_size: int, name: str, say: Cal
         "past it); they add nothing to the loss")
 
 
+def _check_pairs(dataset: Dataset, tokenizer, vocab_size: int, name: str, say: Callable[[str], None],
+                 required: bool) -> None:
+    """``check_data`` of preference pairs: every id fits; the pairs with a completion that predicts no token (the
+    pairs whose prompt fills max_length are dropped by the dataset, so one side at most, but count both) are noted,
+    and when none of the pairs predicts a token (``required``) the data is refused."""
+    one_side = neither = 0
+    for index in range(len(dataset)):
+        item = dataset[index]
+        top = max((max(item[key], default=0) for key in PAIR_KEYS), default=0)
+        if top >= vocab_size:
+            raise CheckpointError(_does_not_fit(f"{_where(dataset, index, name)}: token id {top} "
+                                                f"({tokenizer.decode([top])!r})", tokenizer, vocab_size))
+        # labels[1:] are predicted: without a prompt, a completion's first token is not
+        empty = [len(item[side]) - (0 if item["prompt"] else 1) <= 0 for side in ("chosen", "rejected")]
+        neither += all(empty)
+        one_side += any(empty) and not all(empty)
+    if not one_side and not neither:
+        return
+    cut = getattr(_origin(dataset), "max_length", None)
+    within = f" within max_length={cut}" if cut else ""
+    if neither == len(dataset) and required:
+        raise CheckpointError(f"{name}: no pair has a completion token to train on{within}: every step would train on "
+                              "nothing; raise dataset.max_length or shorten the prompts")
+    parts = [f"{one_side} of {len(dataset)} pairs have an empty chosen or rejected completion{within} (its "
+             "log-prob is 0)"] if one_side else []
+    parts += [f"{neither} of {len(dataset)} pairs have both completions empty{within}; they add nothing to the "
+              "loss"] if neither else []
+    say(f"note: {name}: {'; '.join(parts)}")
+
+
 def _does_not_fit(what: str, tokenizer, vocab_size: int) -> str:
     source = getattr(tokenizer, "directory", None) or "the tokenizer"
     return (f"{what} is past the model's embedding of {vocab_size} rows (the tokenizer at {source} has "
@@ -53,6 +89,8 @@ def _where(dataset: Dataset, index: int, name: str) -> str:
         index = dataset.indices[index]
         dataset = dataset.dataset
     where = getattr(getattr(dataset, "items", None), "where", None)
+    if where is None and isinstance(getattr(dataset, "where", None), (list, tuple)):  # kept by the dataset itself
+        where = dataset.where  # (PreferenceDataset)
     return where[index] if where else f"{name}: item {index}"
 
 
