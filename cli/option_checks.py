@@ -19,6 +19,7 @@ from waypoint.errors import CheckpointError
 from waypoint.models.dtypes import DTYPE_NAMES
 from waypoint.models.nf4 import QUANTIZE_BASE
 from waypoint.run.object_store import url_scheme
+from waypoint.training.preference_loss import LOSS_TYPES
 
 Check = Callable[[Any], "str | None"]
 
@@ -153,6 +154,20 @@ LORA: dict[str, tuple[bool, Check]] = {
     "nf4.block_size": (False, lambda v: None if integer(2)(v) is None and v % 2 == 0 else "an even integer >= 2"),
     "nf4.scaler_block_size": (False, integer(1)),
     "nf4.output": (False, boolean),
+}
+
+# recipes/dpo_finetune.py, beside COMMON (and LORA when it has a lora section)
+PREFERENCE: dict[str, tuple[bool, Check]] = {
+    "loss.type": (True, one_of(*LOSS_TYPES)),
+    "loss.beta": (True, number(0, inclusive=False)),
+    "loss.label_smoothing": (False, number(0, below=0.5)),
+    "loss.gamma": (False, number(0)),
+    "dataset.max_length": (True, integer(2)),
+    "dataset.max_prompt_length": (False, optional(integer(1))),
+    "reference_batch_size": (False, optional(integer(1))),
+    "lora": (False, lambda v: None if v is None or isinstance(v, Mapping)
+             else "null (full fine-tuning) or a section {targets, rank, alpha, dropout}"),
+    "quantize_base": (False, optional(one_of(*QUANTIZE_BASE))),
 }
 
 _MISSING = object()

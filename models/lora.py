@@ -15,7 +15,8 @@ to the base. ``output = base(x) + lora_B(lora_A(dropout(x))) * alpha / rank``, a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,7 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, self.rank, bias=False, device="meta", dtype=dtype)
         self.lora_B = nn.Linear(self.rank, self.out_features, bias=False, device="meta", dtype=dtype)
         self.dropout = nn.Dropout(self.dropout_p) if self.dropout_p > 0 else nn.Identity()
+        self.disabled = False  # True: the base layer alone (``adapters_disabled``)
         if not base.weight.is_meta:
             self.lora_A.to_empty(device=base.weight.device)
             self.lora_B.to_empty(device=base.weight.device)
@@ -65,6 +67,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
+        if self.disabled:
+            return result
         x = x.to(self.lora_A.weight.dtype)
         return result + (self.lora_B(self.lora_A(self.dropout(x))) * self.scaling).to(result.dtype)
 
@@ -82,6 +86,20 @@ def initial_lora_weights(lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[to
     a = torch.empty(lora_a.shape, dtype=lora_a.dtype)
     nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as peft.tuners.lora.LoraLayer
     return a, torch.zeros(lora_b.shape, dtype=lora_b.dtype)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block ``model`` computes as its base (PEFT's ``disable_adapter()``): the reference model of
+    preference tuning, with no second copy of the weights."""
+    modules = list(lora_modules(model).values())
+    for module in modules:
+        module.disabled = True
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.disabled = False
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:

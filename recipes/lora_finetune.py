@@ -41,7 +41,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from waypoint.checkpointers import CheckpointError, load_into
+from waypoint.checkpointers import load_into
 from waypoint.checkpointers.peft_adapter import check_targets, load_adapter
 from waypoint.cli.entry import run_recipe
 from waypoint.cli.hub import base_model_name
@@ -53,7 +53,7 @@ from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
 from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from waypoint.run.recipe_state import capture_recipe_state
-from waypoint.run.resume import RunStart
+from waypoint.run.resume import RunStart, refusing
 from waypoint.run.savers import SaveOptions, WholeStepSaver
 from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step
 from waypoint.training.collate import padded_collate
@@ -71,14 +71,6 @@ from waypoint.training.validation import evaluate
 LORA_BREAKING = ("lora", "quantize_base", "nf4")
 
 
-def check_lora_config(saved: dict, current: dict, checkpoint: Path) -> tuple[str, ...]:
-    changed = [k for k in LORA_BREAKING if saved.get(k) != current.get(k)]
-    if changed:
-        raise CheckpointError(f"cannot resume from {checkpoint}: the config changed {', '.join(changed)}; "
-                              "restore them, or start a new run with another output_dir (or resume=false overwrite=true)")
-    return LORA_BREAKING
-
-
 def train(cfg: DictConfig, dist: Distributed) -> int:
     """The run; ``run_recipe`` has checked the config, started the process group (under torchrun) and holds
     ``output_dir`` for it."""
@@ -94,7 +86,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     max_lora_rank = cfg.get("max_lora_rank", 16)
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
-    start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist, check=check_lora_config)
+    start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist, check=refusing(LORA_BREAKING))
     seed_everything(cfg.seed)
 
     # Model: the base (always the input checkpoint) on the meta device with the adapters added, sharded

@@ -109,6 +109,18 @@ SCHEDULE_KEYS = ("optimizer.lr", "epochs")  # beside lr_scheduler.*: what a lear
 ADDED_DEFAULTS = {"packed": False, "validation": None}
 
 
+def refusing(keys: tuple[str, ...]) -> Callable[[Mapping, Mapping, Path], tuple[str, ...]]:
+    """A ``RunStart`` check refusing a resume across a change of a recipe's own breaking ``keys`` (top-level
+    sections or options, e.g. LoRA's ``lora``, ``quantize_base``, ``nf4``)."""
+    def check(saved: Mapping, current: Mapping, checkpoint: Path) -> tuple[str, ...]:
+        changed = [k for k in keys if saved.get(k) != current.get(k)]
+        if changed:
+            raise CheckpointError(f"cannot resume from {checkpoint}: the config changed {', '.join(changed)}; "
+                                  "restore them, or start a new run with another output_dir (or resume=false overwrite=true)")
+        return keys
+    return check
+
+
 def choose_checkpoint(output_dir: str | Path, resume: Any, overwrite: bool) -> Verification | None:
     """``find_checkpoint``, with the checkpoints after the chosen one set aside (renamed ``.corrupt`` under
     ``resume=auto``, ``.superseded`` when a path was pinned), and a directory whose checkpoints all fail

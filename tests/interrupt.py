@@ -1,17 +1,19 @@
-"""Run recipes/full_finetune.py (recipes/lora_finetune.py with INTERRUPT_RECIPE=lora) with a fault injected,
-as a cluster would inflict it.
+"""Run recipes/full_finetune.py (recipes/lora_finetune.py with INTERRUPT_RECIPE=lora, recipes/dpo_finetune.py with
+INTERRUPT_RECIPE=dpo) with a fault injected, as a cluster would inflict it.
 
     python tests/interrupt.py signal-at-step K SIGNAL -- <recipe args>
     python tests/interrupt.py signal-twice K SIGNAL -- <recipe args>
     python tests/interrupt.py kill-in-save STEP MOMENT -- <recipe args>
     torchrun ... tests/interrupt.py kill-group-at-step K - -- <recipe args>
     python tests/interrupt.py kill-in-upload STEP - -- <recipe args>   (an object-store output_dir)
+    python tests/interrupt.py kill-in-reference PAIRS - -- <recipe args>   (recipes/dpo_finetune.py)
 
 signal-at-step: sends SIGNAL to itself right after optimizer step K is logged (a
 preemption arriving mid-run). kill-in-save: SIGKILLs itself while step STEP's
 checkpoint is being saved, at MOMENT: ``first-file`` (one weight file written),
 ``before-manifest`` (every file written, no manifest), ``before-rename`` (manifest
 written, directory not yet renamed) or ``after-rename`` (committed, parent not fsynced).
+kill-in-reference: SIGKILLs itself once the reference pass of a preference run has done PAIRS pairs.
 kill-group-at-step: SIGKILLs its own process group right after optimizer step K is logged; under
 torchrun that is rank 0 alone, and torchrun then stops the other ranks, as when a node dies.
 """
@@ -28,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import waypoint.checkpointers.commit as commit  # noqa: E402
 from waypoint.run.savers import WholeStepSaver  # noqa: E402
-from recipes import full_finetune, lora_finetune  # noqa: E402
+from recipes import dpo_finetune, full_finetune, lora_finetune  # noqa: E402
 from waypoint.run.metrics import MetricsLog  # noqa: E402
 
 
@@ -138,10 +140,29 @@ def kill_in_upload(target: int, _: str) -> None:
     ObjectStore.send = patched
 
 
+def kill_in_reference(pairs: int, _: str) -> None:
+    """SIGKILL once the reference pass has done ``pairs`` pairs."""
+    reference_pass = dpo_finetune.reference_pass
+
+    def patched(*args, progress=None, **kw):
+        done = {"n": 0}
+
+        def count(n):
+            done["n"] += n
+            if progress:
+                progress(n)
+            if done["n"] >= pairs:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return reference_pass(*args, progress=count, **kw)
+
+    dpo_finetune.reference_pass = patched
+
+
 if __name__ == "__main__":
     mode, a, b, sep, *recipe_args = sys.argv[1:]
     assert sep == "--", "usage: interrupt.py MODE A B -- <recipe args>"
     {"signal-at-step": signal_at_step, "signal-twice": signal_twice, "kill-in-save": kill_in_save,
-     "kill-group-at-step": kill_group_at_step, "kill-in-upload": kill_in_upload}[mode](int(a), b)
-    recipe = lora_finetune if os.environ.get("INTERRUPT_RECIPE") == "lora" else full_finetune
+     "kill-group-at-step": kill_group_at_step, "kill-in-upload": kill_in_upload,
+     "kill-in-reference": kill_in_reference}[mode](int(a), b)
+    recipe = {"lora": lora_finetune, "dpo": dpo_finetune}.get(os.environ.get("INTERRUPT_RECIPE"), full_finetune)
     sys.exit(recipe.main(recipe_args))

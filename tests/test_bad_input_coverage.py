@@ -15,12 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests import test_bad_input, test_chat_bad_input, test_config_errors, test_generate_bad_input, test_script_bad_input
+from tests import (test_bad_input, test_chat_bad_input, test_config_errors, test_dpo_bad_input, test_generate_bad_input,
+                   test_script_bad_input)
 from tests.conftest import ROOT
-from waypoint.cli.option_checks import COMMON, GENERATE, LORA
+from waypoint.cli.option_checks import COMMON, GENERATE, LORA, PREFERENCE
 
 DEVELOPER_TOOLS = {
     "make_tiny_assets": "builds the checkout's own test assets",
+    "make_tiny_dpo": "builds the checkout's own preference pairs (assets/tiny_dpo.jsonl)",
     "trace_modules": "a developer's look at a model's module tree",
 }
 
@@ -28,6 +30,7 @@ DEVELOPER_TOOLS = {
 COMMANDS = {
     "full_finetune": [test_config_errors.CASES, test_chat_bad_input.CASES, test_bad_input.CASES],
     "lora_finetune": [test_config_errors.LORA_CASES],
+    "dpo_finetune": [test_dpo_bad_input.CASES],
     "generate": [test_generate_bad_input.CASES],
     **{name: None for name in test_script_bad_input.SCRIPTS},
 }
@@ -85,7 +88,9 @@ def generate_rows(tmp: Path) -> list[tuple[str, list[str]]]:
     (COMMON, lambda tmp: [(option_of(o), [o]) for o, _ in test_config_errors.CASES]),
     (LORA, lambda tmp: [(option_of(o), [o]) for o, _ in test_config_errors.LORA_CASES]),
     (GENERATE, generate_rows),
-], ids=["common", "lora", "generate"])
+    (PREFERENCE, lambda tmp: [(case_id, test_dpo_bad_input.overrides_of(case_id, tmp, tmp / "d.jsonl"))
+                              for case_id, _ in test_dpo_bad_input.CASES]),
+], ids=["common", "lora", "generate", "preference"])
 def test_every_recipe_option_has_a_bad_value_row(options, rows, tmp_path):
     """An option is covered by a row whose id starts with it and whose overrides set it."""
     rows = rows(tmp_path)

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
 from waypoint.cli.config import parse_config
-from waypoint.cli.option_checks import COMMON, LORA
+from waypoint.cli.option_checks import COMMON, LORA, PREFERENCE
 
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem != "generate")  # training configs
 
@@ -24,7 +24,10 @@ def targets(node):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_composes_and_its_targets_import(path):
-    checks = COMMON | LORA if "lora" in OmegaConf.load(path) else COMMON  # each with its recipe's checks
+    raw = OmegaConf.load(path)
+    checks = COMMON | LORA if raw.get("lora") else COMMON  # each with its recipe's checks
+    if "PreferenceDataset" in raw.dataset._target_:  # recipes/dpo_finetune.py's
+        checks = checks | PREFERENCE
     cfg = OmegaConf.to_container(parse_config(["--config", str(path), "device=cpu"], checks=checks), resolve=True)  # GPU configs, checked here
     for key in ("output_dir", "seed", "epochs", "batch_size", "gradient_accumulation_steps", "checkpointer", "dataset",
                 "optimizer", "resume", "save_every_n_steps", "keep_last_n_checkpoints"):

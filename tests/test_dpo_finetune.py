@@ -1,0 +1,212 @@
+"""recipes/dpo_finetune.py end to end: it learns the preference on held-out pairs, writes the input's format (full)
+or a PEFT adapter and merged/ (LoRA, QLoRA), computes the reference log-probs once and keeps them with the run, and
+resumes bit-identically after a preemption, a kill during the reference pass or before the first checkpoint; two
+processes under torchrun train as one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.dpo_finetune import main as dpo_finetune
+from tests.conftest import ROOT, sigterm_at_step
+from waypoint.checkpointers.commit import verify
+from waypoint.run.reference_logps import REFERENCE_DIR, REFERENCE_FILE, ReferenceLogps
+
+PAIRS = 48  # a subset of assets/tiny_dpo.jsonl: 43 training pairs (5 held out), 5 steps of 8
+FAST = ["epochs=1", "validation={fraction: 0.1, every_n_steps: 3}", "save_every_n_steps=2", "keep_last_n_checkpoints=null"]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
+    path.write_text("".join((ROOT / "assets/tiny_dpo.jsonl").read_text().splitlines(keepends=True)[:PAIRS]))
+    return path
+
+
+def args(config: str, out: Path, data: Path, *more: str) -> list[str]:
+    return ["--config", str(ROOT / f"configs/{config}.yaml"), f"output_dir={out}", f"dataset.source={data}", *FAST, *more]
+
+
+def run(config: str, out: Path, data: Path, *more: str, stop_at: int | None = None) -> int:
+    with sigterm_at_step(stop_at):
+        return dpo_finetune(args(config, out, data, *more))
+
+
+def run_process(config: str, out: Path, data: Path, *more: str, fault: list[str] | None = None, processes: int = 1,
+                recipe: str = "dpo") -> subprocess.CompletedProcess:
+    script = [str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [str(ROOT / "recipes/dpo_finetune.py")]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+                if processes > 1 else [sys.executable])
+    return subprocess.run([*launcher, *script, *args(config, out, data, *more)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_RECIPE": recipe})
+
+
+def final(out: Path) -> Path:
+    return max((p for p in out.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+
+
+def tensor_bytes(step: Path, pattern: str = "*.safetensors") -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(step.glob(pattern)) if p.name != REFERENCE_FILE}
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, pairs):
+    out = tmp_path_factory.mktemp("full")
+    assert run("tiny_dpo", out, pairs) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, pairs):
+    out = tmp_path_factory.mktemp("lora")
+    assert run("tiny_dpo_lora", out, pairs) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_tiny_dpo_learns_the_preference_on_held_out_pairs(tmp_path):
+    """The shipped config (one epoch of it): the held-out pairs, never trained on, end with the chosen answer's reward
+    above the rejected one's for nearly all of them and a clear margin, from a start where policy = reference
+    (every reward 0)."""
+    out = tmp_path / "out"
+    assert dpo_finetune(["--config", str(ROOT / "configs/tiny_dpo.yaml"), f"output_dir={out}", "epochs=1",
+                         "validation={fraction: 0.1, every_n_steps: 9}"]) == 0
+    logged = records(out)
+    train = [r for r in logged if "loss" in r]
+    assert {"loss", "lr", "tokens_per_s", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+            "logps/chosen", "logps/rejected"} <= train[0].keys()
+    assert abs(train[0]["rewards/margins"]) < 1e-3  # the first step's policy is the reference
+    val = [r for r in logged if "val_loss" in r]
+    assert [r["step"] for r in val] == [9, 18]
+    assert val[-1]["val_rewards/accuracies"] >= 0.9 and val[-1]["val_rewards/margins"] > 1.0, val
+    assert val[-1]["val_loss"] < 0.5 < 0.6931  # below log 2, the loss where policy = reference
+
+
+def test_full_run_writes_the_input_format_and_keeps_the_reference_with_every_step(full_run):
+    source = ROOT / "assets/tiny_llama"
+    last = final(full_run)
+    assert last.name == "step_5" and verify(last).ok
+    assert sorted(p.name for p in last.glob("*.safetensors")) == sorted(
+        [p.name for p in source.glob("*.safetensors")] + [REFERENCE_FILE])
+    index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
+    assert index(last) == index(source)
+    reference = ReferenceLogps.read(full_run / REFERENCE_DIR / REFERENCE_FILE)
+    assert verify(full_run / REFERENCE_DIR).ok and reference.train.shape == (43, 2) and reference.validation.shape == (5, 2)
+    for step in ("step_2", "step_4", "step_5"):  # each step's copy, hashed into its manifest
+        assert REFERENCE_FILE in json.loads((full_run / step / "MANIFEST.json").read_text())["files"]
+        assert (full_run / step / REFERENCE_FILE).read_bytes() == (full_run / REFERENCE_DIR / REFERENCE_FILE).read_bytes()
+    assert (reference.train < 0).all()
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(last)  # transformers reads it
+
+
+def test_signal_then_the_same_command_is_bit_identical(full_run, pairs, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run("tiny_dpo", out, pairs, stop_at=3) == 75  # preempted: saves step_3, exits 75
+    capsys.readouterr()
+    assert run("tiny_dpo", out, pairs) == 0
+    assert "resuming from step_3" in capsys.readouterr().out
+    assert tensor_bytes(final(out)) == tensor_bytes(final(full_run))
+    mine, theirs = records(out), records(full_run)
+    assert [{k: v for k, v in r.items() if k not in ("tokens_per_s", "resumed")} for r in mine] == \
+        [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in theirs]
+
+
+@pytest.mark.slow
+def test_kill_during_the_reference_pass_then_rerun_is_bit_identical(full_run, pairs, tmp_path):
+    out = tmp_path / "out"
+    killed = run_process("tiny_dpo", out, pairs, fault=["kill-in-reference", "16", "-"])
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (out / REFERENCE_DIR).exists() and not list(out.glob("step_*"))
+    assert run("tiny_dpo", out, pairs) == 0
+    assert not list(out.glob(".reference.tmp-*"))  # the killed pass's staging is gone
+    assert tensor_bytes(final(out)) == tensor_bytes(final(full_run))
+
+
+@pytest.mark.slow
+def test_a_rerun_before_the_first_checkpoint_reuses_the_reference_pass(full_run, pairs, tmp_path, capsys):
+    out = tmp_path / "out"
+    killed = run_process("tiny_dpo", out, pairs, fault=["kill-group-at-step", "1", "-"])
+    assert killed.returncode == -9 and verify(out / REFERENCE_DIR).ok and not list(out.glob("step_*"))
+    capsys.readouterr()
+    assert run("tiny_dpo", out, pairs) == 0
+    assert "(computed by an earlier attempt from the same inputs)" in capsys.readouterr().out
+    assert tensor_bytes(final(out)) == tensor_bytes(final(full_run))
+
+
+def test_lora_writes_a_peft_adapter_and_merged_model_and_its_reference_is_the_base(lora_run, full_run):
+    """The adapters switched off, the LoRA run's reference pass is the input model's: the same table as the full
+    run's. Its adapter loads in PEFT; merged/ is the input's format."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert (ReferenceLogps.read(lora_run / REFERENCE_DIR / REFERENCE_FILE).train ==
+            ReferenceLogps.read(full_run / REFERENCE_DIR / REFERENCE_FILE).train).all()
+    last = final(lora_run)
+    assert {"adapter_model.safetensors", "adapter_config.json", REFERENCE_FILE} <= {p.name for p in last.iterdir()}
+    assert verify(last / "merged").ok
+    base = AutoModelForCausalLM.from_pretrained(ROOT / "assets/tiny_llama")
+    PeftModel.from_pretrained(base, last)
+    AutoModelForCausalLM.from_pretrained(last / "merged")
+    val = [r for r in records(lora_run) if "val_loss" in r]
+    assert val[-1]["val_rewards/margins"] > 0
+
+
+@pytest.mark.slow
+def test_lora_signal_then_rerun_is_bit_identical(lora_run, pairs, tmp_path):
+    out = tmp_path / "out"
+    assert run("tiny_dpo_lora", out, pairs, stop_at=3) == 75
+    assert run("tiny_dpo_lora", out, pairs) == 0
+    assert tensor_bytes(final(out), "adapter_model.safetensors") == tensor_bytes(final(lora_run), "adapter_model.safetensors")
+    assert tensor_bytes(final(out) / "merged") == tensor_bytes(final(lora_run) / "merged")
+
+
+@pytest.mark.slow
+def test_qlora_trains_over_the_4bit_base_and_merges_from_full_precision(pairs, tmp_path):
+    out = tmp_path / "out"
+    assert run("tiny_dpo_qlora", out, pairs, "max_steps_per_epoch=2", "validation=null") == 0
+    last = final(out)
+    assert verify(last / "merged").ok and (last / "adapter_model.safetensors").is_file()
+    assert records(out)[-1]["rewards/margins"] != 0
+
+
+@pytest.mark.parametrize("loss", ["ipo", "hinge", "simpo", "sigmoid_smoothed"])
+def test_every_loss_type_trains(loss, pairs, tmp_path):
+    """Each loss runs end to end; SimPO, reference-free, makes no reference pass."""
+    out = tmp_path / "out"
+    more = ["loss.type=sigmoid", "loss.label_smoothing=0.1"] if loss == "sigmoid_smoothed" else [f"loss.type={loss}"]
+    assert run("tiny_dpo", out, pairs, "max_steps_per_epoch=2", "validation=null", *more) == 0
+    assert (out / REFERENCE_DIR).exists() == (loss != "simpo")
+    assert (final(out) / REFERENCE_FILE).exists() == (loss != "simpo")
+    assert all(r["loss"] == r["loss"] for r in records(out))
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one(full_run, pairs, tmp_path):
+    """torchrun, 2 CPU processes of 4 pairs each: the same losses and metrics as one process of 8, the same weights
+    up to the order of the sums."""
+    out = tmp_path / "two"
+    result = run_process("tiny_dpo", out, pairs, "batch_size=4", processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = records(full_run), records(out)
+    assert len(one) == len(two)
+    for a, b in zip(one, two):
+        for key in a.keys() - {"tokens_per_s"}:
+            assert b[key] == pytest.approx(a[key], abs=2e-5), (key, a, b)
+    from safetensors.torch import load_file
+    mine = {k: v for f in sorted(final(out).glob("model-*.safetensors")) for k, v in load_file(f).items()}
+    theirs = {k: v for f in sorted(final(full_run).glob("model-*.safetensors")) for k, v in load_file(f).items()}
+    assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs) < 1e-4
+    assert (ReferenceLogps.read(out / REFERENCE_DIR / REFERENCE_FILE).train -
+            ReferenceLogps.read(full_run / REFERENCE_DIR / REFERENCE_FILE).train).abs().max() < 1e-4
