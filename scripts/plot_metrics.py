@@ -5,7 +5,8 @@
 Panels against the optimizer step: the training loss (raw, light, and smoothed by an exponential moving average
 debiased as TensorBoard's is; ``--smooth 0`` turns it off) with the validation loss as markers when the log has
 any, the learning rate, the throughput (tokens/s), the gradient norm (before clipping), and the MoE auxiliary
-loss when present. Several OUTPUT_DIRs are a comparison: one colour per run, named by its directory in the
+loss and a preference run's reward accuracy and margin (TRL's ``rewards/accuracies``, ``rewards/margins``) when
+present. Several OUTPUT_DIRs are a comparison: one colour per run, named by its directory in the
 legend, on the same axes. The PNG goes to ``OUTPUT_DIR/metrics.png`` for one run; ``--out`` names it (required
 for several). Its path is printed. An argument may also name the .jsonl file itself.
 
@@ -44,7 +45,7 @@ from waypoint.errors import CheckpointError  # noqa: E402
 from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
 
 METRICS_FILE = "metrics.jsonl"
-TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "aux_loss")
+TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "aux_loss", "rewards/accuracies", "rewards/margins")
 NAN = float("nan")
 
 
@@ -183,6 +184,8 @@ PANELS = (  # series key, title, y label
     ("tokens_per_s", "throughput", "tokens/s"),
     ("grad_norm", "gradient norm (before clipping)", "norm"),
     ("aux_loss", "MoE auxiliary loss", "aux loss"),
+    ("rewards/accuracies", "preference: pairs whose chosen reward is the higher", "share"),  # recipes/dpo_finetune.py
+    ("rewards/margins", "preference: reward margin (chosen - rejected)", "margin"),
 )
 
 
