@@ -2,7 +2,7 @@
 
 The commit protocol (files, then the manifest), what counts as committed (a truncated object, a deleted manifest,
 a missing part, a corrupt byte), retention, the lock, a step broken in the store repaired from the mirror, a
-fine-tune to ``s3://`` killed during an upload and resumed bit-exactly on a machine without the local mirror, and
+fine-tune to ``s3://`` killed during an upload and resumed bit-exactly on a machine without the local mirror (a preference run too), and
 torchrun across two machines that share no disk. A store out of reach: tests/test_script_bad_input.py."""
 
 from __future__ import annotations
@@ -317,3 +317,31 @@ def test_torchrun_on_two_machines_without_a_shared_disk_saves_to_s3_and_resumes_
         theirs.write_bytes(store.fs.cat_file(store.path(f"step_8.partial/{f}")))
         x, y = read_tensors(mine), read_tensors(theirs)
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), f
+
+
+@pytest.mark.slow
+def test_dpo_to_s3_preempted_resumes_on_another_machine_from_the_steps_reference(endpoint, tmp_path, monkeypatch):
+    """A preference run's reference log-probs travel with its steps: preempted after step 3, it resumes on a machine
+    without the first one's mirror (so without its output_dir/reference/), reads the table from step_3 in the
+    store, verified with it, and ends bit-identical to a run that never stopped."""
+    from recipes import dpo_finetune
+    from tests.conftest import sigterm_at_step
+    from waypoint.run.object_store import ObjectStore
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join((ROOT / "assets/tiny_dpo.jsonl").read_text().splitlines(keepends=True)[:40]))
+    dpo = ["--config", str(ROOT / "configs/tiny_dpo.yaml"), f"dataset.source={data}", "epochs=1", "validation=null",
+           "save_every_n_steps=2", "keep_last_n_checkpoints=1", "verify_export=false"]
+    reference = tmp_path / "local"
+    assert dpo_finetune.main([*dpo, f"output_dir={reference}"]) == 0
+    url = f"s3://{new_bucket()}/runs/dpo"
+    monkeypatch.setenv("WAYPOINT_CACHE", str(tmp_path / "node_a"))
+    with sigterm_at_step(3):
+        assert dpo_finetune.main([*dpo, f"output_dir={url}"]) == 75
+    store = ObjectStore(url)
+    assert store.steps() == ["step_3"] and "reference_logps.safetensors" in store.manifest("step_3")["files"]
+    monkeypatch.setenv("WAYPOINT_CACHE", str(tmp_path / "node_b"))  # another machine: an empty mirror
+    assert dpo_finetune.main([*dpo, f"output_dir={url}"]) == 0
+    assert store.steps() == ["step_5"] and store.check("step_5").ok
+    for name in sorted(p.name for p in (reference / "step_5").glob("model-*.safetensors")):
+        assert store.fs.cat_file(store.path(f"step_5/{name}")) == (reference / "step_5" / name).read_bytes(), name
