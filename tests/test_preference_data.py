@@ -1,6 +1,6 @@
 """Preference data: pairs tokenized exactly as TRL 1.16's DPOTrainer tokenizes them (its own ``_prepare_dataset`` on
 the same records is the oracle), batched as its ``DataCollatorForPreference`` batches them, truncated as it
-truncates, malformed records refused in one line, other field names, parquet, the fingerprint, the data checks, and
+truncates, malformed records refused in one line, other field names, parquet, the pairs' digest, the data checks, and
 the embedded set."""
 
 from __future__ import annotations
@@ -363,17 +363,19 @@ def test_unknown_columns_option_is_named(tmp_path, tokenizer):
 
 # Fingerprint ----------------------------------------------------------------------------------------------------
 
-def test_fingerprint_follows_the_pairs_and_the_truncation(tmp_path, tokenizer):
+def test_the_pairs_digest_follows_every_id_and_their_order(tmp_path, tokenizer):
+    """What a run fingerprints its reference log-probs with (``preference_step.pairs_digest``): the pairs' ids in order,
+    so another record, order, or a truncation that cuts, gives another digest."""
+    from waypoint.training.preference_step import pairs_digest
+
     path = write_jsonl(tmp_path / "d.jsonl", STANDARD)
-    first = PreferenceDataset(path, tokenizer, 64).fingerprint()
-    assert len(first) == 64 and int(first, 16) >= 0
-    assert PreferenceDataset(path, tokenizer, 64).fingerprint() == first
-    assert PreferenceDataset(path, tokenizer, 65).fingerprint() != first  # nothing cut either way
-    assert PreferenceDataset(path, tokenizer, 64, max_prompt_length=50).fingerprint() != first
+    first = pairs_digest(PreferenceDataset(path, tokenizer, 64))
+    assert pairs_digest(PreferenceDataset(path, tokenizer, 64)) == first
+    assert pairs_digest(PreferenceDataset(path, tokenizer, 64, max_prompt_length=2)) != first
     changed = [dict(STANDARD[0], rejected=" I do not know it.")] + STANDARD[1:]
-    assert PreferenceDataset(write_jsonl(tmp_path / "e.jsonl", changed), tokenizer, 64).fingerprint() != first
+    assert pairs_digest(PreferenceDataset(write_jsonl(tmp_path / "e.jsonl", changed), tokenizer, 64)) != first
     swapped = [STANDARD[1], STANDARD[0]] + STANDARD[2:]
-    assert PreferenceDataset(write_jsonl(tmp_path / "f.jsonl", swapped), tokenizer, 64).fingerprint() != first
+    assert pairs_digest(PreferenceDataset(write_jsonl(tmp_path / "f.jsonl", swapped), tokenizer, 64)) != first
 
 
 # Data checks ----------------------------------------------------------------------------------------------------

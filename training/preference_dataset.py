@@ -28,8 +28,6 @@ its first step in one line naming its file, record and field (``skip_bad_records
 
 from __future__ import annotations
 
-import hashlib
-import sys
 from array import array
 from pathlib import Path
 
@@ -282,21 +280,6 @@ class PreferenceDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return {key: self._ids[key][index].tolist() for key in PAIR_KEYS}
-
-    def fingerprint(self) -> str:
-        """A hex digest of every kept pair's ids, in order, and the truncation settings: equal when the data a run
-        trains on is the same."""
-        digest = hashlib.sha256(f"max_length={self.max_length};max_prompt_length={self.max_prompt_length};"
-                                f"pairs={len(self)}".encode())
-        for index in range(len(self)):
-            for key in PAIR_KEYS:
-                ids = self._ids[key][index]
-                if sys.byteorder != "little":
-                    ids = array("i", ids)
-                    ids.byteswap()
-                digest.update(len(ids).to_bytes(4, "little"))
-                digest.update(ids.tobytes())
-        return digest.hexdigest()
 
 
 class _TemplateMissing(Exception):
