@@ -91,3 +91,24 @@ def test_resume_on_changed_data_is_refused_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "its reference log-probs were computed from other data" in err[0], err
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "reference", "step_2"]
 
+
+
+def test_resume_on_a_model_changed_in_place_is_refused_in_one_line(tmp_path, capsys):
+    """The input checkpoint's weights replaced at the same path (a re-download of another revision): the config is
+    unchanged, but the step's reference log-probs belong to the old model."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "assets" / "tiny_llama", model)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join((ROOT / "assets" / "tiny_dpo.jsonl").read_text().splitlines(keepends=True)[:24]))
+    out = tmp_path / "out"
+    args = ["--config", str(CONFIG), f"output_dir={out}", f"dataset.source={data}", f"checkpointer.checkpoint_dir={model}",
+            "max_steps_per_epoch=1", "validation=null"]
+    assert dpo_finetune([*args, "epochs=1"]) == 0
+    last = sorted(model.glob("model-*.safetensors"))[-1]
+    save_file({k: v + 0.01 for k, v in load_file(last).items()}, last, metadata={"format": "pt"})
+    capsys.readouterr()
+    assert dpo_finetune([*args, "epochs=2"]) == 1
+    err = error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and "its reference log-probs were computed from other data, model or template" in err[0], err

@@ -210,3 +210,19 @@ def test_two_processes_train_as_one(full_run, pairs, tmp_path):
     assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs) < 1e-4
     assert (ReferenceLogps.read(out / REFERENCE_DIR / REFERENCE_FILE).train -
             ReferenceLogps.read(full_run / REFERENCE_DIR / REFERENCE_FILE).train).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_lora_on_two_processes_trains_as_one(lora_run, pairs, tmp_path):
+    """LoRA under torchrun: the base sharded (FSDP2), the reference pass with the adapters off split over the ranks,
+    the adapters gathered whole into the same PEFT files as one process writes."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "two"
+    result = run_process("tiny_dpo_lora", out, pairs, "batch_size=4", processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for a, b in zip(records(lora_run), records(out), strict=True):
+        for key in a.keys() - {"tokens_per_s"}:
+            assert b[key] == pytest.approx(a[key], abs=5e-5), (key, a, b)
+    mine, theirs = (load_file(final(o) / "adapter_model.safetensors") for o in (out, lora_run))
+    assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs) < 1e-5
