@@ -204,7 +204,7 @@ def test_nothing_vocab_sized_is_kept_for_backward():
 
 
 FSDP_WORKER = r'''
-import copy, sys
+import copy, os, sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -244,8 +244,8 @@ expected = dict(reference.named_parameters())
 for name, p in model.named_parameters():
     torch.testing.assert_close(p.grad.full_tensor(), expected[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 open(f"{sys.argv[1]}/ok-{rank}", "w").close()  # a file per rank: the ranks' stdout lines may interleave
-dist.barrier()  # every rank past its last collective before any tears the group down (as the recipes do)
-dist.destroy_process_group()
+dist.barrier()  # every rank past its last collective
+os._exit(0)  # no teardown: 1 in ~15 runs Gloo aborted in it ("terminate called without an active exception")
 '''
 
 
