@@ -126,7 +126,7 @@ def trl_loss_and_metrics(reference_dir, policy_dir, loss_type: str, beta: float,
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, batch)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    return float(loss), metrics, batch
+    return float(loss.detach()), metrics, batch
 
 
 @pytest.mark.parametrize("loss_type,beta", [("sigmoid", 0.1), ("ipo", 0.5), ("hinge", 0.3)])
