@@ -8,7 +8,7 @@ recipes/full_finetune.py and recipes/lora_finetune.py, with the preference diffe
 
 - the reference model is the input model (full runs) or the base with the adapters switched off (``lora:``
   set): before the first step one pass of it over every training and validation pair computes their reference
-  log-probs, kept in ``output_dir/reference/`` and in every step checkpoint (hashed into its manifest), so
+  log-probs, kept in ``output_dir/reference/`` and in every step's ``recipe_state.pt`` (hashed into its manifest), so
   training needs no second model in memory and no reference forward per step; a resume reuses the table after
   checking it was computed from the same data, template and model (``waypoint.run.reference_logps``);
 - a step puts the chosen and the rejected completions of its pairs through one forward, takes each completion's
@@ -46,7 +46,7 @@ from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
 from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from waypoint.run.recipe_state import capture_recipe_state
-from waypoint.run.reference_logps import input_digest, obtain_reference, reference_fingerprint, with_reference
+from waypoint.run.reference_logps import input_digest, obtain_reference, reference_fingerprint
 from waypoint.run.resume import RunStart, refusing
 from waypoint.run.savers import SaveOptions, WholeStepSaver
 from waypoint.run.sharded_saver import ShardedSaver
@@ -159,7 +159,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                           if data else None for data in (pairs, held_out)]
             bar.close()
             return tables
-        reference = obtain_reference(run_dir.path, start.path, fingerprint, compute, dist, say)
+        reference = obtain_reference(run_dir.path, start.path, start.state, fingerprint, compute, dist, say)
 
     metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
                          tensorboard_dir=cfg.get("log_dir")) if main else None
@@ -172,6 +172,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
         recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist)
+        if reference is not None:  # the table travels with every step, verified with it on resume
+            recipe.reference_logps = reference.as_state()
         if lora:
             content = adapter_step(model, optimizer, recipe, checkpointer, converter=converter,
                                    base_name=base_model_name(checkpointer.checkpoint_dir),
@@ -180,8 +182,6 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                                    merge=save_merged == "every" or (save_merged == "final" and final))
         else:
             content = model_step(model, optimizer, checkpointer, recipe, final, dist, verify, tqdm.write)
-        if reference is not None:  # the table travels with every step, verified with it on resume
-            content = with_reference(content, reference)
         return saver.save(global_step, content, final=final or preempted)
 
     preemption = PreemptionWatch(cfg.preemption_signals)

@@ -52,7 +52,8 @@ class RecipeState:
     (then ``optimizer_param_groups`` holds the rest); ``rng``: rank 0's random states, ``rng_per_rank`` every
     rank's under torchrun. Saved as a plain dict (``as_dict``), so it loads with ``weights_only=True``; where the
     step's model files hold the weights in a narrower dtype than they trained in, the dict also holds them as they
-    trained (``model``), so that a resume stays exact."""
+    trained (``model``), so that a resume stays exact. A preference run's also holds its reference log-probs
+(``reference_logps``), verified with the step."""
 
     global_step: int
     epoch: int
@@ -69,6 +70,7 @@ class RecipeState:
     world_size: int = 1
     rng_per_rank: list | None = None
     optimizer_param_groups: list | None = None
+    reference_logps: dict | None = None  # a preference run's reference table (waypoint.run.reference_logps)
 
     def as_dict(self) -> dict[str, Any]:
         plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "global_batch"}

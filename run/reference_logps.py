@@ -4,8 +4,11 @@ Before its first step a preference run computes the reference model's summed com
 training and validation pair (``waypoint.training.preference_step.reference_pass``) and commits them as
 ``output_dir/reference/`` (``reference_logps.safetensors`` under its own ``MANIFEST.json``): a run killed during
 the pass left only a staging directory, one killed after it reuses the table instead of computing it again. Every
-step checkpoint holds a copy, hashed into its manifest like any checkpoint file (a few bytes a pair), so a resume
-(on another machine too, from an object store) reads the table from the step it continues, verified with it.
+step checkpoint holds a copy in its ``recipe_state.pt`` (8 bytes a pair), hashed into the step's manifest, so a
+resume (on another machine too, from an object store) reads the table from the step it continues, verified with
+it. Not a file of its own there: a step directory holds the input's files and no other tensor file, which tools
+that load every ``*.safetensors`` of a directory without an index (vLLM, for a single-file model) would take for
+weights.
 
 A table is tied to what it was computed from by a fingerprint: the pairs' token ids (data, template and
 truncation), the input model's files and the dtype. A resume whose inputs give another fingerprint is refused in
@@ -32,7 +35,6 @@ from safetensors.torch import load, save
 
 from waypoint.checkpointers.commit import StagedDir, verify
 from waypoint.errors import CheckpointError
-from waypoint.run.savers import StepContent
 from waypoint.run.step_dirs import process_alive
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -57,6 +59,10 @@ class ReferenceLogps:
             tensors["validation"] = self.validation.contiguous()
         # one metadata key: safetensors writes several in no fixed order, and the copies of a table are byte for byte
         return save(tensors, metadata={FORMAT_KEY: f"{FORMAT_VERSION} {self.fingerprint}"})
+
+    def as_state(self) -> dict:
+        """What a step's ``recipe_state.pt`` keeps of the table (plain tensors and a string: ``weights_only``)."""
+        return {"train": self.train, "validation": self.validation, "fingerprint": self.fingerprint}
 
     def write(self, stage: StagedDir) -> None:
         data = self.to_bytes()
@@ -106,19 +112,18 @@ def reference_fingerprint(parts: Iterable[str]) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-def resumed_reference(checkpoint: Path, fingerprint: str) -> ReferenceLogps:
-    """The table in the step ``checkpoint`` a run resumes from (verified with it), if it was computed from what this
-    run computes with; else one line."""
-    path = checkpoint / REFERENCE_FILE
-    if not path.is_file():
-        raise CheckpointError(f"cannot resume from {checkpoint}: it holds no {REFERENCE_FILE} (not a preference run's "
-                              "checkpoint); start a new run with another output_dir")
-    table = ReferenceLogps.read(path)
-    if table.fingerprint != fingerprint:
+def resumed_reference(checkpoint: Path, recipe_state: dict, fingerprint: str) -> ReferenceLogps:
+    """The table in the ``recipe_state`` of the step ``checkpoint`` a run resumes from (verified with it), if it was
+    computed from what this run computes with; else one line."""
+    saved = recipe_state.get("reference_logps")
+    if not isinstance(saved, dict) or not isinstance(saved.get("train"), torch.Tensor):
+        raise CheckpointError(f"cannot resume from {checkpoint}: it holds no reference log-probs (not a preference "
+                              "run's checkpoint); start a new run with another output_dir")
+    if saved.get("fingerprint") != fingerprint:
         raise CheckpointError(f"cannot resume from {checkpoint}: its reference log-probs were computed from other data, "
                               "model or template than this run's (the dataset file, chat template, truncation, input "
                               "model or dtype changed); restore them, or start a new run with another output_dir")
-    return table
+    return ReferenceLogps(saved["train"], saved.get("validation"), fingerprint)
 
 
 def earlier_reference(output_dir: Path, fingerprint: str) -> ReferenceLogps | None:
@@ -152,14 +157,14 @@ def remove_stale_reference(output_dir: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def obtain_reference(output_dir: Path, checkpoint: Path | None, fingerprint: str,
+def obtain_reference(output_dir: Path, checkpoint: Path | None, recipe_state: dict | None, fingerprint: str,
                      compute: Callable[[], tuple[torch.Tensor, torch.Tensor | None]], dist,
                      say: Callable[[str], None]) -> ReferenceLogps:
-    """The run's table: the resumed step's, or an earlier attempt's ``output_dir/reference/`` computed from the same
+    """The run's table: the resumed step's (``recipe_state``: its state), or an earlier attempt's ``output_dir/reference/`` computed from the same
     inputs, or ``compute()``'s (train, validation) committed there now. Rank 0 reads and writes; every rank gets
     the table. ``dist``: a ``waypoint.training.distributed.Distributed``."""
     if checkpoint is not None:
-        return dist.run_on_main(lambda: resumed_reference(checkpoint, fingerprint))
+        return resumed_reference(checkpoint, recipe_state, fingerprint)  # every rank has read the step's state
     earlier = dist.run_on_main(lambda: earlier_reference(output_dir, fingerprint))
     if earlier is not None:
         say(f"reference log-probs: {output_dir / REFERENCE_DIR} (computed by an earlier attempt from the same inputs)")
@@ -173,17 +178,3 @@ def obtain_reference(output_dir: Path, checkpoint: Path | None, fingerprint: str
     say(f"reference log-probs of {pairs} pairs computed in {time.perf_counter() - started:.1f} s, kept in "
         f"{output_dir / REFERENCE_DIR} and in every checkpoint: no reference forward during training")
     return table
-
-
-def with_reference(content: StepContent, table: ReferenceLogps) -> StepContent:
-    """``content`` whose step directory also holds the reference table."""
-    make_writer = content.writer
-
-    def writer(state):
-        write = make_writer(state)
-
-        def write_both(stage: StagedDir) -> None:
-            write(stage)
-            table.write(stage)
-        return write_both
-    return StepContent(content.state, writer, sharded=content.sharded, serve=content.serve)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from recipes.dpo_finetune import main as dpo_finetune
 from tests.conftest import ROOT, sigterm_at_step
@@ -53,7 +54,11 @@ def final(out: Path) -> Path:
 
 
 def tensor_bytes(step: Path, pattern: str = "*.safetensors") -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(step.glob(pattern)) if p.name != REFERENCE_FILE}
+    return {p.name: p.read_bytes() for p in sorted(step.glob(pattern))}
+
+
+def saved_reference(step: Path) -> dict | None:
+    return torch.load(step / "recipe_state.pt", weights_only=True).get("reference_logps")
 
 
 def records(out: Path) -> list[dict]:
@@ -97,15 +102,16 @@ def test_full_run_writes_the_input_format_and_keeps_the_reference_with_every_ste
     source = ROOT / "assets/tiny_llama"
     last = final(full_run)
     assert last.name == "step_5" and verify(last).ok
-    assert sorted(p.name for p in last.glob("*.safetensors")) == sorted(
-        [p.name for p in source.glob("*.safetensors")] + [REFERENCE_FILE])
+    # the input's files, and no other tensor file (a loader of every *.safetensors would take it for weights)
+    assert sorted(p.name for p in last.glob("*.safetensors")) == sorted(p.name for p in source.glob("*.safetensors"))
     index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
     assert index(last) == index(source)
     reference = ReferenceLogps.read(full_run / REFERENCE_DIR / REFERENCE_FILE)
     assert verify(full_run / REFERENCE_DIR).ok and reference.train.shape == (43, 2) and reference.validation.shape == (5, 2)
-    for step in ("step_2", "step_4", "step_5"):  # each step's copy, hashed into its manifest
-        assert REFERENCE_FILE in json.loads((full_run / step / "MANIFEST.json").read_text())["files"]
-        assert (full_run / step / REFERENCE_FILE).read_bytes() == (full_run / REFERENCE_DIR / REFERENCE_FILE).read_bytes()
+    for step in ("step_2", "step_4", "step_5"):  # each step's copy, in its recipe state (hashed into its manifest)
+        saved = saved_reference(full_run / step)
+        assert saved["fingerprint"] == reference.fingerprint
+        assert torch.equal(saved["train"], reference.train) and torch.equal(saved["validation"], reference.validation)
     assert (reference.train < 0).all()
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(last)  # transformers reads it
@@ -154,7 +160,8 @@ def test_lora_writes_a_peft_adapter_and_merged_model_and_its_reference_is_the_ba
     assert (ReferenceLogps.read(lora_run / REFERENCE_DIR / REFERENCE_FILE).train ==
             ReferenceLogps.read(full_run / REFERENCE_DIR / REFERENCE_FILE).train).all()
     last = final(lora_run)
-    assert {"adapter_model.safetensors", "adapter_config.json", REFERENCE_FILE} <= {p.name for p in last.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in last.iterdir()}
+    assert saved_reference(last) is not None
     assert verify(last / "merged").ok
     base = AutoModelForCausalLM.from_pretrained(ROOT / "assets/tiny_llama")
     PeftModel.from_pretrained(base, last)
@@ -188,7 +195,7 @@ def test_every_loss_type_trains(loss, pairs, tmp_path):
     more = ["loss.type=sigmoid", "loss.label_smoothing=0.1"] if loss == "sigmoid_smoothed" else [f"loss.type={loss}"]
     assert run("tiny_dpo", out, pairs, "max_steps_per_epoch=2", "validation=null", *more) == 0
     assert (out / REFERENCE_DIR).exists() == (loss != "simpo")
-    assert (final(out) / REFERENCE_FILE).exists() == (loss != "simpo")
+    assert (saved_reference(final(out)) is not None) == (loss != "simpo")
     assert all(r["loss"] == r["loss"] for r in records(out))
 
 
