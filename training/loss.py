@@ -50,17 +50,29 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: 
     for batch in micro_batches:
         packed = {k: batch[k].to(device) for k in ("positions", "document_ids") if k in batch}
         loss = model_loss_sum(model, batch["tokens"].to(device), batch["labels"].to(device), loss_chunk, **packed) / n_supervised
-        total = loss
-        aux = balance_share(model, dist, batch.get("mask"))
-        if aux is not None:  # MoE: the load-balancing loss, weighted by router_aux_loss_coef, averaged over micro-batches
-            share, value = aux
-            total = loss + model.args.router_aux_loss_coef * share / len(micro_batches)
-            has_aux, aux_sum = True, aux_sum + value / len(micro_batches)
-        (total * dist.world_size).backward()
+        aux = backward_with_balance(model, loss, dist, batch.get("mask"), len(micro_batches))
+        if aux is not None:
+            has_aux, aux_sum = True, aux_sum + aux
         loss_sum += loss.item()
     # the samples' own tokens (padding aside, where the collate marks it): what packing raises
     tokens = int(dist.sum(sum(int(b["mask"].sum()) if "mask" in b else b["tokens"].numel() for b in micro_batches)))
     return dist.sum(loss_sum), tokens, aux_sum if has_aux else None
+
+
+def backward_with_balance(model: torch.nn.Module, loss: torch.Tensor, dist, mask: torch.Tensor | None,
+                          micro_batches: int) -> float | None:
+    """``loss``'s backward for one of a step's ``micro_batches``, with a mixture-of-experts model's load-balancing loss
+    added (weighted by ``router_aux_loss_coef``, averaged over the micro-batches), scaled by the number of ranks
+    (FSDP averages gradients over them). Returns this micro-batch's share of the balance loss's value (None for a
+    dense model)."""
+    total, value = loss, None
+    aux = balance_share(model, dist, mask)
+    if aux is not None:
+        share, whole = aux
+        total = loss + model.args.router_aux_loss_coef * share / micro_batches
+        value = whole / micro_batches
+    (total * dist.world_size).backward()
+    return value
 
 
 def balance_share(model: torch.nn.Module, dist, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, float] | None:

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 
 from waypoint.training.collate import preference_collate
 from waypoint.training.fsdp import reshard
-from waypoint.training.loss import balance_share, sequence_loss_sums
+from waypoint.training.loss import backward_with_balance, sequence_loss_sums
 from waypoint.training.preference_loss import METRICS, PreferenceLoss, pair_metrics
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
@@ -63,13 +63,9 @@ def preference_forward_backward(model: torch.nn.Module, micro_batches: list[dict
     for batch in micro_batches:
         chosen, rejected = policy_logps(model, batch, device, loss_chunk)
         losses, chosen_rewards, rejected_rewards, logged = _pair_losses(loss, chosen, rejected, batch, reference)
-        total = losses.sum() / n_pairs
-        aux = balance_share(model, dist, batch.get("mask"))
-        if aux is not None:  # MoE: the load-balancing loss, weighted by router_aux_loss_coef, averaged over micro-batches
-            share, value = aux
-            total = total + model.args.router_aux_loss_coef * share / len(micro_batches)
-            has_aux, aux_sum = True, aux_sum + value / len(micro_batches)
-        (total * dist.world_size).backward()
+        aux = backward_with_balance(model, losses.sum() / n_pairs, dist, batch.get("mask"), len(micro_batches))
+        if aux is not None:  # MoE: the load-balancing loss, as in SFT
+            has_aux, aux_sum = True, aux_sum + aux
         loss_sum += float(losses.detach().sum())
         sums += _metric_sums(chosen_rewards, rejected_rewards, *logged)
     tokens = int(dist.sum(sum(int(b["mask"].sum()) for b in micro_batches)))
