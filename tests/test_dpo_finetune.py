@@ -233,3 +233,16 @@ def test_lora_on_two_processes_trains_as_one(lora_run, pairs, tmp_path):
             assert b[key] == pytest.approx(a[key], abs=5e-5), (key, a, b)
     mine, theirs = (load_file(final(o) / "adapter_model.safetensors") for o in (out, lora_run))
     assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs) < 1e-5
+
+
+def test_a_mixture_of_experts_model_adds_its_balance_loss(pairs, tmp_path):
+    """Mixtral: the load-balancing loss over the chosen and rejected rows' own tokens joins the preference loss (as
+    in SFT), logged as aux_loss."""
+    from tests.test_family_training import base_checkpoint
+
+    base = base_checkpoint(tmp_path / "base", "mixtral")
+    out = tmp_path / "out"
+    assert run("tiny_dpo", out, pairs, f"checkpointer.checkpoint_dir={base}", "max_steps_per_epoch=2",
+               "validation=null") == 0
+    steps = [r for r in records(out) if "loss" in r]
+    assert len(steps) == 2 and all(0 < r["aux_loss"] < 10 for r in steps), steps
