@@ -117,8 +117,9 @@ def resumed_reference(checkpoint: Path, recipe_state: dict, fingerprint: str) ->
     computed from what this run computes with; else one line."""
     saved = recipe_state.get("reference_logps")
     if not isinstance(saved, dict) or not isinstance(saved.get("train"), torch.Tensor):
-        raise CheckpointError(f"cannot resume from {checkpoint}: it holds no reference log-probs (not a preference "
-                              "run's checkpoint); start a new run with another output_dir")
+        raise CheckpointError(f"cannot resume from {checkpoint}: it holds no reference log-probs (a reference-free "
+                              "run's, e.g. loss.type=simpo, or not a preference run's); restore loss.type, or start a new "
+                              "run with another output_dir")
     if saved.get("fingerprint") != fingerprint:
         raise CheckpointError(f"cannot resume from {checkpoint}: its reference log-probs were computed from other data, "
                               "model or template than this run's (the dataset file, chat template, truncation, input "
