@@ -17,8 +17,8 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from waypoint.training.records import read_records
-from waypoint.text.chat_template import ChatTemplate, ChatTemplateLimitError, load_chat_template
+from waypoint.training.records import Skipped, converted
+from waypoint.text.chat_template import ChatTemplate, load_chat_template
 from waypoint.training.tokenized import TokenizedRecords
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
@@ -58,24 +58,13 @@ class ChatDataset(Dataset):
         self.columns = columns
         self.items = TokenizedRecords(max_seq_len, train_on_input)
         self.template: ChatTemplate = load_chat_template(tokenizer, template)
-        self.skipped = 0
-        first_error = None
-        for record in read_records(self.source):
-            where = f"{record.file}: {record.where}"
-            try:  # every record rendered and tokenized now: a record the template cannot render stops the run here
-                tokens, mask = self.template.encode(self._messages(record), tokenizer)
-            except ChatTemplateLimitError as e:  # the template's fault, not the record's: never skipped
-                raise ValueError(f"{where}: {e}") from e
-            except ValueError as e:  # a malformed record, or one the template refuses (raise_exception)
-                error = str(e) if str(e).startswith(where) else f"{where}: {e}"
-                if not skip_bad_records:
-                    raise ValueError(error) from e
-                self.skipped += 1
-                first_error = first_error or error
-                continue
+        skipped = Skipped()  # every record rendered and tokenized now: one the template cannot render stops the run here
+        encode = lambda record, where: self.template.encode(self._messages(record), tokenizer)  # noqa: E731
+        for where, (tokens, mask) in converted(self.source, encode, skip_bad_records, skipped):
             self.items.add(tokens, mask, where)
+        self.skipped = skipped.count
         if self.skipped:
-            print(f"note: {self.source}: skipped {self.skipped} malformed record(s) (skip_bad_records); first: {first_error}")
+            print(f"note: {self.source}: skipped {self.skipped} malformed record(s) (skip_bad_records); first: {skipped.first}")
         if not len(self.items):
             raise ValueError(f"{self.source}: no usable conversations")
 

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from waypoint.text.chat_template import ChatTemplate, ChatTemplateLimitError, load_chat_template
+from waypoint.text.chat_template import ChatTemplate, load_chat_template
 from waypoint.training.chat_dataset import ROLES
-from waypoint.training.records import read_records
+from waypoint.training.records import Skipped, converted
 
 COLUMN_KEYS = ("prompt", "chosen", "rejected", "role", "content")
 PAIR_KEYS = ("prompt", "chosen", "rejected")
@@ -87,24 +87,16 @@ class PreferenceDataset(Dataset):
         self.where: list[str] = []
         self._ids: dict[str, list[array]] = {key: [] for key in PAIR_KEYS}
         self.truncated_prompts = self.truncated_completions = self.dropped = self.skipped = 0
-        first_error = None
-        for record in read_records(self.source):
-            where = f"{record.file}: {record.where}"
-            try:
-                pair = self._pair(record, where)
-                prompt, chosen, rejected = self._tokenize(*pair)
-            except _TemplateMissing as e:  # no template for conversations: ChatDataset's error, never skipped
-                raise e.__cause__ from None
-            except ChatTemplateLimitError as e:  # the template's fault, not the record's: never skipped
-                raise ValueError(f"{where}: {e}") from e
-            except ValueError as e:  # a malformed record, or one the template refuses (raise_exception)
-                error = str(e) if str(e).startswith(where) else f"{where}: {e}"
-                if not skip_bad_records:
-                    raise ValueError(error) from e
-                self.skipped += 1
-                first_error = first_error or error
-                continue
-            self._add(prompt, chosen, rejected, where)
+        skipped = Skipped()
+        pairs = converted(self.source, lambda record, where: self._tokenize(*self._pair(record, where)), skip_bad_records,
+                          skipped)
+        try:
+            for where, (prompt, chosen, rejected) in pairs:
+                self._add(prompt, chosen, rejected, where)
+        except _TemplateMissing as e:  # no template for conversations: ChatDataset's error, never skipped
+            raise e.__cause__ from None
+        self.skipped = skipped.count
+        first_error = skipped.first
         note = self._note(first_error)
         if note:
             print(f"note: {self.source}: {note}")

@@ -3,14 +3,19 @@
 Each record comes back with the file it is in and where it is there (``record 3 (line 4)``), so that a
 dataset that checks it can say exactly which one is wrong in a one-line error. The source is a file, or a
 directory holding such files (e.g. a dataset repository the config layer resolved from ``hf://datasets/...``
-to a local snapshot): its data files are read in name order, each numbering its own records.
+to a local snapshot): its data files are read in name order, each numbering its own records. ``converted`` is how
+the datasets read them: each record converted (rendered, tokenized) as it is read, a bad one stopping the run in one
+line or, with ``skip_bad_records``, counted out.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
+
+from waypoint.text.chat_template import ChatTemplateLimitError
 
 SUFFIXES = (".json", ".jsonl", ".parquet")
 # JSON files a dataset directory holds beside its data (datasets' save_to_disk and the Hub's metadata).
@@ -35,6 +40,35 @@ def read_records(source: str | Path) -> list[Record]:
             raise FileNotFoundError(f"{path}: no data files in the directory (looked for {', '.join(SUFFIXES)})")
         return [record for file in files for record in read_file(file)]
     return read_file(path)
+
+
+class Skipped:
+    """The records ``converted`` left out (``skip_bad_records``): how many, and the first one's error line."""
+
+    def __init__(self) -> None:
+        self.count, self.first = 0, None
+
+
+def converted(source: str | Path, convert: Callable[[Record, str], Any], skip_bad_records: bool,
+              skipped: Skipped) -> Iterator[tuple[str, Any]]:
+    """``(where, convert(record, where))`` for each record of ``source``, ``where`` naming its file and record. A
+    record ``convert`` refuses (``ValueError``: malformed, or refused by the chat template) stops the run in one line
+    naming it, or with ``skip_bad_records`` is counted in ``skipped``; a template that runs past its limits is the
+    template's fault, not the record's, and is never skipped."""
+    for record in read_records(source):
+        where = f"{record.file}: {record.where}"
+        try:
+            result = convert(record, where)
+        except ChatTemplateLimitError as e:
+            raise ValueError(f"{where}: {e}") from e
+        except ValueError as e:
+            error = str(e) if str(e).startswith(where) else f"{where}: {e}"
+            if not skip_bad_records:
+                raise ValueError(error) from e
+            skipped.count += 1
+            skipped.first = skipped.first or error
+            continue
+        yield where, result
 
 
 def read_file(path: Path) -> list[Record]:
