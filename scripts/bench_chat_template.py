@@ -2,7 +2,8 @@
 
     python scripts/bench_chat_template.py [--turns 1 10 100]
 
-For each template (the families in ``tests/test_chat_data.py``) and each conversation length (user and assistant
+For each template (the families in ``tests/test_chat_data.py``, and gpt-oss's harmony template in
+``tests/test_chat_template_harmony.py``) and each conversation length (user and assistant
 turns, after a system message where the template takes one): the steps one rendering takes (loop iterations and
 macro calls, ``waypoint.text.template_sandbox``), the time per rendering, and the ratio of ``STEP_LIMIT`` to the
 steps; then what a hostile template (nested loops) costs before it is stopped. No model or network needed.
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[0] = str(ROOT)  # the tests' templates; and not this folder, whose inspect.py would shadow the standard one
 
 from tests.test_chat_data import FAMILIES, SYSTEM  # noqa: E402
+from tests.test_chat_template_harmony import HARMONY, HARMONY_MARKED  # noqa: E402
 from waypoint.text.chat_template import ChatTemplate, ChatTemplateError  # noqa: E402
 from waypoint.text.template_sandbox import STEP_LIMIT  # noqa: E402
 
@@ -45,7 +47,7 @@ def main() -> int:
     specials = {"bos_token": "<s>", "eos_token": "</s>"}
     print(f"{'template':<14}" + "".join(f"{f'{t} turns: steps  ms  limit/steps':>34}" for t in args.turns))
     most = 0
-    for family, (template, marked, *_, system) in FAMILIES.items():
+    for family, (template, marked, *_, system) in {**FAMILIES, "gpt-oss": (HARMONY, HARMONY_MARKED, True)}.items():
         row = f"{family:<14}"
         for source in (template, marked):
             chat = ChatTemplate(source, family, specials)

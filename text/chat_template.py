@@ -21,6 +21,14 @@ the assistant's text with ``{% generation %}``:
   ``<|end|>``, ...), or, when the tokenizer has none in that text, the text the template writes after the
   content both there and when the message ends the conversation, cut at whitespace. So what the model is
   trained to write is exactly what it must write after the generation prompt to end its turn.
+* A template may write an earlier turn in a history form, unlike the turn the model writes (the same messages
+  rendered with that turn last, without a generation prompt): gpt-oss's harmony template ends the last turn with
+  ``<|return|>``, the token generation stops at, but earlier ones with ``<|end|>``, after which the model would
+  go on; and it drops earlier turns' analysis (``thinking``). Such a turn is trained only where it is what the
+  model writes: its end-of-turn text is left out when its control token differs from the one the template ends
+  the turn with when it is last, and the text between the prompt and the content (harmony's
+  ``<|channel|>final<|message|>``), whitespace after it aside, is left out when it differs from that rendering's
+  (the analysis dropped).
 
 Tokens are in the mask when their character span overlaps an assistant span (transformers maps a span's first
 and last characters to tokens; the two agree whenever every character belongs to a token, as with byte-level
@@ -191,33 +199,53 @@ class ChatTemplate:
             except ChatTemplateError:
                 prompt = None
             content_at = open_ if open_ >= 0 else close
-            if prompt is not None and marked.startswith(prompt) and previous_end <= len(prompt) <= content_at:
+            from_prompt = prompt is not None and marked.startswith(prompt) and previous_end <= len(prompt) <= content_at
+            if from_prompt:
                 start = len(prompt)
             else:  # the prompt for this turn renders differently from the conversation: where it ends in the latter
                 start = _prompt_end(marked, previous_end, content_at, prompt or "")
                 if start is None and open_ < 0:
                     raise self._cannot(f"the start of assistant message {number} (message {i + 1}) is not found")
                 start = open_ + 1 if start is None else start
-            end = close + 1 + len(self._end_of_turn(marked, close, marked_messages, i, closes[i], 2 * len(assistants)))
+            # The turn as the model writes it: the conversation up to it, rendered with it last (see the module doc).
+            as_last = marked if i == len(marked_messages) - 1 else self._render_or_none(marked_messages[: i + 1])
+            header = marked[start:open_].rstrip() if from_prompt and open_ >= 0 else ""
+            if header and as_last is not None and as_last.startswith(prompt) and opens[i] in as_last \
+                    and as_last[len(prompt): as_last.index(opens[i])].rstrip() != header:
+                start += len(header)  # a history form of the header (harmony's, the analysis dropped): not trained
+            end = close + 1 + len(self._end_of_turn(marked, close, marked_messages, i, closes[i], 2 * len(assistants),
+                                                    as_last))
             if start < previous_end:
                 raise self._cannot(f"assistant message {number} (message {i + 1}) overlaps the one before it")
             previous_end = end
             spans.append((plain(start), plain(end)))
         return text, spans
 
+    def _render_or_none(self, messages: list[dict]) -> str | None:
+        try:
+            return self.render(messages)
+        except ChatTemplateError:
+            return None
+
     def _end_of_turn(self, marked: str, close: int, marked_messages: list[dict], i: int, close_mark: str,
-                     n_marks: int) -> str:
-        """The text the template writes after an assistant content to end the turn."""
+                     n_marks: int, as_last: str | None = None) -> str:
+        """The text the template writes after an assistant content to end the turn (``as_last``: the conversation up to
+        the turn, rendered with it last)."""
         after = marked[close + 1:]
         limit = next((p for p, ch in enumerate(after) if _MARK_BASE <= ord(ch) < _MARK_BASE + n_marks), len(after))
         tail = after[:limit]
+        last_tail = as_last[as_last.index(close_mark) + 1:] if as_last is not None and close_mark in as_last else ""
         if self._control_re is not None:
             found = self._control_re.search(tail)
             if found:
+                own = self._control_re.search(last_tail)
+                if own is not None and own.group() != found.group():
+                    return ""  # a history form (harmony's <|end|> for <|return|>): not what the model writes to end it
                 return tail[: found.end()]
         # No control token: what the template writes after the content both here and when the message is the last.
-        last = self.render(marked_messages[: i + 1])
-        last_tail = last[last.index(close_mark) + 1:] if close_mark in last else ""
+        if as_last is None:
+            last = self.render(marked_messages[: i + 1])
+            last_tail = last[last.index(close_mark) + 1:] if close_mark in last else ""
         common = 0
         while common < min(len(tail), len(last_tail)) and tail[common] == last_tail[common]:
             common += 1
