@@ -74,7 +74,30 @@ def rope_args(cfg: HFConfig, max_seq_len: int, supported: tuple[str, ...], model
         original = cfg.raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_seq_len
         args.update(rope_factor=float(params["factor"]), rope_low_freq_factor=float(params["low_freq_factor"]),
                     rope_high_freq_factor=float(params["high_freq_factor"]), rope_original_max_seq_len=int(original))
+    if rope_type == "yarn":
+        args.update(yarn_args(cfg, params, max_seq_len, layer_type))
     return args
+
+
+def yarn_args(cfg: HFConfig, params: dict[str, Any], max_seq_len: int, layer_type: str | None) -> dict[str, Any]:
+    """YaRN's fields, each read as transformers' ``standardize_rope_params`` / ``_compute_yarn_parameters`` read it."""
+    if "factor" not in params:  # transformers' validation requires the key (null: the ratio below)
+        raise ValueError("yarn rope parameters lack factor")
+    if layer_type is None:
+        # a top-level original_max_position_embeddings has priority, then the rope dict's, then max_position_embeddings
+        original = cfg.raw.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_seq_len
+        truncate = params.get("truncate", True)  # null: not truncated, as transformers' `if truncate:` reads it
+    else:
+        # per-layer-type parameters (Gemma 3): transformers fills in max_position_embeddings only, and reads
+        # truncate from the outer dict of layer types, where it never is: the ramp is always truncated
+        original = params.get("original_max_position_embeddings") or max_seq_len
+        truncate = True
+    factor = params["factor"] if params["factor"] is not None else max_seq_len / original
+    optional = {name: None if params.get(key) is None else float(params[key]) for name, key in (
+        ("rope_attention_factor", "attention_factor"), ("rope_mscale", "mscale"), ("rope_mscale_all_dim", "mscale_all_dim"))}
+    return dict(rope_factor=float(factor), rope_original_max_seq_len=int(original), rope_truncate=bool(truncate),
+                rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
+                **optional)
 
 
 def layer_window_args(window: int | None, layer_types: list[str], n_layers: int) -> dict[str, Any]:
@@ -101,7 +124,7 @@ def check_fixed(cfg: HFConfig, fixed: Mapping[str, Any], model_type: str) -> Non
             raise ValueError(f"{key}={shown} is not supported for model_type {model_type!r}")
 
 
-def common_args(cfg: HFConfig, model_type: str, rope_types: tuple[str, ...] = ("default", "linear", "llama3"),
+def common_args(cfg: HFConfig, model_type: str, rope_types: tuple[str, ...] = ("default", "linear", "llama3", "yarn"),
                 rope_layer_type: str | None = None) -> dict[str, Any]:
     """The ModelArgs fields every family reads the same way (shapes, norm eps, positions, tying, rope, dropout);
     ``rope_layer_type``: whose rope parameters are the model's (Gemma 3 has per-layer-type ones)."""
@@ -130,6 +153,11 @@ def rope_fields(args: ModelArgs) -> dict[str, Any]:
     if args.rope_type == "llama3":
         params.update(factor=args.rope_factor, low_freq_factor=args.rope_low_freq_factor,
                       high_freq_factor=args.rope_high_freq_factor, original_max_position_embeddings=args.rope_original_max_seq_len)
+    if args.rope_type == "yarn":
+        params.update(factor=args.rope_factor, original_max_position_embeddings=args.rope_original_max_seq_len,
+                      beta_fast=args.rope_beta_fast, beta_slow=args.rope_beta_slow, truncate=args.rope_truncate)
+        params.update({key: value for key, value in (("attention_factor", args.rope_attention_factor), ("mscale", args.rope_mscale),
+                                                     ("mscale_all_dim", args.rope_mscale_all_dim)) if value is not None})
     return params
 
 

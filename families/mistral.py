@@ -11,7 +11,7 @@ from waypoint.models.transformer import Transformer
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:
-    return ModelArgs(**common_args(cfg, "mistral", rope_types=("default",)), sliding_window=cfg.get("sliding_window"))
+    return ModelArgs(**common_args(cfg, "mistral", rope_types=("default", "yarn")), sliding_window=cfg.get("sliding_window"))
 
 
 def hf_config(args: ModelArgs) -> dict:

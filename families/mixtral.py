@@ -17,7 +17,7 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "output")  # a
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:
-    return ModelArgs(**common_args(cfg, "mixtral", rope_types=("default",)), sliding_window=cfg.get("sliding_window"),
+    return ModelArgs(**common_args(cfg, "mixtral", rope_types=("default", "yarn")), sliding_window=cfg.get("sliding_window"),
                      n_experts=cfg["num_local_experts"], experts_per_token=cfg["num_experts_per_tok"], expert_weights_fp32=True,
                      router_aux_loss_coef=float(cfg["router_aux_loss_coef"]))
 

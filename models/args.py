@@ -17,7 +17,8 @@ ACTIVATIONS = {
     "gelu": F.gelu,  # exact (erf) GELU
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
 }
-ROPE_TYPES = ("default", "llama3", "linear")
+ROUTINGS = ("softmax_topk", "topk_softmax")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,19 @@ class ModelArgs:
     norm_plus_one: bool = False  # RMSNorm scales by (1 + weight), multiplied in fp32 (Gemma)
     embedding_scale: float = 1.0  # embeddings times this, cast to their dtype first (Gemma: sqrt(dim))
     activation: str = "silu"  # the gate's activation: silu, gelu, gelu_pytorch_tanh (Gemma)
-    rope_type: str = "default"  # "default", "llama3" (Llama 3.1's frequency scaling, below) or "linear"
-    rope_factor: float = 8.0  # llama3 and linear (frequencies / factor)
+    rope_type: str = "default"  # "default", "llama3" (Llama 3.1's frequency scaling, below), "linear" or "yarn"
+    rope_factor: float = 8.0  # llama3, linear (frequencies / factor) and yarn
     # llama3 only:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
-    rope_original_max_seq_len: int = 8192
+    rope_original_max_seq_len: int = 8192  # llama3 and yarn: the context length before scaling
+    # yarn only (transformers' beta_fast, beta_slow, truncate, attention_factor, mscale, mscale_all_dim):
+    rope_beta_fast: float = 32.0  # the ramp between extrapolated and interpolated frequencies, in rotations
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True  # round the ramp's ends to whole dimensions (gpt-oss: False)
+    rope_attention_factor: float | None = None  # cos and sin times this; None: from rope_factor (and the mscales)
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
     sliding_window: int | None = None  # each query sees itself and the window - 1 tokens before it
     full_attention_layers: tuple[int, ...] = ()  # layers exempt from sliding_window (Qwen2's max_window_layers)
     resid_dropout: float = 0.0  # dropout on each block's attention and MLP outputs while training (Phi-3)
@@ -60,6 +68,14 @@ class ModelArgs:
     expert_weights_fp32: bool = False  # weigh expert outputs with fp32 routing weights (Mixtral) or cast first (Qwen3-MoE)
     dense_layers: tuple[int, ...] = ()  # layers keeping the dense MLP in a MoE model (Qwen3-MoE's mlp_only_layers)
     router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in the training loss
+    # gpt-oss:
+    attn_sinks: bool = False  # a learned logit per head that joins each softmax's denominator
+    attn_output_bias: bool = False  # a bias on the attention's output projection (gpt-oss's attention_bias)
+    router_bias: bool = False  # a bias on the MoE router
+    expert_bias: bool = False  # biases on each expert's projections
+    routing: str = "softmax_topk"  # softmax over all experts, then top-k; "topk_softmax": softmax over the top-k logits
+    swiglu_limit: float | None = None  # clamped SwiGLU: gate clamped above and up both sides at the limit,
+    swiglu_alpha: float = 1.702  # then (up + 1) * gate * sigmoid(alpha * gate)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -84,11 +100,21 @@ class ModelArgs:
                              f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
         if self.rope_type != "default" and not self.rope_factor > 0:
             raise ValueError(f"rope_factor={self.rope_factor} must be positive")
+        if self.rope_type == "yarn":
+            for name in ("rope_beta_fast", "rope_beta_slow", "rope_original_max_seq_len"):
+                if not getattr(self, name) > 0:  # also refuses NaN
+                    raise ValueError(f"{name}={getattr(self, name)} must be positive for yarn rope")
+            if self.rope_attention_factor is not None and not self.rope_attention_factor > 0:
+                raise ValueError(f"rope_attention_factor={self.rope_attention_factor} must be positive (or None)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive (or None)")
         for name in ("attn_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # also refuses NaN
                 raise ValueError(f"{name}={value} must be positive (or None)")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing={self.routing!r} is not supported; supported: {', '.join(ROUTINGS)}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit={self.swiglu_limit} must be positive (or None)")
         if self.local_rope_theta is not None and self.sliding_window is None:
             raise ValueError("local_rope_theta is the sliding layers' RoPE base, but sliding_window is None")

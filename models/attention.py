@@ -2,7 +2,8 @@
 
 ``Attention`` projects q/k/v, optionally normalises each q and k head (``qk_norm``: Qwen3, Gemma 3), rotates
 them with RoPE in Meta's interleaved-pair layout, and attends causally or under a ``[seq, seq]`` bool mask with
-``torch``'s SDPA, or, with Gemma 2's ``attn_softcap``, with an explicit path that caps the scores. RMSNorm
+``torch``'s SDPA, or, with Gemma 2's ``attn_softcap`` or gpt-oss's ``attn_sinks``, with the explicit path
+``eager_attention`` (which caps the scores, or adds each head's sink to the softmax's denominator). RMSNorm
 lives here because the per-head norms use it; the blocks use it too.
 """
 
@@ -62,20 +63,35 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * torch.view_as_complex(table.float().contiguous())).flatten(-2).to(x.dtype)
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                         softcap: float, dropout: float = 0.0) -> torch.Tensor:
-    """Attention with Gemma 2's score soft-capping, as transformers' eager path: ``q``/``k``/``v`` [batch, heads,
-    seq, head_dim] (k/v heads shared by consecutive q heads); scores in q's dtype, capped, then masked (``mask``
-    [seq, seq] or [batch, 1, seq, seq] bool, None: causal); softmax in fp32 cast back to q's dtype."""
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, *,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """Attention written out, for what SDPA cannot do, as transformers' eager paths: ``q``/``k``/``v`` [batch, heads,
+    seq, head_dim] (k/v heads shared by consecutive q heads); scores in q's dtype, optionally capped
+    (``softcap``: Gemma 2's ``tanh(s / cap) * cap``), then masked (``mask`` [seq, seq] or [batch, 1, seq, seq] bool,
+    None: causal); with ``sinks`` [heads] (gpt-oss) each head's learned logit joins the softmax's denominator as one
+    more column, whose probability is dropped; softmax in fp32 cast back to q's dtype."""
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores, column], dim=-1).float()
+        combined = combined - combined.max(dim=-1, keepdim=True).values  # as transformers, against overflow
+        probs = F.softmax(combined, dim=-1)[..., :-1].to(q.dtype)
     return torch.matmul(F.dropout(probs, dropout) if dropout else probs, v)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         softcap: float, dropout: float = 0.0) -> torch.Tensor:
+    """Gemma 2's attention with score soft-capping (``eager_attention`` with ``softcap``)."""
+    return eager_attention(q, k, v, mask, scale, softcap=softcap, dropout=dropout)
 
 
 class Attention(nn.Module):
@@ -89,7 +105,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
         self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.output_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.output_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=args.attn_output_bias)
+        # gpt-oss: each head's learned logit in its softmax's denominator (None without attn_sinks)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if args.attn_sinks else None
         # per-head norms (weights in the interleaved order of the rows they scale); None without qk_norm
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
@@ -110,10 +128,10 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(layer, k, v)
         dropout = self.dropout if self.training else 0.0
-        if self.softcap is None:
+        if self.softcap is None and self.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                                  enable_gqa=self.n_kv_heads != self.n_heads, dropout_p=dropout)
-        else:  # SDPA cannot cap the scores
+        else:  # SDPA cannot cap the scores, nor add a sink to the denominator
             scale = self.scale if self.scale is not None else self.head_dim ** -0.5
-            out = softcapped_attention(q, k, v, mask, scale, self.softcap, dropout)
+            out = eager_attention(q, k, v, mask, scale, softcap=self.softcap, sinks=self.sinks, dropout=dropout)
         return self.output_proj(out.transpose(1, 2).reshape(bsz, seq, -1))

@@ -24,7 +24,8 @@ The other families differ from Llama only through :class:`ModelArgs` fields whos
 defaults are Llama's: ``qkv_bias`` (Qwen2); ``qk_norm`` (Qwen3, Gemma 3);
 ``norm_plus_one``, ``embedding_scale`` and ``activation`` (Gemma 1-3); ``sandwich_norms``,
 ``attn_scale`` and ``final_softcap`` (Gemma 2, 3); ``attn_softcap`` (Gemma 2);
-``rope_type="llama3"`` with its scaling fields (Llama 3.1); ``rope_type="linear"`` and
+``rope_type="llama3"`` with its scaling fields (Llama 3.1); ``rope_type="yarn"`` with its own (any
+family whose transformers class applies it; gpt-oss, Qwen2.5/3 long context); ``rope_type="linear"`` and
 ``local_rope_theta`` (Gemma 3); ``sliding_window`` / ``full_attention_layers`` (Mistral,
 Phi-3, Qwen2, Gemma 2, 3), ``resid_dropout`` (Phi-3) and the mixture-of-experts fields from
 ``n_experts`` on (Mixtral, Qwen3-MoE). Each is computed the way
@@ -51,17 +52,21 @@ from waypoint.models.kv_cache import KVCache
 from waypoint.models.moe import MoE, load_balancing_loss, load_balancing_stats
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
-           "apply_rope", "document_mask", "rope_cache", "rope_frequencies", "sliding_window_mask", "softcapped_attention"]
+           "apply_rope", "document_mask", "rope_attention_factor", "rope_cache", "rope_frequencies", "sliding_window_mask",
+           "softcapped_attention"]
 
 def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
-    """The inverse frequencies [head_dim // 2] in fp32, scaled for ``rope_type="llama3"`` or ``"linear"`` exactly as
-    transformers' ``_compute_llama3_parameters`` / ``_compute_linear_scaling_rope_parameters`` do."""
+    """The inverse frequencies [head_dim // 2] in fp32, scaled for ``rope_type="llama3"``, ``"linear"`` or ``"yarn"``
+    exactly as transformers' ``_compute_llama3_parameters`` / ``_compute_linear_scaling_rope_parameters`` /
+    ``_compute_yarn_parameters`` do (yarn's attention factor: :func:`rope_attention_factor`)."""
     head_dim = args.resolved_head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
     if args.rope_type == "default":
         return inv_freq
     if args.rope_type == "linear":
         return inv_freq / args.rope_factor
+    if args.rope_type == "yarn":
+        return _yarn_frequencies(args, inv_freq)
     factor, low, high = args.rope_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
     old_context_len = args.rope_original_max_seq_len
     low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
@@ -74,12 +79,53 @@ def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_frequencies(args: ModelArgs, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN: the unscaled frequencies (``inv_freq``) kept for dimensions that turn more than ``rope_beta_fast`` times
+    over the original context, divided by ``rope_factor`` for those turning fewer than ``rope_beta_slow`` times, a
+    linear ramp between; each step as transformers' ``_compute_yarn_parameters`` takes it, so the bits agree."""
+    dim, base, original = args.resolved_head_dim, args.rope_theta, args.rope_original_max_seq_len
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over the context
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(args.rope_beta_fast), correction_dim(args.rope_beta_slow)
+    if args.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).to(inv_freq.device)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device=inv_freq.device, dtype=torch.int64).float() / dim)
+    interpolation = 1.0 / (args.rope_factor * pos_freqs)  # inv_freq is 1.0 / pos_freqs, the extrapolated frequencies
+    return interpolation * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """What the cos/sin table is multiplied by: ``rope_attention_factor`` for yarn, else derived from ``rope_factor``
+    (with ``rope_mscale`` / ``rope_mscale_all_dim`` where both are set) as transformers does; 1.0 for other types."""
+    if args.rope_type != "yarn":
+        return 1.0
+    if args.rope_attention_factor is not None:
+        return args.rope_attention_factor
+
+    def get_mscale(scale: float, mscale: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if args.rope_mscale and args.rope_mscale_all_dim:
+        return float(get_mscale(args.rope_factor, args.rope_mscale) / get_mscale(args.rope_factor, args.rope_mscale_all_dim))
+    return get_mscale(args.rope_factor)
+
+
 def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None,
-               inv_freq: torch.Tensor | None = None) -> torch.Tensor:
-    """cos/sin table of shape [max_seq_len, head_dim // 2, 2], in fp32 (``inv_freq``: precomputed frequencies)."""
+               inv_freq: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """cos/sin table of shape [max_seq_len, head_dim // 2, 2], in fp32 (``inv_freq``: precomputed frequencies;
+    ``scale``: cos and sin multiplied by it in fp32, yarn's attention factor, which scales q and k alike)."""
     if inv_freq is None:
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    if scale != 1.0:
+        return torch.stack([angles.cos() * scale, angles.sin() * scale], dim=-1)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
@@ -110,7 +156,9 @@ class TransformerBlock(nn.Module):
         sparse = args.n_experts > 0 and layer_id not in args.dense_layers and mlp is None
         self.mlp = None if sparse else mlp if mlp is not None else FeedForward(args.dim, args.hidden_dim, args.activation)
         self.moe = MoE(args.dim, args.expert_hidden_dim or args.hidden_dim, args.n_experts, args.experts_per_token,
-                       args.normalize_expert_weights, args.activation, fp32_routing_weights=args.expert_weights_fp32) if sparse else None
+                       args.normalize_expert_weights, args.activation, fp32_routing_weights=args.expert_weights_fp32,
+                       router_bias=args.router_bias, expert_bias=args.expert_bias, routing=args.routing,
+                       swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha) if sparse else None
         self.router_logits: torch.Tensor | None = None  # the MoE router's logits of the last forward
         # Gemma 2/3 also normalise the attention and MLP outputs before each residual add; None otherwise
         self.post_attn_norm = norm() if args.sandwich_norms else None
@@ -171,7 +219,7 @@ class Transformer(nn.Module):
                 self.local_rope = torch.empty(0, device=device)
             return
         self.rope = rope_cache(a.resolved_head_dim, a.max_seq_len, a.rope_theta, device=device,
-                               inv_freq=rope_frequencies(a, device=device))
+                               inv_freq=rope_frequencies(a, device=device), scale=rope_attention_factor(a))
         if a.local_rope_theta is not None:  # unscaled, whatever rope_type the full-attention layers use
             self.local_rope = rope_cache(a.resolved_head_dim, a.max_seq_len, a.local_rope_theta, device=device)
 
@@ -180,7 +228,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 (nn.init.zeros_ if self.args.norm_plus_one else nn.init.ones_)(p)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "moe.b1", "moe.b2", "moe.b3")):
                 nn.init.zeros_(p)
             else:
                 down = name.endswith(("output_proj.weight", "w2.weight", "moe.w2"))

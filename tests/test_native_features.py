@@ -296,7 +296,9 @@ def test_new_fields_survive_a_json_round_trip(built):
     (dict(local_rope_theta=10000.0), r"local_rope_theta .* sliding_window is None"),
     (dict(sliding_window=4, local_rope_theta=0.0), r"local_rope_theta=0.0 must be positive"),
     (dict(rope_type="linear", rope_factor=0.0), r"rope_factor=0.0 must be positive"),
-    (dict(rope_type="yarn"), r"rope_type='yarn' is not supported; supported: default, llama3, linear"),
+    (dict(rope_type="dynamic"), r"rope_type='dynamic' is not supported; supported: default, llama3, linear, yarn"),
+    (dict(rope_type="yarn", rope_beta_slow=0.0), r"rope_beta_slow=0.0 must be positive for yarn rope"),
+    (dict(rope_type="yarn", rope_attention_factor=-1.0), r"rope_attention_factor=-1.0 must be positive"),
 ])
 def test_meaningless_values_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
