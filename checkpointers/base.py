@@ -12,6 +12,7 @@ files (tokenizer, generation config, ...) and the modules' extra state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -175,6 +176,11 @@ class Checkpointer:
         targets = self.output_dtypes()
         sources = {spec_of(native, k)[1] for k in native}
         return any(narrows(s, t) for s in sources if s.is_floating_point for t in targets)
+
+    def as_written(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """A context within which ``model`` holds the values its files will load as, where the format rounds them
+        (a quantized output: ``quantization.QuantizedOutput.as_written``); the identity for the others."""
+        return contextlib.nullcontext()
 
     def describe_output(self, path: str | os.PathLike) -> str:
         """What a checkpoint written at ``path`` is and how to use it, for the last line of a run."""

@@ -20,7 +20,7 @@ import pickle
 import re
 import struct
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,11 @@ def load_pickle(path: str | Path, mmap: bool = True, unmapped: list[str] | None 
     return state
 
 
-def read_tensors(path: str | Path, unmapped: list[str] | None = None) -> dict[str, torch.Tensor]:
+def read_tensors(path: str | Path, unmapped: list[str] | None = None,
+                 packed: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """All tensors of one file, memory-mapped; a damaged file, or one holding other than floating-point tensors,
-    is a one-line error naming it (and the key). ``unmapped``: where to name a file read into memory instead."""
+    is a one-line error naming it (and the key). ``unmapped``: where to name a file read into memory instead;
+    ``packed(key)``: whether the key may hold a quantized format's integer bytes (its config says so)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: weight file not found")
@@ -92,9 +94,9 @@ def read_tensors(path: str | Path, unmapped: list[str] | None = None) -> dict[st
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}: expected a flat dict of tensors")
     for key, t in state.items():
-        if not t.is_floating_point():
+        if not t.is_floating_point() and not (packed is not None and packed(key)):
             raise CheckpointError(f"{path}: {key} is {str(t.dtype).removeprefix('torch.')}; weights must be floating point "
-                                  "(a quantized checkpoint cannot be fine-tuned as it is)")
+                                  "(a quantized checkpoint without a quantization_config Waypoint reads; it reads mxfp4)")
     return dict(state)
 
 

@@ -18,6 +18,7 @@ from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, json_bytes, read_json
 from waypoint.checkpointers.hf_source import HFSource
+from waypoint.checkpointers.quantization import QuantizedOutput
 from waypoint.checkpointers.shard_layout import ShardLayout, discover, plan_files, plan_layout, read_files, write_files
 from waypoint.converters import CheckpointError, Converter
 from waypoint.families import detect_model_type, family_named, get_converter, model_args_from_hf_config
@@ -42,6 +43,9 @@ class HFCheckpointer(Checkpointer):
             ``False`` PyTorch ``.bin`` files (file names follow the format).
         output_dtype: ``None`` writes each tensor in the dtype its input twin had (config.json and the index
             say so); ``fp32``/``bf16``/``fp16`` writes every floating-point tensor in that dtype.
+        output_quantization: for a quantized input (``quantization_config``, e.g. gpt-oss's MXFP4), ``input`` (the
+            default) writes it back quantized the same way, untouched tensors byte for byte; ``none`` writes the
+            dequantized model (``checkpointers.quantization``).
     """
 
     name, label = "hf", "Hugging Face"
@@ -50,17 +54,20 @@ class HFCheckpointer(Checkpointer):
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
-                 safe_serialization: bool | None = None, output_dtype: str | torch.dtype | None = None) -> None:
+                 safe_serialization: bool | None = None, output_dtype: str | torch.dtype | None = None,
+                 output_quantization: str | None = None) -> None:
         super().__init__(checkpoint_dir, output_dir, output_dtype)
         self.config = read_json(self.checkpoint_dir / CONFIG_FILE)
         self.model_type = model_type or detect_model_type(self.config, str(self.checkpoint_dir / CONFIG_FILE))
         self.family = family_named(self.model_type)
         self.converter: Converter = get_converter(self.model_type, self.config)
+        self.quantized = QuantizedOutput(self.converter, self.config, output_quantization, str(self.checkpoint_dir / CONFIG_FILE))
         self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
         self.safe_serialization = safe_serialization
         self._file_metadata: dict[str, dict | None] = {}
         self._disk_prefix = self._added_prefix = ""  # on-disk key = disk prefix + key[len(added prefix):]
         self._passthrough: dict[str, tuple[torch.Tensor, str]] = {}  # keys outside the text model: (tensor, file)
+        self._source: dict[str, torch.Tensor] = {}  # the input's tensors as read (memory-mapped), by converter key
 
     def model_args(self) -> ModelArgs:
         return model_args_from_hf_config(self.config)
@@ -80,7 +87,7 @@ class HFCheckpointer(Checkpointer):
 
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
-        read = read_files(self.checkpoint_dir, self.layout, self.unmapped)
+        read = read_files(self.checkpoint_dir, self.layout, self.unmapped, packed=self.quantized.packed)
         self._file_metadata = read.metadata
         hf_state, where = read.tensors, read.where
         # A headless checkpoint (LlamaModel.save_pretrained) lacks the backbone's "model." prefix: add it for the
@@ -96,6 +103,7 @@ class HFCheckpointer(Checkpointer):
         self.layout = self.layout.with_keys({f: [k for k in hf_state if where[k] == f and not self.converter.is_ignored(k)]
                                              for f in self.layout.files})
         self.input_dtypes = {k: t.dtype for k, t in hf_state.items()}
+        self._source = hf_state
         return self.converter.to_native(hf_state, where)
 
     def _key_prefixes(self, keys: list[str]) -> tuple[str, str]:
@@ -118,20 +126,36 @@ class HFCheckpointer(Checkpointer):
         if self.layout.weight_map is None:
             raise CheckpointError("save_checkpoint needs load_checkpoint first: the input's key -> file map is unknown")
         fmt = {None: self.layout.file_format, True: SAFETENSORS, False: TORCH}[self.safe_serialization]
-        layout = self.layout.in_format(fmt)
-        plan = plan_files(self.converter, native, layout)
+        converter = self.quantized.output_converter()
+        layout = self.quantized.output_layout(self.layout, self.converter.native_keys_to_save(native)).in_format(fmt)
+        plan = plan_files(converter, native, layout)
         source_of = dict(zip(layout.files, self.layout.files))
 
         def tensors_of(name: str) -> dict[str, torch.Tensor]:
-            converted = self.converter.apply_groups(plan[name], native, forward=False, where=None)
-            tensors = {self._disk_key(k): self.cast_for_output(k, converted[k]) for k in layout.keys_in(name)}
+            converted = converter.apply_groups(plan[name], native, forward=False, where=None)
+            converted = self.quantized.keep_unchanged(plan[name], converted, native, self._source)
+            tensors = {self._disk_key(k): self._cast(k, converted[k]) for k in layout.keys_in(name)}
             return tensors | {k: t for k, (t, f) in self._passthrough.items() if f == source_of[name]}
 
         def write(stage: StagedDir) -> None:
             written = write_files(stage, layout, tensors_of, lambda name, _: self._file_metadata.get(source_of[name]) or {"format": "pt"},
                                   total_bytes=sum(nbytes(native, k) for k in native))
-            stage.write_bytes(CONFIG_FILE, json_bytes(config_with_dtype(self.config, written)))
+            stage.write_bytes(CONFIG_FILE, json_bytes(config_with_dtype(self.quantized.output_config(self.config), written)))
         return write
+
+    def _cast(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``cast_for_output``; a dequantized output's new keys take the dtype of the input's other weights."""
+        if key not in self.input_dtypes and self.quantized.dequantize and tensor.is_floating_point() and not self.output_dtype:
+            floats = [d for d in self.input_dtypes.values() if d.is_floating_point]
+            return tensor.to(max(set(floats), key=floats.count)) if floats else tensor
+        return self.cast_for_output(key, tensor)
+
+    def narrows(self, native: Mapping[str, torch.Tensor]) -> bool:
+        """A re-quantized output holds less than the model (``checkpointers.quantization``), as a narrower dtype does."""
+        return self.quantized.lossy or super().narrows(native)
+
+    def as_written(self, model: torch.nn.Module):
+        return self.quantized.as_written(model)
 
     # -- a new HF checkpoint ------------------------------------------------------------
     @classmethod

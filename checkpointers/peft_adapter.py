@@ -27,6 +27,8 @@ from safetensors.torch import save
 
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tensors
+from waypoint.checkpointers.peft_parameters import (check_shapes, is_parameter_target, native_module_of, native_targets,
+                                                    parameter_names, peft_module, targeted)
 from waypoint.errors import CheckpointError, first_line
 from waypoint.lazy import spec_of
 from waypoint.converters.ops import Identity, RopePermute
@@ -68,7 +70,14 @@ def to_layout(adapter: Mapping[str, torch.Tensor], converter: Converter, prefix:
     """Native adapter tensors -> the module names and row layout of ``converter``'s other side (HF for PEFT;
     Meta's ``layers.{i}.attention.wq`` or native names for ``adapter_meta/native.safetensors``)."""
     out = {}
-    for module in sorted({k.rsplit(".lora_", 1)[0] for k in adapter}):
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in adapter})
+    parameters = targeted(converter, modules)
+    for module in modules:
+        if is_parameter_target(module):  # PEFT's target_parameters: its own layout already (peft_parameters)
+            stem = prefix + (peft_module(converter, module, parameters) if converter.lora_parameters else module)
+            for part in ("lora_A", "lora_B"):
+                out[f"{stem}.{part}.weight"] = adapter[f"{module}.{part}.weight"].contiguous()
+            continue
         rule, hf_key = _single_rule(converter, f"{module}.weight", "native")
         path = prefix + hf_key.removesuffix(".weight")
         out[f"{path}.lora_A.weight"] = adapter[f"{module}.lora_A.weight"].contiguous()
@@ -78,11 +87,14 @@ def to_layout(adapter: Mapping[str, torch.Tensor], converter: Converter, prefix:
 
 
 def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source: str = ADAPTER_WEIGHTS,
-              base: Mapping[str, torch.Tensor] | None = None, rank: int | None = None) -> dict[str, torch.Tensor]:
+              base: Mapping[str, torch.Tensor] | None = None, rank: int | None = None,
+              target_parameters: list[str] | None = None) -> dict[str, torch.Tensor]:
     """PEFT adapter tensors -> native adapter tensors (the inverse of ``to_peft``). With ``base`` (the native state
     dict it is merged onto) and ``rank`` (adapter_config.json's ``r``), every tensor is checked to fit: an adapter
-    of another base model is one line naming ``source`` and the key, not a shape error in the merge."""
+    of another base model is one line naming ``source`` and the key, not a shape error in the merge.
+    ``target_parameters`` (adapter_config.json's): which stacked parameters its ``experts`` keys adapt."""
     out = {}
+    parameters = native_targets(converter, target_parameters or [], source)
     for key, t in tensors.items():
         stem = key.removeprefix(PEFT_PREFIX)
         for part in ("lora_A", "lora_B"):
@@ -92,6 +104,11 @@ def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source:
                 break
         else:
             raise CheckpointError(f"{source}: key {key!r} is not a LoRA A/B weight (only plain LoRA adapters load)")
+        native_module = native_module_of(converter, module, parameters)
+        if native_module is not None:
+            check_shapes(key, part, tuple(t.shape), base, native_module, rank, source)
+            out[f"{native_module}.{part}.weight"] = t
+            continue
         try:
             rule, native_key = _single_rule(converter, f"{module}.weight", "hf")
         except CheckpointError:
@@ -132,18 +149,23 @@ def check_targets(model: torch.nn.Module, converter: Converter, family=None) -> 
     modules cannot name (fused projections, stacked experts)."""
     from waypoint.models.lora import lora_modules
 
-    for module in lora_modules(model):
+    modules = list(lora_modules(model))
+    for module in modules:
         name = module.rsplit(".", 1)[-1]
         if family is not None and name not in family.lora_targets:
             raise CheckpointError(f"lora.targets: {name} cannot be adapted in {family.name} models in PEFT's format; "
                                   f"choose from {', '.join(family.lora_targets)}")
-        _single_rule(converter, f"{module}.weight", "native")
+        if is_parameter_target(module):
+            peft_module(converter, module, targeted(converter, modules))
+        else:
+            _single_rule(converter, f"{module}.weight", "native")
 
 
 def adapter_config(converter: Converter, native_modules: list[str], rank: int, alpha: float, dropout: float,
                    base_model_name_or_path: str) -> dict[str, Any]:
-    targets = sorted({hf_module(converter, m).rsplit(".", 1)[-1] for m in native_modules})
-    return {
+    targets = sorted({hf_module(converter, m).rsplit(".", 1)[-1] for m in native_modules if not is_parameter_target(m)})
+    parameters = parameter_names(converter, targeted(converter, native_modules))
+    return {**({"target_parameters": parameters} if parameters else {}),
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": alpha, "lora_dropout": dropout,
         "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
@@ -233,7 +255,7 @@ def load_adapter(directory: str | os.PathLike, converter: Converter, base: Mappi
     if weights is None:
         raise CheckpointError(f"{directory / ADAPTER_WEIGHTS}: missing")
     tensors = read_tensors(weights)
-    return from_peft(tensors, converter, str(weights), base, int(config["r"])), config
+    return from_peft(tensors, converter, str(weights), base, int(config["r"]), config.get("target_parameters")), config
 
 
 def other_base(config: Mapping[str, Any], checkpoint_dir: str | os.PathLike, family=None, recorded_name: str | None = None

@@ -142,7 +142,8 @@ class ReadFiles:
     metadata: dict[str, dict | None]  # file -> its safetensors header metadata (None for pickles)
 
 
-def read_files(directory: Path, layout: ShardLayout, unmapped: list[str] | None = None) -> ReadFiles:
+def read_files(directory: Path, layout: ShardLayout, unmapped: list[str] | None = None,
+               packed: Callable[[str], bool] | None = None) -> ReadFiles:
     """Every tensor of the layout's files; a key in two files, or missing from the file the index puts it in, is a
     one-line error naming the file."""
     read = ReadFiles({}, {}, {})
@@ -150,7 +151,7 @@ def read_files(directory: Path, layout: ShardLayout, unmapped: list[str] | None 
               leave=False) as bar:
         for name in layout.files:
             path = directory / name
-            tensors = read_tensors(path, unmapped)
+            tensors = read_tensors(path, unmapped, packed)
             read.metadata[name] = read_metadata(path)
             if layout.weight_map is not None:
                 absent = sorted({k for k, f in layout.weight_map.items() if f == name} - tensors.keys())

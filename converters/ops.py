@@ -152,3 +152,40 @@ class Chain:
         for op in reversed(self.ops):
             tensors = op.inverse(tensors)
         return list(tensors)
+
+
+@dataclass(frozen=True)
+class Transpose:
+    """Two dims swapped, e.g. gpt-oss's experts stored ``[E, in, out]`` <-> the native ``[E, out, in]``. Both ways
+    return a contiguous copy (a strided view would reach the grouped matmuls, or the files, as it is)."""
+
+    dims: tuple[int, int] = (1, 2)
+
+    def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.transpose(*self.dims).contiguous() for t in tensors]
+
+    def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.forward(tensors)
+
+
+@dataclass(frozen=True)
+class Interleave:
+    """One tensor whose ``count`` parts alternate along ``dim`` <-> the parts, e.g. gpt-oss's ``gate_up_proj``
+    (gate at the even positions, up at the odd ones) <-> the gate and up projections."""
+
+    count: int = 2
+    dim: int = 0
+
+    def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        (t,) = tensors
+        dim = self.dim % t.ndim if t.ndim else 0
+        if t.ndim == 0 or t.shape[dim] % self.count:
+            raise ValueError(f"has {t.shape[dim] if t.ndim else 0} entries along dim {self.dim}, not a multiple of {self.count}")
+        parts = t.unflatten(dim, (-1, self.count))
+        return [parts.select(dim + 1, i).contiguous() for i in range(self.count)]
+
+    def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if len(tensors) != self.count or len({tuple(t.shape) for t in tensors}) != 1:
+            raise ValueError(f"needs {self.count} tensors of one shape, got {[tuple(t.shape) for t in tensors]}")
+        dim = self.dim % tensors[0].ndim
+        return [torch.stack(tensors, dim=dim + 1).flatten(dim, dim + 1)]

@@ -77,6 +77,9 @@ class Converter:
     native_head_key: str = "output.weight"
     variants: dict[str, list[Rule]] = field(default_factory=dict)  # on-disk layouts, one of which is in use
     variant: str | None = None  # the layout in use: chosen by the first HF keys planned (default: the first)
+    # native LoRA target on a stacked parameter -> the HF parameter PEFT targets (``{i}``: the layer), in the order
+    # transformers' module registers them (``checkpointers.peft_parameters``)
+    lora_parameters: dict[str, str] = field(default_factory=dict)
     _compiled: dict = field(default_factory=dict, init=False, repr=False)
 
     # -- planning (keys only) -------------------------------------------------

@@ -41,7 +41,10 @@ class Family:
     # on-disk layouts of some weights (MoE experts: per-expert or packed keys), each with its own rules, the
     # first being what a conversion without a source writes
     layouts: Callable[[ModelArgs], dict[str, list[Rule]]] | None = None
+    # LoRA targets on stacked expert weights -> the HF parameter PEFT names (``target_parameters``), in the order the
+    # transformers module registers them (which decides PEFT's nesting of its wrappers)
+    lora_parameters: Mapping[str, str] = field(default_factory=dict)
 
     def converter(self, args: ModelArgs) -> Converter:
         return Converter(rules=self.rules(args), ignore=self.ignore, tied_embeddings=args.tie_embeddings,
-                         variants=self.layouts(args) if self.layouts else {})
+                         variants=self.layouts(args) if self.layouts else {}, lora_parameters=dict(self.lora_parameters))

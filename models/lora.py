@@ -24,10 +24,12 @@ from torch import nn
 
 from waypoint.errors import CheckpointError
 from waypoint.lazy import spec_of
+from waypoint.models.lora_experts import EXPERT_TARGETS, LoRAExperts, add_expert_lora, adapted_rows, merge_expert_weight
 
 HALF = (torch.bfloat16, torch.float16)
-TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
-HF_NAMES = {"o_proj": "output_proj", "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "lm_head": "output"}  # also accepted
+TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output", *EXPERT_TARGETS)
+HF_NAMES = {"o_proj": "output_proj", "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "lm_head": "output",  # also accepted
+            "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
 
 
 class LoRALinear(nn.Module):
@@ -102,8 +104,8 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             module.disabled = False
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAExperts]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))}
 
 
 def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float, dropout: float = 0.0) -> list[str]:
@@ -121,12 +123,20 @@ def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float
         p.requires_grad_(False)
     chosen = [(name, m) for name, m in model.named_modules()
               if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
-    if not chosen:
+    experts = [(f"{name}.{t}", m) for name, m in model.named_modules() if hasattr(m, "experts_gate_up")
+               for t in EXPERT_TARGETS if t in targets]  # mixture-of-experts layers' stacked weights
+    absent = [t for t in targets if t in EXPERT_TARGETS and not experts]
+    if absent:
+        raise CheckpointError(f"lora target {absent[0]} adapts mixture-of-experts weights, which this model does not have")
+    if not chosen and not experts:
         raise CheckpointError(f"no linear layer of the model is named {', '.join(targets)}")
     for name, module in chosen:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         setattr(owner, attr, LoRALinear(module, rank, alpha, dropout))
+    for name, moe in experts:
+        add_expert_lora(moe, name.rsplit(".", 1)[-1], rank, alpha, dropout)
+    chosen += experts
     model.lora_config = {"targets": targets, "rank": int(rank), "alpha": float(alpha), "dropout": float(dropout)}
     return [name for name, _ in chosen]
 
@@ -208,9 +218,13 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
         owner, _, leaf = key.rpartition(".")
         if ".lora_A." in f".{key}" or ".lora_B." in f".{key}":
             continue
+        rows = adapted_rows(key)
         if leaf == "weight" and owner in modules:
             m = modules[owner]
             out[key] = merge_weight(m.weight.detach(), m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.scaling)
+        elif rows is not None and rows[0] in modules:
+            m = modules[rows[0]]
+            out[key] = merge_expert_weight(t.detach(), m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.scaling, *rows[1:])
         else:
             out[key] = t
     return out
@@ -244,6 +258,11 @@ class MergedState(Mapping):
         if leaf == "weight" and owner in self._scalings:
             return merge_weight(self._base(key), self._state[f"{owner}.lora_A.weight"],
                                 self._state[f"{owner}.lora_B.weight"], self._scalings[owner])
+        rows = adapted_rows(key)
+        if rows is not None and rows[0] in self._scalings:
+            module, first, step = rows
+            return merge_expert_weight(self._base(key), self._state[f"{module}.lora_A.weight"],
+                                       self._state[f"{module}.lora_B.weight"], self._scalings[module], first, step)
         return self._base(key)
 
     def __iter__(self):
@@ -261,8 +280,11 @@ def merge_state_dict(base: Mapping[str, torch.Tensor], adapter: Mapping[str, tor
     out = dict(base)
     modules = sorted({k.rsplit(".lora_", 1)[0] for k in adapter})
     for module in modules:
-        key = f"{module}.weight"
-        if key not in out:
-            raise CheckpointError(f"adapter targets {module!r}, which the base checkpoint lacks")
-        out[key] = merge_weight(out[key], adapter[f"{module}.lora_A.weight"], adapter[f"{module}.lora_B.weight"], scaling)
+        owner, _, target = module.rpartition(".")
+        a, b = adapter[f"{module}.lora_A.weight"], adapter[f"{module}.lora_B.weight"]
+        for name, first, step in EXPERT_TARGETS.get(target, ((None, 0, 1),)):
+            key = f"{owner}.{name}" if name else f"{module}.weight"
+            if key not in out:
+                raise CheckpointError(f"adapter targets {module!r}, which the base checkpoint lacks")
+            out[key] = merge_expert_weight(out[key], a, b, scaling, first, step) if name else merge_weight(out[key], a, b, scaling)
     return out

@@ -7,8 +7,14 @@ Parameter names (the native checkpoint format, under each layer's ``mlp.``)::
     w3              [n_experts, hidden_dim, dim]     up:   expert e's ``up_proj.weight`` is ``w3[e]``
     w2              [n_experts, dim, hidden_dim]     down: expert e's ``down_proj.weight`` is ``w2[e]``
 
+    router.bias, b1, b3 [n_experts, hidden_dim], b2 [n_experts, dim]   (gpt-oss only: ``router_bias``, ``expert_bias``)
+
 Rows are output features as in ``nn.Linear``; transformers' packed ``experts.gate_up_proj`` [E, 2I, H] is
 ``cat((w1, w3), dim=1)`` and its ``experts.down_proj`` is ``w2``.
+
+gpt-oss differs in three places, each a constructor option: the router has a bias and takes the top-k logits
+before a softmax over them (``routing="topk_softmax"``, in the logits' dtype, as ``GptOssTopKRouter``); each
+expert projection has a bias; the gate is its clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``: see ``gated``).
 
 Each token goes to ``top_k`` of the experts, each expert being the dense block's gated MLP
 ``w2[e](act(w1[e] x) * w3[e] x)``, and the outputs are summed with the routing weights. Routing is the
@@ -49,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from waypoint.models.args import ACTIVATIONS
+from waypoint.models.lora_experts import LoRAExperts, expert_update
 
 IMPLS = ("auto", "grouped", "padded", "loop")
 
@@ -119,7 +126,9 @@ class MoE(nn.Module):
     """``moe(x [..., dim]) -> (out [..., dim], router_logits [tokens, n_experts])``; see the module docstring."""
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, normalize_topk: bool = True,
-                 activation: str = "silu", *, fp32_routing_weights: bool = False, impl: str = "auto") -> None:
+                 activation: str = "silu", *, fp32_routing_weights: bool = False, impl: str = "auto",
+                 router_bias: bool = False, expert_bias: bool = False, routing: str = "softmax_topk",
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> None:
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
@@ -131,10 +140,18 @@ class MoE(nn.Module):
         self.activation = activation
         self.act = ACTIVATIONS[activation]
         self.impl = impl
-        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.routing, self.swiglu_limit, self.swiglu_alpha = routing, swiglu_limit, swiglu_alpha
+        self.router = nn.Linear(dim, n_experts, bias=router_bias)
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        # gpt-oss: each expert's biases (None without expert_bias)
+        self.b1 = nn.Parameter(torch.zeros(n_experts, hidden_dim, device=self.w1.device)) if expert_bias else None
+        self.b3 = nn.Parameter(torch.zeros(n_experts, hidden_dim, device=self.w1.device)) if expert_bias else None
+        self.b2 = nn.Parameter(torch.zeros(n_experts, dim, device=self.w1.device)) if expert_bias else None
+        # LoRA on the stacked experts (``lora_experts``: PEFT's parameter targets); None until added
+        self.experts_gate_up: LoRAExperts | None = None
+        self.experts_down: LoRAExperts | None = None
         if not self.w1.is_meta:
             self.init_weights()
 
@@ -145,17 +162,25 @@ class MoE(nn.Module):
             for p in (self.router.weight, self.w1, self.w3):
                 nn.init.normal_(p, std=std)
             nn.init.normal_(self.w2, std=std if down_std is None else down_std)
+            for p in (self.router.bias, self.b1, self.b2, self.b3):
+                if p is not None:
+                    nn.init.zeros_(p)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, n_experts={self.n_experts}, top_k={self.top_k}, "
                 f"normalize_topk={self.normalize_topk}, fp32_routing_weights={self.fp32_routing_weights}, "
-                f"activation={self.activation}, impl={self.impl}")
+                f"activation={self.activation}, impl={self.impl}"
+                + (f", routing={self.routing}" if self.routing != "softmax_topk" else "")
+                + (f", swiglu_limit={self.swiglu_limit}" if self.swiglu_limit is not None else ""))
 
     # -- routing -----------------------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` [tokens, dim] -> (router logits [tokens, E] in x's dtype, top-k weights [tokens, k], expert
         indices [tokens, k]), in transformers' order of operations."""
         logits = self.router(x)
+        if self.routing == "topk_softmax":  # gpt-oss: the top-k logits, then a softmax over them in their dtype
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return logits, torch.softmax(top, dim=-1, dtype=top.dtype), experts
         probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_topk:
@@ -188,12 +213,21 @@ class MoE(nn.Module):
         return out.reshape(shape), logits
 
     # -- the experts -------------------------------------------------------------------------------------------
+    def gated(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
+        """The gated hidden state from the gate (w1) and up (w3) projections: ``act(h1) * h3``, or with
+        ``swiglu_limit`` gpt-oss's clamped SwiGLU in transformers' order of operations."""
+        if self.swiglu_limit is None:
+            return self.act(h1) * h3
+        gate, up = h1.clamp(max=self.swiglu_limit), h3.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
+
     def _experts_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """One expert at a time, as transformers' eager implementation: the reference. The stacked weights are
         unbound once (indexing ``w1[e]`` per expert would make autograd build a full-size zero gradient for each)."""
         k = self.top_k
         flat_experts, flat_weights = experts.reshape(-1), weights.reshape(-1)
         w1, w2, w3 = self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
+        b1, b2, b3 = (b.unbind(0) if b is not None else [None] * self.n_experts for b in (self.b1, self.b2, self.b3))
         out = x.new_zeros(x.shape, dtype=torch.promote_types(x.dtype, torch.float32))
         for e in range(self.n_experts):
             idx = (flat_experts == e).nonzero().squeeze(1)  # this expert's assignments (token * k + slot)
@@ -201,7 +235,12 @@ class MoE(nn.Module):
                 continue
             tokens = idx // k
             xe = x[tokens]
-            y = F.linear(self.act(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
+            h1, h3 = F.linear(xe, w1[e], b1[e]), F.linear(xe, w3[e], b3[e])
+            if self.experts_gate_up is not None and not self.experts_gate_up.disabled:
+                d = self.experts_gate_up.expert(e, xe)
+                h1, h3 = h1 + d[:, 0::2], h3 + d[:, 1::2]
+            g = self.gated(h1, h3)
+            y = expert_update(self.experts_down, F.linear(g, w2[e], b2[e]), lambda m: m.expert(e, g))
             out.index_add_(0, tokens, (y * flat_weights[idx, None]).to(x.dtype).to(out.dtype))
         return out.to(x.dtype)
 
@@ -219,8 +258,17 @@ class MoE(nn.Module):
         if grouped:
             mm = _grouped_mm_fn()
             xs = x[tokens].to(self.w1.dtype)  # [S, dim] (grouped_mm is not autocast-aware)
-            h = self.act(mm(xs, self.w1.transpose(-2, -1), offs=ends)) * mm(xs, self.w3.transpose(-2, -1), offs=ends)
-            ys = mm(h.to(self.w2.dtype), self.w2.transpose(-2, -1), offs=ends)[inverse]  # [S, dim], (token, slot) order
+            h1, h3 = mm(xs, self.w1.transpose(-2, -1), offs=ends), mm(xs, self.w3.transpose(-2, -1), offs=ends)
+            if self.b1 is not None:  # each sorted assignment's expert's bias
+                h1, h3 = h1 + self.b1[sorted_experts], h3 + self.b3[sorted_experts]
+            if self.experts_gate_up is not None and not self.experts_gate_up.disabled:
+                d = self.experts_gate_up.grouped(xs, ends)  # gate and up interleaved
+                h1, h3 = h1 + d[:, 0::2], h3 + d[:, 1::2]
+            g = self.gated(h1, h3).to(self.w2.dtype)
+            ys = mm(g, self.w2.transpose(-2, -1), offs=ends)
+            if self.b2 is not None:
+                ys = ys + self.b2[sorted_experts]
+            ys = expert_update(self.experts_down, ys, lambda m: m.grouped(g, ends))[inverse]  # [S, dim], (token, slot) order
         else:
             counts = torch.diff(ends, prepend=ends.new_zeros(1))
             capacity = int(counts.max())  # one host sync
@@ -228,8 +276,18 @@ class MoE(nn.Module):
             slots = sorted_experts * capacity + torch.arange(n_assignments, device=x.device) - (ends - counts)[sorted_experts]
             source = torch.full((n_experts * capacity,), n_tokens, device=x.device).index_put_((slots,), tokens)
             buf = torch.cat([x, x.new_zeros(1, self.dim)])[source].view(n_experts, capacity, self.dim)
-            h = self.act(torch.bmm(buf, self.w1.transpose(-2, -1))) * torch.bmm(buf, self.w3.transpose(-2, -1))
-            ys = torch.bmm(h, self.w2.transpose(-2, -1)).view(n_experts * capacity, self.dim)[slots[inverse]]
+            h1, h3 = torch.bmm(buf, self.w1.transpose(-2, -1)), torch.bmm(buf, self.w3.transpose(-2, -1))
+            if self.b1 is not None:  # rows past an expert's count read a zero row and are never gathered
+                h1, h3 = h1 + self.b1[:, None], h3 + self.b3[:, None]
+            if self.experts_gate_up is not None and not self.experts_gate_up.disabled:
+                d = self.experts_gate_up.batched(buf)
+                h1, h3 = h1 + d[..., 0::2], h3 + d[..., 1::2]
+            g = self.gated(h1, h3)
+            ys = torch.bmm(g, self.w2.transpose(-2, -1))
+            if self.b2 is not None:
+                ys = ys + self.b2[:, None]
+            ys = expert_update(self.experts_down, ys, lambda m: m.batched(g))
+            ys = ys.view(n_experts * capacity, self.dim)[slots[inverse]]
         # weighted, rounded to x's dtype (as transformers), summed over each token's k slots in fp32 at least
         # (deterministic, unlike an index_add)
         ys = (ys * weights.reshape(-1, 1)).to(x.dtype).view(n_tokens, k, self.dim)

@@ -122,6 +122,12 @@ def tiny_family_config(family: str, **overrides):
         "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
         "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=24, num_hidden_layers=3, moe_intermediate_size=32, num_experts=4,
                                              num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])),
+        # intermediate 32 and hidden 64: whole MXFP4 blocks of 32 along both experts' input dims; the published yarn
+        # parameters with a short original context, so the ramp between frequencies matters over a few tokens
+        "gpt_oss": ("GptOssConfig", dict(intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=4, rope_parameters={
+                                             "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
     }
     class_name, fields = specific[family]
     return getattr(transformers, class_name)(**{**common, **fields, **overrides})
@@ -145,3 +151,39 @@ def write_family_checkpoint(path: Path, config, max_shard_size: str = "40KB", se
     model.save_pretrained(path, max_shard_size=max_shard_size, save_original_format=not packed)
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     return model
+
+
+MXFP4_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]  # the releases'
+
+
+def write_mxfp4_checkpoint(path: Path, config, seed: int = 0, max_shard_size: str = "40KB"):
+    """A gpt-oss checkpoint shaped like the releases: ``write_family_checkpoint``'s, its experts replaced by random
+    MXFP4 ``*_blocks`` / ``*_scales`` (in the files the dense experts were in) and ``quantization_config`` in
+    config.json. The bytes are random, not made by any quantizer, so no rounding of ours is assumed. Returns the
+    transformers model that reads it (``Mxfp4Config(dequantize=True)``: the oracle), in fp32."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    write_family_checkpoint(path, config, max_shard_size=max_shard_size, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for name in sorted(set(index["weight_map"].values())):
+        tensors = load_file(path / name)
+        for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            dense = tensors.pop(key)  # [E, in, out]: blocks of 32 along "in", one row per output
+            experts, inputs, outputs = dense.shape
+            tensors[key + "_blocks"] = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8,
+                                                     generator=generator)
+            tensors[key + "_scales"] = torch.randint(119, 125, (experts, outputs, inputs // 32), dtype=torch.uint8,
+                                                     generator=generator)
+            del index["weight_map"][key]
+            index["weight_map"].update({key + "_blocks": name, key + "_scales": name})
+        save_file(tensors, path / name, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+    config_path = path / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": MXFP4_NOT_CONVERTED}
+    config_path.write_text(json.dumps(config_json, indent=2))
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32)
+    return model.eval()

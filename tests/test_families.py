@@ -40,6 +40,7 @@ FAMILIES = {
     "mixtral-packed": ("mixtral", {}, "MIXTRAL"),
     "qwen3-moe": ("qwen3_moe", {}, "QWEN3_MOE"),
     "qwen3-moe-packed": ("qwen3_moe", {}, "QWEN3_MOE"),
+    "gpt-oss": ("gpt_oss", {}, "GPT_OSS"),  # dense experts; MXFP4 ones: test_gpt_oss.py
 }
 TIED = {"qwen2-tied", "gemma", "llama3.2-tied", "qwen3-tied", "gemma2", "gemma3"}
 
@@ -252,7 +253,7 @@ def test_unknown_model_type_lists_the_known_ones(tmp_path):
 
 
 @pytest.mark.parametrize("fam,rope,named", [
-    ("llama", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}, "'yarn'"),
+    ("llama", {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "rope_theta": 10000.0}, "'longrope'"),
     ("llama", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "'dynamic'"),
     ("phi3", {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "rope_theta": 10000.0}, "'longrope'"),
     ("phi3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "rope_theta": 10000.0}, "'llama3'"),
@@ -300,8 +301,9 @@ def test_phi3_fused_tensor_of_the_wrong_size_names_the_key():
 
 @pytest.mark.parametrize("fam,field,value,message", [
     ("llama32", "mlp_bias", True, "mlp_bias=true is not supported for model_type 'llama'"),
-    ("mistral_nemo", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope type 'yarn'"),
-    ("qwen2", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope type 'yarn'"),
+    ("mistral_nemo", "rope_parameters", {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}, "rope type 'dynamic'"),
+    ("qwen2", "rope_parameters", {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "rope_theta": 1e6},
+     "rope type 'longrope'"),
     ("qwen3", "attention_bias", True, "attention_bias=true is not supported for model_type 'qwen3'"),
     ("gemma", "use_bidirectional_attention", True, "use_bidirectional_attention=true"),
     ("gemma2", "attention_bias", True, "attention_bias=true is not supported for model_type 'gemma2'"),

@@ -71,6 +71,9 @@ PUBLISHED = {
                                 num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # the released configs differ from GptOssConfig's defaults in these fields only
+    "gpt_oss.gpt_oss_20b": ("GptOssConfig", dict(num_hidden_layers=24, num_local_experts=32)),
+    "gpt_oss.gpt_oss_120b": ("GptOssConfig", dict(num_hidden_layers=36, num_local_experts=128)),
 }
 # the totals the model cards and hub indexes publish, for the sizes where they are printed exactly
 PUBLISHED_COUNTS = {"llama.llama3_1_8b": 8_030_261_248, "mistral.mistral_7b": 7_241_732_096, "qwen2.qwen2_5_7b": 7_615_616_512,

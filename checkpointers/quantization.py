@@ -1,0 +1,148 @@
+"""Quantized checkpoints: read as their ``quantization_config`` says, written back the way they came.
+
+A checkpoint's ``config.json`` names its format in ``quantization_config.quant_method`` (gpt-oss's releases:
+``mxfp4``). The family declares an on-disk layout of the same name, whose rules' ops are *lossy* (``lossy = True``:
+``converters.mxfp4.MXFP4`` dequantizes on load, re-quantizes on save), beside a dense layout (``dense``) of the same
+tensors as transformers writes a dequantized model. Loading picks the layout the keys match, as for any layout.
+
+Writing (``QuantizedOutput``), by ``output_quantization``:
+
+- ``input`` (the default): the input's format, keys, shapes, files and ``quantization_config``. A tensor the run
+  did not change is written with its original bytes (its dequantized values equal the native tensor's: a LoRA run's
+  ``merged/`` that leaves the experts alone reproduces them bitwise); a changed one is re-quantized with the format's
+  published rounding. Such files hold less than the model that trained, so a resume takes the model from the recipe
+  state (``narrows``), and an export check compares with the model as written (``as_written``).
+- ``none``: the dense layout in the input's files, the dtype of the input's other weights, and no
+  ``quantization_config``: what transformers' ``save_pretrained`` writes for a dequantized model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from waypoint.checkpointers.shard_layout import ShardLayout
+from waypoint.converters.table import Converter, Group
+from waypoint.errors import CheckpointError
+
+PACKED_KEYS = {"mxfp4": re.compile(r"_(blocks|scales)$")}  # quant_method -> the keys holding its integer bytes
+OUTPUT_QUANTIZATION = ("input", "none")
+DENSE = "dense"  # the family layout of a dequantized model
+
+
+def quant_method(config: Mapping[str, Any], source: str = "config.json") -> str | None:
+    """The input's quantization format (None: not quantized); one Waypoint cannot read is a one-line error."""
+    q = config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, Mapping) else None
+    if method not in PACKED_KEYS:
+        raise CheckpointError(f"{source}: quantization_config.quant_method {method!r} is not supported; supported: "
+                              f"{', '.join(PACKED_KEYS)} (or a checkpoint that is not quantized)")
+    return method
+
+
+def is_lossy(op: object) -> bool:
+    """Whether an op (or an op inside a ``Chain``) does not give back its input's bytes through a round trip."""
+    return bool(getattr(op, "lossy", False)) or any(is_lossy(o) for o in getattr(op, "ops", ()))
+
+
+class QuantizedOutput:
+    """How an HF checkpointer writes a quantized input back (module docstring)."""
+
+    def __init__(self, converter: Converter, config: Mapping[str, Any], output_quantization: str | None,
+                 source: str = "config.json") -> None:
+        self.method = quant_method(config, source)
+        choice = output_quantization or "input"
+        if choice not in OUTPUT_QUANTIZATION:
+            raise CheckpointError(f"output_quantization={choice!r} is not one of {', '.join(OUTPUT_QUANTIZATION)}")
+        if self.method is not None and self.method not in converter.variants:
+            raise CheckpointError(f"{source}: quantization_config.quant_method {self.method!r} is not a layout of this "
+                                  f"model family's checkpoints ({', '.join(converter.variants) or 'it has one layout'})")
+        self.dequantize = self.method is not None and choice == "none"
+        self.converter = converter
+
+    def packed(self, key: str) -> bool:
+        """Whether ``key`` may hold the input's quantized bytes."""
+        return self.method is not None and bool(PACKED_KEYS[self.method].search(key))
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the output re-quantizes (the files then hold less than the model)."""
+        return self.method is not None and not self.dequantize
+
+    # -- the output's converter, layout and config ---------------------------------------------------------
+    def output_converter(self) -> Converter:
+        return replace(self.converter, variant=DENSE) if self.dequantize else self.converter
+
+    def output_layout(self, layout: ShardLayout, native_keys: list[str]) -> ShardLayout:
+        """The input's layout, or for a dequantized output the dense keys, each in the file its quantized twin was in."""
+        if not self.dequantize:
+            return layout
+        quantized = {frozenset(g.sources): g.targets for g in self.converter.plan(native_keys, "native")}
+        weight_map = dict(layout.weight_map)
+        renamed: dict[str, list[str]] = {}
+        for g in self.output_converter().plan(native_keys, "native"):
+            before = quantized[frozenset(g.sources)]
+            if set(before) != set(g.targets):
+                file = layout.weight_map[before[0]]
+                for key in before:
+                    del weight_map[key]
+                weight_map.update(dict.fromkeys(g.targets, file))
+                renamed[before[0]] = list(g.targets)
+        keys_by_file = {f: [new for k in layout.keys_in(f) for new in renamed.get(k, [k] if k in weight_map else [])]
+                        for f in layout.files}
+        return ShardLayout(layout.files, weight_map, layout.index_name, dict(layout.index_metadata)).with_keys(keys_by_file)
+
+    def output_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in config.items() if not (self.dequantize and k == "quantization_config")}
+
+    # -- unchanged tensors keep their bytes ------------------------------------------------------------------
+    def keep_unchanged(self, groups: list[Group], converted: dict[str, torch.Tensor], native: Mapping[str, torch.Tensor],
+                       source: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``converted`` with each lossy group's keys replaced by the input's bytes where the group's native tensors
+        equal what those bytes load as (the run did not change them)."""
+        if not self.lossy:
+            return converted
+        for g in groups:
+            if not is_lossy(g.rule.op) or not all(k in source for k in g.targets):
+                continue
+            loaded = g.rule.op.forward([source[k] for k in g.targets])
+            if all(_same(native[k], t) for k, t in zip(g.sources, loaded)):
+                converted.update({k: source[k] for k in g.targets})
+        return converted
+
+    @contextlib.contextmanager
+    def as_written(self, model: torch.nn.Module) -> Iterator[None]:
+        """Within: ``model``'s parameters that the output re-quantizes hold the values the files will load as (each
+        round-tripped through the format), the trained values restored on exit."""
+        if not self.lossy:
+            yield
+            return
+        params = dict(model.named_parameters())
+        groups = [g for g in self.converter.plan([k for k in params if not k.endswith("_extra_state")], "native")
+                  if is_lossy(g.rule.op)]
+        kept: dict[str, torch.Tensor] = {}
+        try:
+            with torch.no_grad():
+                for g in groups:
+                    values = [params[k].detach() for k in g.sources]
+                    rounded = g.rule.op.forward(g.rule.op.inverse(values))
+                    for key, value in zip(g.sources, rounded):
+                        kept[key] = params[key].detach().to("cpu", copy=True)
+                        params[key].copy_(value.to(params[key].dtype))
+            yield
+        finally:
+            with torch.no_grad():
+                for key, value in kept.items():
+                    params[key].copy_(value)
+
+
+def _same(trained: torch.Tensor, loaded: torch.Tensor) -> bool:
+    trained = trained.detach().cpu() if trained.device.type != "meta" else trained
+    return trained.shape == loaded.shape and torch.equal(trained, loaded.to(trained.dtype))

@@ -1,0 +1,197 @@
+"""gpt-oss with transformers and PEFT as the oracles: MXFP4 checkpoints in and out the way they came (untouched
+tensors byte for byte, changed ones re-quantized, or a dense output on request), and LoRA on attention and on the
+experts in PEFT's ``target_parameters`` form. The dense layout's logits and round trips: test_families.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from waypoint.checkpointers import CheckpointError, HFCheckpointer, load_model
+from waypoint.checkpointers.file_formats import read_tensors
+from waypoint.checkpointers.peft_adapter import load_adapter
+from waypoint.converters.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from waypoint.models.lora import adapter_state, adapters_disabled, apply_lora, merged_state
+from tests.conftest import save_adapter, tiny_family_config, write_family_checkpoint, write_mxfp4_checkpoint
+
+TOKENS = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(7))
+EVERYTHING = lambda key: True  # noqa: E731 (read the files' integer bytes too)
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    """(checkpoint dir, the transformers model reading it dequantized)."""
+    path = tmp_path_factory.mktemp("gpt_oss") / "mxfp4"
+    return path, write_mxfp4_checkpoint(path, tiny_family_config("gpt_oss"))
+
+
+def files_of(path):
+    return {f.name: read_tensors(f, packed=EVERYTHING) for f in sorted(path.glob("*.safetensors"))}
+
+
+def logits(model):
+    with torch.no_grad():
+        return model.eval()(TOKENS)
+
+
+def test_mxfp4_loads_with_transformers_logits(mxfp4):
+    path, hf_model = mxfp4
+    with torch.no_grad():
+        diff = (logits(load_model(path, dtype=torch.float32)) - hf_model(TOKENS).logits).abs().max().item()
+    print(f"\ngpt-oss mxfp4: max |native - transformers| logit = {diff:.3g}")
+    assert diff <= 1e-5
+
+
+def test_untouched_mxfp4_is_written_back_byte_for_byte(mxfp4, tmp_path):
+    path, _ = mxfp4
+    ckpt = HFCheckpointer(path, output_dir=tmp_path)
+    out = ckpt.save_checkpoint(ckpt.load_checkpoint(), step=1)
+    before, after = files_of(path), files_of(out)
+    assert sorted(after) == sorted(before)
+    for name in before:
+        assert sorted(after[name]) == sorted(before[name]), name
+        for key, t in before[name].items():
+            assert after[name][key].dtype == t.dtype and torch.equal(after[name][key], t), key
+    assert json.loads((out / "config.json").read_text()) == json.loads((path / "config.json").read_text())
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == \
+        json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def test_a_changed_expert_is_requantized_and_transformers_reads_what_we_read(mxfp4, tmp_path):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    path, _ = mxfp4
+    ckpt = HFCheckpointer(path, output_dir=tmp_path)
+    state = dict(ckpt.load_checkpoint()["model"])
+    changed = state["layers.1.moe.w3"].float() + 0.01 * torch.randn(state["layers.1.moe.w3"].shape,
+                                                                      generator=torch.Generator().manual_seed(0))
+    state["layers.1.moe.w3"] = changed
+    out = ckpt.save_checkpoint({"model": state}, step=2)
+    before, after = files_of(path), files_of(out)
+    differs = sorted(k for name in before for k in before[name] if not torch.equal(before[name][k], after[name][k]))
+    assert differs == ["model.layers.1.mlp.experts.gate_up_proj_blocks", "model.layers.1.mlp.experts.gate_up_proj_scales"]
+    # gate rows (w1) as they were, up rows (w3) changed: the whole parameter re-quantized with the published rounding
+    w1 = state["layers.1.moe.w1"].float()
+    interleaved = torch.stack([w1, changed], dim=2).flatten(1, 2)  # [E, 2I, H], gate and up rows alternating
+    blocks, scales = quantize_mxfp4(interleaved)
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    written = {k: t for name in after for k, t in after[name].items()}
+    assert torch.equal(written[key + "_blocks"], blocks.view_as(written[key + "_blocks"])) and torch.equal(written[key + "_scales"], scales)
+    theirs = AutoModelForCausalLM.from_pretrained(out, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32)
+    diff = (logits(load_model(out, dtype=torch.float32)) - theirs.eval()(TOKENS).logits.detach()).abs().max().item()
+    assert diff <= 1e-5
+    assert torch.equal(load_model(out, dtype=torch.float32).layers[1].moe.w3,
+                       dequantize_mxfp4(blocks, scales, torch.float32)[:, 1::2])
+
+
+def test_output_quantization_none_writes_the_dense_model_transformers_reads(mxfp4, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path, hf_model = mxfp4
+    ckpt = HFCheckpointer(path, output_dir=tmp_path, output_quantization="none")
+    out = ckpt.save_checkpoint(ckpt.load_checkpoint(), step=1)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(set(index.values())) == sorted(f.name for f in path.glob("*.safetensors"))  # the same files
+    source = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["model.layers.0.mlp.experts.gate_up_proj"] == source["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+    assert not [k for k in index if k.endswith(("_blocks", "_scales"))]
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():  # the dequantized values are exact: the same logits as the quantized input's
+        assert (theirs(TOKENS).logits - hf_model(TOKENS).logits).abs().max().item() <= 1e-5
+    with pytest.raises(CheckpointError, match="output_quantization='bf16' is not one of input, none"):
+        HFCheckpointer(path, output_dir=tmp_path, output_quantization="bf16")
+
+
+def test_an_unknown_quantization_is_one_line(mxfp4, tmp_path):
+    path, _ = mxfp4
+    config = json.loads((path / "config.json").read_text())
+    bad = tmp_path / "gptq"
+    bad.mkdir()
+    for f in path.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(CheckpointError, match=r"config.json: quantization_config.quant_method 'gptq' is not supported; supported: mxfp4"):
+        HFCheckpointer(bad, output_dir=tmp_path / "out")
+
+
+# -- LoRA, with PEFT as the oracle ---------------------------------------------------------------------------
+
+TARGETS = ["q_proj", "v_proj", "output_proj", "experts_gate_up", "experts_down"]
+
+
+def adapted(path, targets=TARGETS):
+    """The native model of ``path`` with random adapters on ``targets`` (B too: PEFT starts it at zero)."""
+    model = load_model(path, dtype=torch.float32)
+    apply_lora(model, targets, rank=4, alpha=6)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("targets", [TARGETS, ["experts_down"]], ids=["attention+experts", "down-only"])
+def test_expert_lora_is_peft_s_adapter_and_merge(tmp_path, targets):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    write_family_checkpoint(base, tiny_family_config("gpt_oss"))
+    ckpt = HFCheckpointer(base, output_dir=tmp_path / "out")
+    model = adapted(base, targets)
+    save_adapter(tmp_path / "adapter", model, ckpt.hf_converter(), str(base))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    parameters = [p for t, p in (("experts_gate_up", "mlp.experts.gate_up_proj"), ("experts_down", "mlp.experts.down_proj"))
+                  if t in targets]
+    assert config["target_parameters"] == parameters
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / "adapter")
+    with torch.no_grad():
+        diff = (logits(model) - peft.eval()(TOKENS).logits).abs().max().item()
+    print(f"\ngpt-oss LoRA {targets}: max |native - PEFT| logit = {diff:.3g}")
+    assert diff <= 1e-5
+    with adapters_disabled(model), torch.no_grad():
+        assert (logits(model) - peft(TOKENS).logits).abs().max().item() > 0.01  # the adapters change the logits
+    # the adapter reads back as it was written, and the merge is PEFT's to the bit
+    back, _ = load_adapter(tmp_path / "adapter", ckpt.hf_converter())
+    mine = adapter_state(model)
+    assert sorted(back) == sorted(mine) and all(torch.equal(back[k], mine[k]) for k in mine)
+    merged = peft.merge_and_unload().state_dict()
+    ours = merged_state(model)
+    for layer in range(2):
+        gate_up = merged[f"model.layers.{layer}.mlp.experts.gate_up_proj"].transpose(1, 2)  # [E, 2I, H]
+        assert torch.equal(ours[f"layers.{layer}.moe.w1"], gate_up[:, 0::2])
+        assert torch.equal(ours[f"layers.{layer}.moe.w3"], gate_up[:, 1::2])
+        assert torch.equal(ours[f"layers.{layer}.moe.w2"], merged[f"model.layers.{layer}.mlp.experts.down_proj"].transpose(1, 2))
+
+
+def test_expert_lora_is_the_same_in_every_moe_implementation(tmp_path):
+    base = tmp_path / "base"
+    write_family_checkpoint(base, tiny_family_config("gpt_oss"))
+    model = adapted(base)
+    results = {}
+    for impl in ("loop", "padded", "grouped"):
+        for layer in model.layers:
+            layer.moe.impl = impl
+        model.zero_grad()
+        out = model(TOKENS)
+        out.square().mean().backward()
+        results[impl] = (out.detach(), model.layers[0].moe.experts_gate_up.lora_B.weight.grad.clone())
+    for impl in ("padded", "grouped"):
+        assert (results[impl][0] - results["loop"][0]).abs().max() <= 1e-5
+        assert (results[impl][1] - results["loop"][1]).abs().max() <= 1e-5
+
+
+def test_expert_lora_refuses_dropout_and_other_families(tmp_path):
+    base = tmp_path / "base"
+    write_family_checkpoint(base, tiny_family_config("gpt_oss"))
+    with pytest.raises(CheckpointError, match="lora.dropout must be 0 with expert targets"):
+        apply_lora(load_model(base), ["experts_down"], rank=2, alpha=4, dropout=0.1)
+    llama = tmp_path / "llama"
+    write_family_checkpoint(llama, tiny_family_config("llama"))
+    with pytest.raises(CheckpointError, match="lora target experts_down adapts mixture-of-experts weights"):
+        apply_lora(load_model(llama), ["experts_down"], rank=2, alpha=4)
