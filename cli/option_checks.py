@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from waypoint.checkpointers.quantization import OUTPUT_QUANTIZATION
 from waypoint.errors import CheckpointError
 from waypoint.models.dtypes import DTYPE_NAMES
 from waypoint.models.nf4 import QUANTIZE_BASE
@@ -114,6 +115,7 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "device": (True, device),
     "dtype": (True, DTYPES),
     "output_dtype": (False, optional(DTYPES)),
+    "checkpointer.output_quantization": (False, optional(one_of(*OUTPUT_QUANTIZATION))),
     "strict": (True, boolean),
     "epochs": (True, integer(1)),
     "max_steps_per_epoch": (True, optional(integer(1))),
