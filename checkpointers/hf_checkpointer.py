@@ -104,7 +104,13 @@ class HFCheckpointer(Checkpointer):
                                              for f in self.layout.files})
         self.input_dtypes = {k: t.dtype for k, t in hf_state.items()}
         self._source = hf_state
-        return self.converter.to_native(hf_state, where)
+        native = self.converter.to_native(hf_state, where)
+        self._quantized_notes = self.quantized.notes(list(hf_state), native)
+        return native
+
+    @property
+    def notes(self) -> list[str]:
+        return super().notes + getattr(self, "_quantized_notes", [])
 
     def _key_prefixes(self, keys: list[str]) -> tuple[str, str]:
         """(the prefix on disk, the one the converter's keys have instead) for these keys."""

@@ -31,6 +31,7 @@ from waypoint.converters.table import Converter, Group
 from waypoint.errors import CheckpointError
 
 PACKED_KEYS = {"mxfp4": re.compile(r"_(blocks|scales)$")}  # quant_method -> the keys holding its integer bytes
+FORMATS = {"mxfp4": "MXFP4: FP4 E2M1 values in blocks of 32 along the input features, one E8M0 scale a block"}
 OUTPUT_QUANTIZATION = ("input", "none")
 DENSE = "dense"  # the family layout of a dequantized model
 
@@ -102,6 +103,26 @@ class QuantizedOutput:
     def output_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in config.items() if not (self.dequantize and k == "quantization_config")}
 
+    # -- what a load report and scripts/inspect.py say --------------------------------------------------------
+    def notes(self, hf_keys: list[str], native: Mapping[str, torch.Tensor]) -> list[str]:
+        """The load report's lines about the quantized tensors read (format, block size, dequantized shapes)."""
+        if self.method is None:
+            return []
+        groups = [g for g in self.converter.plan(hf_keys, "hf") if is_lossy(g.rule.op)]
+        from waypoint.checkpointers.load_report import fold_keys
+        from waypoint.lazy import spec_of
+
+        shapes: dict[tuple, list[str]] = {}
+        for g in groups:
+            for key in g.targets:
+                shape, dtype = spec_of(native, key)
+                shapes.setdefault((tuple(shape), str(dtype).removeprefix("torch.")), []).append(key)
+        read = ", ".join(f"{', '.join(fold_keys(keys))} {list(shape)} {dtype}" for (shape, dtype), keys in shapes.items())
+        written = "dense (output_quantization: none)" if self.dequantize else \
+            f"{self.method} again, untouched tensors byte for byte (output_quantization: none writes them dense)"
+        return [f"quantized input ({self.method}): {len(groups)} tensors dequantized as loaded into {read}; "
+                f"{FORMATS[self.method]}; written back {written}"]
+
     # -- unchanged tensors keep their bytes ------------------------------------------------------------------
     def keep_unchanged(self, groups: list[Group], converted: dict[str, torch.Tensor], native: Mapping[str, torch.Tensor],
                        source: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -146,3 +167,20 @@ class QuantizedOutput:
 def _same(trained: torch.Tensor, loaded: torch.Tensor) -> bool:
     trained = trained.detach().cpu() if trained.device.type != "meta" else trained
     return trained.shape == loaded.shape and torch.equal(trained, loaded.to(trained.dtype))
+
+
+def describe_packed(method: str | None, headers: Mapping[str, tuple[tuple[int, ...], str]]) -> list[str]:
+    """scripts/inspect.py's lines for a quantized checkpoint's packed tensors: each ``*_blocks`` / ``*_scales`` pair
+    with the shape it dequantizes to (``headers``: key -> (shape, dtype) as stored)."""
+    if method != "mxfp4":
+        return []
+    from waypoint.checkpointers.load_report import fold_keys
+
+    shapes: dict[tuple, list[str]] = {}
+    for key, (shape, _) in headers.items():
+        stem = key.removesuffix("_blocks")
+        if key.endswith("_blocks") and stem + "_scales" in headers and len(shape) >= 2:
+            shapes.setdefault(tuple(shape[:-2]) + (shape[-2] * shape[-1] * 2,), []).append(stem)
+    rows = [f"  {pattern + '_{blocks,scales}':<60} -> {list(shape)} dequantized"
+            for shape, stems in shapes.items() for pattern in fold_keys(stems)]
+    return [f"quantized ({FORMATS[method]}):"] + sorted(rows) if rows else []

@@ -43,6 +43,7 @@ from waypoint.checkpointers import checkpointer_for, detect_format  # noqa: E402
 from waypoint.checkpointers.commit import MANIFEST, verify  # noqa: E402
 from waypoint.checkpointers.file_formats import SAFETENSORS, format_of, load_pickle, read_metadata  # noqa: E402
 from waypoint.checkpointers.load_report import fold_keys  # noqa: E402
+from waypoint.checkpointers.quantization import describe_packed  # noqa: E402
 from waypoint.checkpointers.native_checkpointer import ALIASES_KEY  # noqa: E402
 from waypoint.run.object_store import local_copy  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
@@ -113,6 +114,15 @@ def manifest_line(directory: Path) -> str:
             + (f", {checked.files} files, {checked.bytes / 1e9:.3f} GB" if checked.ok else ""))
 
 
+def _values(ckpt, key: str, n: int) -> int:
+    """The parameters ``n`` stored elements of ``key`` hold: a quantized checkpoint's packed bytes hold two FP4
+    values each, its scales none of their own."""
+    quantized = getattr(ckpt, "quantized", None)
+    if quantized is None or not quantized.packed(key):
+        return n
+    return 2 * n if key.endswith("_blocks") else 0
+
+
 def describe(directory: Path) -> list[str]:
     if holds_sharded_model(directory):
         return describe_sharded(directory)
@@ -133,7 +143,7 @@ def describe(directory: Path) -> list[str]:
             n = 1
             for d in shape:
                 n *= d
-            total_params += n
+            total_params += _values(ckpt, key, n)
             total_bytes += n * _bytes_per(dtype)
     lines.append("keys (folded by layer):")
     rows = [(pattern, shape, dtype) for (shape, dtype), keys in groups.items() for pattern in fold_keys(keys)]
@@ -141,6 +151,9 @@ def describe(directory: Path) -> list[str]:
         lines.append(f"  {pattern:<60} {str(list(shape)):<16} {dtype}")
     lines.append(f"total: {total_params:,} parameters, {total_bytes / 1e9:.3f} GB of tensors")
     config = getattr(ckpt, "config", {}) or {}
+    quantized = getattr(ckpt, "quantized", None)
+    if quantized is not None:
+        lines += describe_packed(quantized.method, {k: v for path in files for k, v in tensor_headers(path)[0].items()})
     if aliases:
         lines.append("tied: " + ", ".join(f"{a} = {b} (stored once)" for a, b in aliases.items()))
     elif config.get("tie_word_embeddings"):

@@ -195,3 +195,22 @@ def test_expert_lora_refuses_dropout_and_other_families(tmp_path):
     write_family_checkpoint(llama, tiny_family_config("llama"))
     with pytest.raises(CheckpointError, match="lora target experts_down adapts mixture-of-experts weights"):
         apply_lora(load_model(llama), ["experts_down"], rank=2, alpha=4)
+
+
+def test_the_load_report_and_inspect_show_the_quantized_tensors(mxfp4, tmp_path, capsys):
+    from scripts import inspect as inspect_script
+
+    path, _ = mxfp4
+    ckpt = HFCheckpointer(path, output_dir=tmp_path)
+    ckpt.load_checkpoint()
+    (note,) = [line for line in ckpt.notes if line.startswith("quantized input")]
+    assert "quantized input (mxfp4): 4 tensors dequantized as loaded into" in note and "blocks of 32" in note
+    assert "layers.{0..1}.moe.w1, layers.{0..1}.moe.w3 [4, 32, 64]" in note and "layers.{0..1}.moe.w2 [4, 64, 32]" in note
+    assert inspect_script.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.{0..1}.mlp.experts.gate_up_proj_{blocks,scales} -> [4, 64, 64] dequantized" in out
+    dense = tmp_path / "dense"
+    write_family_checkpoint(dense, tiny_family_config("gpt_oss"))
+    assert inspect_script.main([str(dense)]) == 0
+    total = [line for line in out.splitlines() if line.startswith("total:")]
+    assert total == [line for line in capsys.readouterr().out.splitlines() if line.startswith("total:")]  # the same parameters
