@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -53,11 +54,15 @@ class ExportCheck:
     found (``export verified: max |dlogit| 3.1e-07 over 2x64 tokens (0.4 s)``)."""
 
     def __init__(self, model: nn.Module, shape: tuple[int, int] = PROBE_SHAPE,
-                 report: Callable[[str], None] | None = None, reload: Callable[[Path], nn.Module] | None = None) -> None:
+                 report: Callable[[str], None] | None = None, reload: Callable[[Path], nn.Module] | None = None,
+                 written: Callable[[nn.Module], AbstractContextManager] | None = None) -> None:
         self.report = report
         self.reload = reload  # directory -> a fresh model holding its weights (default: load_model, from its own files)
         self.tokens = probe_tokens(model.args.vocab_size, (shape[0], min(shape[1], model.args.max_seq_len)))
-        self.expected = probe_logits(model, self.tokens)
+        # ``written(model)``: within it the model holds what the files will (a re-quantized output: the checkpointer's
+        # ``as_written``), so the check compares the layout, not the format's rounding
+        with (written or nullcontext)(model):
+            self.expected = probe_logits(model, self.tokens)
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.line = ""
         self.max_diff: float | None = None
