@@ -177,6 +177,11 @@ class Checkpointer:
         sources = {spec_of(native, k)[1] for k in native}
         return any(narrows(s, t) for s in sources if s.is_floating_point for t in targets)
 
+    @property
+    def rounds(self) -> bool:
+        """Whether the output's format rounds what it is given (a re-quantized output), beyond its dtype."""
+        return False
+
     def as_written(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
         """A context within which ``model`` holds the values its files will load as, where the format rounds them
         (a quantized output: ``quantization.QuantizedOutput.as_written``); the identity for the others."""

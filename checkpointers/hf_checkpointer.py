@@ -18,7 +18,7 @@ from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, json_bytes, read_json
 from waypoint.checkpointers.hf_source import HFSource
-from waypoint.checkpointers.quantization import QuantizedOutput
+from waypoint.checkpointers.quantization import QuantizedOutput, dequantizing_to
 from waypoint.checkpointers.shard_layout import ShardLayout, discover, plan_files, plan_layout, read_files, write_files
 from waypoint.converters import CheckpointError, Converter
 from waypoint.families import detect_model_type, family_named, get_converter, model_args_from_hf_config
@@ -60,7 +60,7 @@ class HFCheckpointer(Checkpointer):
         self.config = read_json(self.checkpoint_dir / CONFIG_FILE)
         self.model_type = model_type or detect_model_type(self.config, str(self.checkpoint_dir / CONFIG_FILE))
         self.family = family_named(self.model_type)
-        self.converter: Converter = get_converter(self.model_type, self.config)
+        self.converter: Converter = dequantizing_to(get_converter(self.model_type, self.config), self.config)
         self.quantized = QuantizedOutput(self.converter, self.config, output_quantization, str(self.checkpoint_dir / CONFIG_FILE))
         self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
         self.safe_serialization = safe_serialization
@@ -156,9 +156,13 @@ class HFCheckpointer(Checkpointer):
             return tensor.to(max(set(floats), key=floats.count)) if floats else tensor
         return self.cast_for_output(key, tensor)
 
+    @property
+    def rounds(self) -> bool:
+        return self.quantized.lossy
+
     def narrows(self, native: Mapping[str, torch.Tensor]) -> bool:
         """A re-quantized output holds less than the model (``checkpointers.quantization``), as a narrower dtype does."""
-        return self.quantized.lossy or super().narrows(native)
+        return self.rounds or super().narrows(native)
 
     def as_written(self, model: torch.nn.Module):
         return self.quantized.as_written(model)

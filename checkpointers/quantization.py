@@ -48,6 +48,28 @@ def quant_method(config: Mapping[str, Any], source: str = "config.json") -> str 
     return method
 
 
+def dequantizing_to(converter: Converter, config: Mapping[str, Any]) -> Converter:
+    """``converter`` with its lossy ops dequantizing into the dtype config.json names (``dtype`` / ``torch_dtype``), as
+    transformers dequantizes into the model's dtype; bf16 (the releases') where it names none."""
+    from waypoint.converters.ops import Chain
+    from waypoint.converters.table import Rule
+    from waypoint.models.dtypes import HF_DTYPES, parse_dtype
+
+    try:
+        dtype = parse_dtype(config.get("dtype") or config.get("torch_dtype"))
+    except ValueError:
+        dtype = None
+    dtype = dtype if dtype in HF_DTYPES else torch.bfloat16
+
+    def retyped(op):
+        if isinstance(op, Chain):
+            return Chain(*(retyped(o) for o in op.ops))
+        return replace(op, dtype=dtype) if is_lossy(op) and hasattr(op, "dtype") else op
+
+    variants = {name: [Rule(r.hf, r.native, retyped(r.op)) for r in rules] for name, rules in converter.variants.items()}
+    return replace(converter, variants=variants)
+
+
 def is_lossy(op: object) -> bool:
     """Whether an op (or an op inside a ``Chain``) does not give back its input's bytes through a round trip."""
     return bool(getattr(op, "lossy", False)) or any(is_lossy(o) for o in getattr(op, "ops", ()))

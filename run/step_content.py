@@ -59,7 +59,7 @@ def model_step(model, optimizer, checkpointer, recipe: RecipeState, final: bool,
     """The full fine-tune's step ``recipe.global_step``; ``final``: the run's last."""
     optim = optimizer_state(model, optimizer)
     model_state = model.state_dict()
-    check = ExportCheck(model, report=report, reload=verify) if verify and final else None
+    check = ExportCheck(model, report=report, reload=verify, written=checkpointer.as_written) if verify and final else None
     if not dist.enabled:  # one process: whole tensors, in the input's format, and the recipe state beside them
         recipe.optimizer = optim
 
@@ -106,10 +106,12 @@ def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, convert
     check = None
     if merge and verify:
         quantized = any(is_nf4(p) for p in model.parameters())
-        if not quantized:
+        if not quantized and not checkpointer.rounds:
             check = ExportCheck(model, report=report, reload=verify)  # the model as it trains computes what merged/ must
-        elif not dist.enabled:  # a 4-bit base computes something else: the reference is the merge itself, in memory
-            check = _merged_reference_check(model, model_state, scalings, original, sources, verify, report)
+        elif not dist.enabled:  # a 4-bit base computes something else, a re-quantized output holds something else:
+            # the reference is the merge itself, in memory (as the output's format rounds it)
+            check = _merged_reference_check(model, model_state, scalings, original, sources, verify, report,
+                                            checkpointer.as_written)
         else:
             report("note: the merged model is not read back under torchrun with quantize_base (its full-precision "
                    "reference would have to be gathered); scripts/convert.py --verify checks it afterwards")
@@ -134,11 +136,12 @@ def write_gathered(stage: StagedDir, checkpointer, model_state: Mapping[str, Any
         _checked(checkpointer.writer({"model": gathered}), check)(stage)
 
 
-def _merged_reference_check(model, model_state, scalings, original, sources, verify: ExportReload, report) -> ExportCheck:
+def _merged_reference_check(model, model_state, scalings, original, sources, verify: ExportReload, report,
+                            written=None) -> ExportCheck:
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and not is_nf4(p))
     reference = verify.fresh_model()
     load_into(reference, MergedState(model_state, scalings, original, sources), dtype=dtype, device="cpu")
-    check = ExportCheck(reference, report=report, reload=verify)
+    check = ExportCheck(reference, report=report, reload=verify, written=written)
     del reference
     return check
 

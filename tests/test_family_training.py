@@ -14,7 +14,7 @@ import torch
 
 from recipes import full_finetune
 from waypoint.checkpointers.file_formats import read_tensors
-from tests.conftest import ROOT, sigterm_at_step, tiny_family_config, write_family_checkpoint
+from tests.conftest import ROOT, sigterm_at_step, tiny_family_config, write_family_checkpoint, write_mxfp4_checkpoint
 
 TINY = ROOT / "assets/tiny_llama"
 STEPS, STOP_AT = 6, 3
@@ -28,13 +28,18 @@ FAMILIES = {
     "gemma3": ("gemma3", False),
     "mixtral": ("mixtral", False),
     "qwen3-moe-packed": ("qwen3_moe", True),
+    "gpt-oss-mxfp4": ("gpt_oss", False),  # the experts in MXFP4, as released: written back so
 }
 
 
 def base_checkpoint(path, name):
     family, packed = FAMILIES[name]
     # the tiny tokenizer's vocabulary; positions for the 128-token samples
-    write_family_checkpoint(path, tiny_family_config(family, vocab_size=512, max_position_embeddings=256), packed=packed)
+    config = tiny_family_config(family, vocab_size=512, max_position_embeddings=256)
+    if name.endswith("mxfp4"):
+        write_mxfp4_checkpoint(path, config)
+    else:
+        write_family_checkpoint(path, config, packed=packed)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TINY / f, path / f)
     return path
@@ -49,7 +54,7 @@ def run(base, out, stop_at=None):
 
 
 def weights(step_dir):
-    return {k: t for f in sorted(step_dir.glob("*.safetensors")) for k, t in read_tensors(f).items()}
+    return {k: t for f in sorted(step_dir.glob("*.safetensors")) for k, t in read_tensors(f, packed=lambda key: True).items()}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -59,7 +64,7 @@ def test_family_trains_stops_on_sigterm_and_resumes_bit_exactly(name, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "straight/metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert len(losses) == STEPS and sum(losses[-2:]) < sum(losses[:2]), f"{name}: the loss did not fall: {losses}"
-    assert ("aux_loss" in records[0]) == name.startswith(("mixtral", "qwen3-moe")), "MoE runs log their load-balancing loss"
+    assert ("aux_loss" in records[0]) == name.startswith(("mixtral", "qwen3-moe", "gpt-oss")), "MoE runs log their load-balancing loss"
 
     assert run(base, tmp_path / "stopped", stop_at=STOP_AT) == 75
     assert (tmp_path / "stopped" / f"step_{STOP_AT}").is_dir()
