@@ -14,7 +14,9 @@ from waypoint.checkpointers.file_formats import read_tensors
 from waypoint.checkpointers.peft_adapter import load_adapter
 from waypoint.converters.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from waypoint.models.lora import adapter_state, adapters_disabled, apply_lora, merged_state
-from tests.conftest import save_adapter, tiny_family_config, write_family_checkpoint, write_mxfp4_checkpoint
+from tests.conftest import ROOT, save_adapter, tiny_family_config, write_family_checkpoint, write_mxfp4_checkpoint
+
+TINY = ROOT / "assets/tiny_llama"
 
 TOKENS = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(7))
 EVERYTHING = lambda key: True  # noqa: E731 (read the files' integer bytes too)
@@ -214,3 +216,43 @@ def test_the_load_report_and_inspect_show_the_quantized_tensors(mxfp4, tmp_path,
     assert inspect_script.main([str(dense)]) == 0
     total = [line for line in out.splitlines() if line.startswith("total:")]
     assert total == [line for line in capsys.readouterr().out.splitlines() if line.startswith("total:")]  # the same parameters
+
+
+@pytest.mark.parametrize("targets", ["[q_proj,v_proj]", "[q_proj,experts_gate_up,experts_down]"], ids=["attention", "experts"])
+def test_lora_run_on_mxfp4_merges_into_mxfp4(tmp_path, targets):
+    """The LoRA recipe on the MXFP4 release shape: merged/ is MXFP4 again; experts the adapters did not touch are
+    the input's bytes, adapted ones the merge re-quantized (the export check compared the merge as written)."""
+    import shutil
+
+    from recipes import lora_finetune
+    from waypoint.models.lora import merge_state_dict
+
+    base = tmp_path / "base"
+    write_mxfp4_checkpoint(base, tiny_family_config("gpt_oss", vocab_size=512, max_position_embeddings=256))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / f, base / f)
+    out = tmp_path / "out"
+    assert lora_finetune.main(["--config", str(ROOT / "configs/tiny_lora.yaml"), f"checkpointer.checkpoint_dir={base}",
+                               f"output_dir={out}", "epochs=1", "max_steps_per_epoch=3", "batch_size=4",
+                               f"lora.targets={targets}", "lr_scheduler.num_warmup_steps=1"]) == 0
+    final = out / "step_3"
+    merged = final / "merged"
+    assert json.loads((merged / "config.json").read_text()) == json.loads((base / "config.json").read_text())
+    before, after = files_of(base), files_of(merged)
+    experts = {k for name in before for k in before[name] if k.endswith(("_blocks", "_scales"))}
+    same = {k for name in before for k in before[name] if torch.equal(before[name][k], after[name][k])}
+    if "experts" in targets:  # gate_up and down adapted in every layer: all re-quantized
+        assert not experts & same
+        assert json.loads((final / "adapter_config.json").read_text())["target_parameters"] == \
+            ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    else:
+        assert experts <= same
+    # merged/ holds the merge of the input's values, as the format rounds it
+    ckpt = HFCheckpointer(base, output_dir=tmp_path / "unused")
+    adapter, config = load_adapter(final, ckpt.hf_converter())
+    expected = merge_state_dict(dict(ckpt.load_checkpoint()["model"]), adapter, config["lora_alpha"] / config["r"])
+    reread = HFCheckpointer(merged, output_dir=tmp_path / "unused").load_checkpoint()["model"]
+    for key in ("layers.0.moe.w1", "layers.1.moe.w2"):
+        values = expected[key].float()
+        rounded = dequantize_mxfp4(*quantize_mxfp4(values), torch.float32) if "experts" in targets else values
+        assert torch.equal(reread[key].float(), rounded), key
