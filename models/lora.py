@@ -14,7 +14,6 @@ to the base. ``output = base(x) + lora_B(lora_A(dropout(x))) * alpha / rank``, a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
@@ -24,6 +23,7 @@ from torch import nn
 
 from waypoint.errors import CheckpointError
 from waypoint.lazy import spec_of
+from waypoint.models.lora_factors import LoRAFactors, initial_lora_weights
 from waypoint.models.lora_experts import EXPERT_TARGETS, LoRAExperts, add_expert_lora, adapted_rows, merge_expert_weight
 
 HALF = (torch.bfloat16, torch.float16)
@@ -32,7 +32,7 @@ HF_NAMES = {"o_proj": "output_proj", "gate_proj": "w1", "down_proj": "w2", "up_p
             "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
 
 
-class LoRALinear(nn.Module):
+class LoRALinear(LoRAFactors):
     """A frozen linear layer plus a trainable low-rank update."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> None:
@@ -55,17 +55,7 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, self.rank, bias=False, device="meta", dtype=dtype)
         self.lora_B = nn.Linear(self.rank, self.out_features, bias=False, device="meta", dtype=dtype)
         self.dropout = nn.Dropout(self.dropout_p) if self.dropout_p > 0 else nn.Identity()
-        self.disabled = False  # True: the base layer alone (``adapters_disabled``)
-        if not base.weight.is_meta:
-            self.lora_A.to_empty(device=base.weight.device)
-            self.lora_B.to_empty(device=base.weight.device)
-            self.reset_lora_parameters()
-
-    def reset_lora_parameters(self) -> None:
-        with torch.no_grad():
-            a, b = initial_lora_weights(self.lora_A.weight, self.lora_B.weight)
-            self.lora_A.weight.copy_(a)
-            self.lora_B.weight.copy_(b)
+        self.place_factors(base.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
@@ -80,14 +70,6 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}, dropout={self.dropout_p}"
-
-
-def initial_lora_weights(lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """PEFT's initialisation as whole CPU tensors shaped like ``lora_a`` / ``lora_b``: A Kaiming-uniform
-    (a = sqrt(5)) from the global generator, B zeros."""
-    a = torch.empty(lora_a.shape, dtype=lora_a.dtype)
-    nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # as peft.tuners.lora.LoraLayer
-    return a, torch.zeros(lora_b.shape, dtype=lora_b.dtype)
 
 
 @contextmanager

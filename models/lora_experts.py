@@ -20,13 +20,14 @@ import torch
 from torch import nn
 
 from waypoint.errors import CheckpointError
+from waypoint.models.lora_factors import LoRAFactors
 
 # native target -> (the MoE weight it adapts, the first of its rows in the update, the step between them), ...
 EXPERT_TARGETS = {"experts_gate_up": (("w1", 0, 2), ("w3", 1, 2)), "experts_down": (("w2", 0, 1),)}
 HALF = (torch.bfloat16, torch.float16)
 
 
-class LoRAExperts(nn.Module):
+class LoRAExperts(LoRAFactors):
     """The low-rank update of one stacked expert weight (or, for ``experts_gate_up``, of two interleaved ones)."""
 
     def __init__(self, n_experts: int, in_features: int, out_features: int, rank: int, alpha: float,
@@ -43,19 +44,7 @@ class LoRAExperts(nn.Module):
         dtype = torch.float32 if like.dtype in HALF else like.dtype
         self.lora_A = nn.Linear(in_features, self.rank * n_experts, bias=False, device="meta", dtype=dtype)
         self.lora_B = nn.Linear(self.rank * n_experts, out_features, bias=False, device="meta", dtype=dtype)
-        self.disabled = False  # True: the base weights alone (``adapters_disabled``)
-        if not like.is_meta:
-            self.lora_A.to_empty(device=like.device)
-            self.lora_B.to_empty(device=like.device)
-            self.reset_lora_parameters()
-
-    def reset_lora_parameters(self) -> None:
-        from waypoint.models.lora import initial_lora_weights
-
-        with torch.no_grad():
-            a, b = initial_lora_weights(self.lora_A.weight, self.lora_B.weight)
-            self.lora_A.weight.copy_(a)
-            self.lora_B.weight.copy_(b)
+        self.place_factors(like)
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(A [E, r, in], B [E, out, r]): each expert's factors."""
