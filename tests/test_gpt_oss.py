@@ -256,3 +256,17 @@ def test_lora_run_on_mxfp4_merges_into_mxfp4(tmp_path, targets):
         values = expected[key].float()
         rounded = dequantize_mxfp4(*quantize_mxfp4(values), torch.float32) if "experts" in targets else values
         assert torch.equal(reread[key].float(), rounded), key
+
+
+@pytest.mark.parametrize("targets,expected", [
+    ("[q_proj,experts_down]", "error: lora target experts_down adapts mixture-of-experts weights, which this model does not have"),
+    ("[mlp.experts.gate_up_proj]", "error: lora target experts_gate_up adapts mixture-of-experts weights, which this model does not have"),
+], ids=["native-name", "peft-name"])
+def test_expert_targets_on_a_dense_model_are_one_line(tmp_path, capsys, targets, expected):
+    from recipes import lora_finetune
+
+    out = tmp_path / "out"
+    code = lora_finetune.main(["--config", str(ROOT / "configs/tiny_lora.yaml"), f"checkpointer.checkpoint_dir={TINY}",
+                               f"output_dir={out}", f"lora.targets={targets}"])
+    err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error" in line]
+    assert code == 1 and err == [expected]
