@@ -164,6 +164,10 @@ class HFCheckpointer(Checkpointer):
         """A re-quantized output holds less than the model (``checkpointers.quantization``), as a narrower dtype does."""
         return self.rounds or super().narrows(native)
 
+    def describe_output(self, path) -> str:
+        line = super().describe_output(path)
+        return line.replace(" format", f" format, {self.quantized.method} like the input", 1) if self.rounds else line
+
     def as_written(self, model: torch.nn.Module):
         return self.quantized.as_written(model)
 

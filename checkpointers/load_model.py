@@ -26,7 +26,7 @@ from waypoint.families import from_hf_config
 from waypoint.lazy import local_shard, release_heap, release_pages, spec_of
 from waypoint.models.extra_state import EXTRA_STATE_SUFFIX
 from waypoint.models import Transformer, parse_dtype
-from waypoint.models.nf4 import is_nf4, nf4_local_shard
+from waypoint.models.nf4 import is_nf4, is_quantized_base, nf4_local_shard
 from waypoint.models.swap import swapping_conversions
 
 
@@ -142,11 +142,12 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
             owner.load_state_dict(piece, strict=False, assign=True)
             now = getattr(owner, leaf)
             taken.add(id(now))
-            held[target] = None if is_nf4(now) else _ptr(value)
-            if is_nf4(now) or held[target] != _ptr(raw):
+            quantized = is_quantized_base(now)  # NF4 or MXFP4: the checkpoint's tensor was quantized as it was read
+            held[target] = None if quantized else _ptr(value)
+            if quantized or held[target] != _ptr(raw):
                 release_pages(raw)
             del raw, value
-            if is_nf4(now):  # the quantizer's temporaries, returned to the system rather than kept as heap
+            if quantized:  # the quantizer's temporaries, returned to the system rather than kept as heap
                 release_heap()
     # Extra state last, in one pass over every module (also with none: a module whose extra state the checkpoint
     # predates says so, and keeps its own)
@@ -159,8 +160,8 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
 
     # From the model as it now is: which parameters hold a checkpoint tensor, which were re-tied.
     after = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    report.quantized = sorted(k for k, ptr in held.items() if ptr is None and k in after and is_nf4(after[k]))
-    report.loaded = sorted(k for k, ptr in held.items() if ptr is not None and k in after and not is_nf4(after[k])
+    report.quantized = sorted(k for k, ptr in held.items() if ptr is None and k in after and is_quantized_base(after[k]))
+    report.loaded = sorted(k for k, ptr in held.items() if ptr is not None and k in after and not is_quantized_base(after[k])
                            and _ptr(after[k]) == ptr)
     report.retied += sorted(k for k, ptr in held.items() if k in after and k not in report.loaded and k not in report.quantized)
     report.retied += [k for k in tied if not after[k].is_meta]

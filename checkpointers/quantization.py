@@ -173,17 +173,17 @@ class QuantizedOutput:
         kept: dict[str, torch.Tensor] = {}
         try:
             with torch.no_grad():
-                for g in groups:
-                    values = [params[k].detach() for k in g.sources]
+                for g in groups:  # in the same order on every rank: a sharded parameter is gathered whole
+                    values = [_whole(params[k].detach()) for k in g.sources]
                     rounded = g.rule.op.forward(g.rule.op.inverse(values))
                     for key, value in zip(g.sources, rounded):
-                        kept[key] = params[key].detach().to("cpu", copy=True)
-                        params[key].copy_(value.to(params[key].dtype))
+                        kept[key] = _local(params[key]).to("cpu", copy=True)
+                        _local(params[key]).copy_(_piece(value, params[key]))
             yield
         finally:
             with torch.no_grad():
                 for key, value in kept.items():
-                    params[key].copy_(value)
+                    _local(params[key]).copy_(value)
 
 
 def _same(trained: torch.Tensor, loaded: torch.Tensor) -> bool:
@@ -206,3 +206,20 @@ def describe_packed(method: str | None, headers: Mapping[str, tuple[tuple[int, .
     rows = [f"  {pattern + '_{blocks,scales}':<60} -> {list(shape)} dequantized"
             for shape, stems in shapes.items() for pattern in fold_keys(stems)]
     return [f"quantized ({FORMATS[method]}):"] + sorted(rows) if rows else []
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # a sharded (FSDP2) parameter: gathered
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _piece(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``whole``'s values where ``like`` holds them: this rank's piece of a sharded parameter, in its dtype."""
+    if hasattr(like, "device_mesh"):
+        from waypoint.lazy import local_shard
+
+        return local_shard(whole, like, device=_local(like).device, dtype=like.dtype).to_local()
+    return whole.to(like.dtype)
