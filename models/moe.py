@@ -40,7 +40,9 @@ Three interchangeable implementations of the experts' part, chosen by the module
                and the weights suit its kernels (16-byte aligned, rows a multiple of 16 bytes), otherwise
                ``"padded"``.
 
-All give the same outputs and gradients up to the dtype's rounding. ``forward`` returns the output and the
+All give the same outputs and gradients up to the dtype's rounding. With ``quantize_base: mxfp4`` the experts' w1, w3,
+w2 are ``MXFP4Weight`` (``models.mxfp4_weight``): every product dequantizes them inside ``MXFP4Matmul``, in its
+forward and again in its backward, so autograd keeps no dense copy of them. ``forward`` returns the output and the
 router logits [tokens, E], which :func:`load_balancing_loss` turns into transformers' auxiliary loss.
 Mixtral's ``router_jitter_noise`` (multiplicative noise on the input while training; 0 in its checkpoints) is not
 implemented.
@@ -56,6 +58,7 @@ from torch import nn
 
 from waypoint.models.args import ACTIVATIONS
 from waypoint.models.lora_experts import LoRAExperts, expert_update
+from waypoint.models.mxfp4_weight import MXFP4Weight, experts_mm, linear
 
 IMPLS = ("auto", "grouped", "padded", "loop")
 
@@ -117,8 +120,9 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _grouped_mm_layout_ok(*weights: torch.Tensor) -> bool:
     """grouped_mm's layout rules (CUDA's kernels; CPU's in torch <= 2.10): operands 16-byte aligned (a memory-mapped
-    checkpoint's may not be) and each matrix's rows a multiple of 16 bytes long."""
-    return all(w.data_ptr() % 16 == 0 and w.shape[-1] * w.element_size() % 16 == 0
+    checkpoint's may not be; an MXFP4Weight's operand is its freshly dequantized copy) and each matrix's rows a
+    multiple of 16 bytes long."""
+    return all((isinstance(w, MXFP4Weight) or w.data_ptr() % 16 == 0) and w.shape[-1] * w.element_size() % 16 == 0
                and w.shape[-2] * w.element_size() % 16 == 0 for w in weights)
 
 
@@ -235,18 +239,18 @@ class MoE(nn.Module):
                 continue
             tokens = idx // k
             xe = x[tokens]
-            h1, h3 = F.linear(xe, w1[e], b1[e]), F.linear(xe, w3[e], b3[e])
+            h1, h3 = linear(xe, w1[e], b1[e]), linear(xe, w3[e], b3[e])  # F.linear, or MXFP4Matmul per expert
             if self.experts_gate_up is not None and not self.experts_gate_up.disabled:
                 d = self.experts_gate_up.expert(e, xe)
                 h1, h3 = h1 + d[:, 0::2], h3 + d[:, 1::2]
             g = self.gated(h1, h3)
-            y = expert_update(self.experts_down, F.linear(g, w2[e], b2[e]), lambda m: m.expert(e, g))
+            y = expert_update(self.experts_down, linear(g, w2[e], b2[e]), lambda m: m.expert(e, g))
             out.index_add_(0, tokens, (y * flat_weights[idx, None]).to(x.dtype).to(out.dtype))
         return out.to(x.dtype)
 
     def _experts_sorted(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """All assignments sorted by expert, then either grouped_mm over the per-expert offsets or a bmm over a
-        zero-padded [E, capacity, dim] buffer."""
+        zero-padded [E, capacity, dim] buffer (``experts_mm``: an MXFP4Weight's dense copy lives inside the product only)."""
         n_tokens, k, n_experts = x.shape[0], self.top_k, self.n_experts
         flat_experts = experts.reshape(-1)
         sorted_experts, order = torch.sort(flat_experts, stable=True)
@@ -258,14 +262,14 @@ class MoE(nn.Module):
         if grouped:
             mm = _grouped_mm_fn()
             xs = x[tokens].to(self.w1.dtype)  # [S, dim] (grouped_mm is not autocast-aware)
-            h1, h3 = mm(xs, self.w1.transpose(-2, -1), offs=ends), mm(xs, self.w3.transpose(-2, -1), offs=ends)
+            h1, h3 = experts_mm(xs, self.w1, ends, mm), experts_mm(xs, self.w3, ends, mm)
             if self.b1 is not None:  # each sorted assignment's expert's bias
                 h1, h3 = h1 + self.b1[sorted_experts], h3 + self.b3[sorted_experts]
             if self.experts_gate_up is not None and not self.experts_gate_up.disabled:
                 d = self.experts_gate_up.grouped(xs, ends)  # gate and up interleaved
                 h1, h3 = h1 + d[:, 0::2], h3 + d[:, 1::2]
             g = self.gated(h1, h3).to(self.w2.dtype)
-            ys = mm(g, self.w2.transpose(-2, -1), offs=ends)
+            ys = experts_mm(g, self.w2, ends, mm)
             if self.b2 is not None:
                 ys = ys + self.b2[sorted_experts]
             ys = expert_update(self.experts_down, ys, lambda m: m.grouped(g, ends))[inverse]  # [S, dim], (token, slot) order
@@ -276,14 +280,14 @@ class MoE(nn.Module):
             slots = sorted_experts * capacity + torch.arange(n_assignments, device=x.device) - (ends - counts)[sorted_experts]
             source = torch.full((n_experts * capacity,), n_tokens, device=x.device).index_put_((slots,), tokens)
             buf = torch.cat([x, x.new_zeros(1, self.dim)])[source].view(n_experts, capacity, self.dim)
-            h1, h3 = torch.bmm(buf, self.w1.transpose(-2, -1)), torch.bmm(buf, self.w3.transpose(-2, -1))
+            h1, h3 = experts_mm(buf, self.w1), experts_mm(buf, self.w3)
             if self.b1 is not None:  # rows past an expert's count read a zero row and are never gathered
                 h1, h3 = h1 + self.b1[:, None], h3 + self.b3[:, None]
             if self.experts_gate_up is not None and not self.experts_gate_up.disabled:
                 d = self.experts_gate_up.batched(buf)
                 h1, h3 = h1 + d[..., 0::2], h3 + d[..., 1::2]
             g = self.gated(h1, h3)
-            ys = torch.bmm(g, self.w2.transpose(-2, -1))
+            ys = experts_mm(g, self.w2)
             if self.b2 is not None:
                 ys = ys + self.b2[:, None]
             ys = expert_update(self.experts_down, ys, lambda m: m.batched(g))

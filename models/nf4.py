@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")  # the frozen base linears of every block
-QUANTIZE_BASE = ("nf4",)  # what quantize_base accepts (null: the base in the compute dtype)
+QUANTIZE_BASE = ("nf4", "mxfp4")  # what quantize_base accepts (null: the base in the compute dtype); mxfp4: models/mxfp4_weight.py
 _registered = False
 
 
@@ -82,6 +82,15 @@ def is_nf4(t: torch.Tensor) -> bool:
     does, for every tensor) never imports torchao."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return type(local).__name__ == "NF4Tensor" and hasattr(local, "quantized_data")
+
+
+def is_quantized_base(t: torch.Tensor) -> bool:
+    """Whether ``t`` (or the local piece of a sharded ``t``) is a frozen quantized base weight: NF4 (``quantize_base:
+    nf4``) or a MoE's MXFP4 experts (``quantize_base: mxfp4``). What the loader, the savers and the checks ask."""
+    from waypoint.models.mxfp4_weight import MXFP4Weight  # it imports this module
+
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return isinstance(local, MXFP4Weight) or is_nf4(local)
 
 
 def nf4_nbytes(t: torch.Tensor) -> int:

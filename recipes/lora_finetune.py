@@ -10,6 +10,7 @@ LoRA differences:
 - ``quantize_base: nf4`` (QLoRA) holds the frozen base linears in 4 bits (torchao's NF4Tensor), each quantized
   as the checkpoint's tensor is read; the merged model is still computed from the input's full-precision
   weights, and step checkpoints never hold the 4-bit base (a resume quantizes the input again, identically);
+  ``quantize_base: mxfp4`` holds a MoE model's experts in MXFP4 the same way (gpt-oss: the file's own values);
 - ``output_dir/step_N`` holds ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's format:
   ``PeftModel.from_pretrained(base, step_N)`` loads it), ``recipe_state.pt`` and ``MANIFEST.json``;
 - the merged model (W + alpha/r * B @ A) goes to ``step_N/merged/``: a complete checkpoint in the input's
@@ -91,16 +92,16 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
     # Model: the base (always the input checkpoint) on the meta device with the adapters added, sharded
     # (FSDP2) under torchrun, given the base's tensors (each rank its piece) and fresh adapter weights.
-    # With quantize_base: nf4 (QLoRA) the frozen linears become 4-bit placeholders first, each quantized as
-    # its tensor is read: the full-precision base is never in memory.
+    # With quantize_base: nf4 (QLoRA) the frozen linears (mxfp4: the MoE experts) become 4-bit placeholders first,
+    # each quantized as its tensor is read: the full-precision base is never in memory.
     checkpointer = instantiate(cfg.checkpointer)
     state = checkpointer.load_checkpoint()
     with torch.device("meta"):
         model = instantiate(cfg.model)
     lora = cfg.lora
     wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
-    nf4 = NF4Options(**(cfg.get("nf4") or {})) if cfg.get("quantize_base") else None
-    for line in quantize_base(model, cfg.dtype, nf4, dist.world_size):
+    nf4 = NF4Options(**(cfg.get("nf4") or {})) if cfg.get("quantize_base") == "nf4" else None
+    for line in quantize_base(model, cfg.dtype, cfg.get("quantize_base"), nf4, dist.world_size):
         say(line)
     if dist.enabled:
         shard_model(model, dist.mesh, cfg.get("mixed_precision"))

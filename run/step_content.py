@@ -24,7 +24,7 @@ from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, split_extra_sta
 from waypoint.checkpointers.load_model import load_into
 from waypoint.checkpointers.peft_adapter import write_adapter
 from waypoint.models.lora import MergedState, adapter_state, lora_modules
-from waypoint.models.nf4 import is_nf4
+from waypoint.models.nf4 import is_quantized_base
 from waypoint.run.recipe_state import RECIPE_STATE_FILE, RecipeState, optimizer_state
 from waypoint.run.savers import StepContent
 
@@ -105,7 +105,7 @@ def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, convert
     model_state = model.state_dict() if merge else None
     check = None
     if merge and verify:
-        quantized = any(is_nf4(p) for p in model.parameters())
+        quantized = any(is_quantized_base(p) for p in model.parameters())
         if not quantized and not checkpointer.rounds:
             check = ExportCheck(model, report=report, reload=verify)  # the model as it trains computes what merged/ must
         elif not dist.enabled:  # a 4-bit base computes something else, a re-quantized output holds something else:
@@ -138,7 +138,7 @@ def write_gathered(stage: StagedDir, checkpointer, model_state: Mapping[str, Any
 
 def _merged_reference_check(model, model_state, scalings, original, sources, verify: ExportReload, report,
                             written=None) -> ExportCheck:
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and not is_nf4(p))
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and not is_quantized_base(p))
     reference = verify.fresh_model()
     load_into(reference, MergedState(model_state, scalings, original, sources), dtype=dtype, device="cpu")
     check = ExportCheck(reference, report=report, reload=verify, written=written)

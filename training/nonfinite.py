@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from waypoint.errors import CheckpointError
-from waypoint.models.nf4 import is_nf4
+from waypoint.models.nf4 import is_quantized_base
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ def first_nonfinite_weights(model: nn.Module) -> str:
     """Which parameter's weights (this rank's pieces) are the first that are not finite, or ``""``."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if is_nf4(p):  # a frozen 4-bit base weight (QLoRA): training never changes it
+            if is_quantized_base(p):  # a frozen 4-bit base weight (NF4, MXFP4): training never changes it
                 continue
             if not bool(torch.isfinite(_local(p)).all()):
                 return f"the weights of {name} are not finite"
