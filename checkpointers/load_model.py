@@ -26,7 +26,8 @@ from waypoint.families import from_hf_config
 from waypoint.lazy import local_shard, release_heap, release_pages, spec_of
 from waypoint.models.extra_state import EXTRA_STATE_SUFFIX
 from waypoint.models import Transformer, parse_dtype
-from waypoint.models.nf4 import is_nf4, is_quantized_base, nf4_local_shard
+from waypoint.models.nf4 import is_nf4, nf4_local_shard
+from waypoint.models.quantized_base import is_quantized_base
 from waypoint.models.swap import swapping_conversions
 
 

@@ -2,7 +2,7 @@
 
 :class:`MXFP4Weight` is a frozen ``[E, out, in]`` (or one expert's ``[out, in]``) weight in a compute dtype that
 holds only ``blocks`` (uint8 ``[..., out, in / 32, 16]``, two FP4 codes a byte) and ``scales`` (uint8
-``[..., out, in / 32]``, one E8M0 exponent per block of 32): 4.25 bits a value (``converters.mxfp4``). It is a
+``[..., out, in / 32]``, one E8M0 exponent per block of 32): 4.25 bits a value (``waypoint.mxfp4``). It is a
 wrapper subclass, as torchao's ``NF4Tensor``, and follows the same life as an NF4 weight (``models.nf4``):
 
 - **placeholder**: :func:`quantize_experts` makes every MoE's ``w1``, ``w3``, ``w2`` of a meta-built model a meta
@@ -10,7 +10,7 @@ wrapper subclass, as torchao's ``NF4Tensor``, and follows the same life as an NF
 - **module_load**: ``load_state_dict`` with swapping on asks the destination how to take the incoming dense tensor:
   it is quantized with ``quantize_mxfp4`` on its own device, so only the packed bytes are kept. A dense source that
   came out of an MXFP4 checkpoint is rebuilt with exactly the file's values (the round trip D(Q(D(b, s))) == D(b, s)
-  of ``converters.mxfp4``; the bytes may differ, which is why merged/ writes the input's own bytes);
+  of ``waypoint.mxfp4``; the bytes may differ, which is why merged/ writes the input's own bytes);
 - **compute**: :class:`MXFP4Matmul`, used by the MoE's three implementations, dequantizes inside its forward and
   again inside its backward (the input's gradient; the weight is frozen, so it has none): autograd saves the packed
   weight, never the dense copy of any layer's experts.
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from waypoint.converters.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from waypoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from waypoint.models.nf4 import QuantizedBase
 
 BLOCK = 32  # values sharing one scale byte, along the input features
@@ -225,11 +225,10 @@ def quantize_experts(model: nn.Module, dtype: torch.dtype) -> QuantizedBase:
     """Make every MoE's w1, w3, w2 of a model an MXFP4Weight computing in ``dtype``: a meta placeholder on a
     meta-built model (filled as the checkpoint loads), quantized at once where loaded. Returns what was quantized,
     and what was kept in ``dtype`` and why (an input dim that is not a multiple of 32)."""
-    from waypoint.models.moe import MoE  # moe imports this module
-
     result = QuantizedBase()
     for name, module in model.named_modules():
-        if not isinstance(module, MoE):
+        if not all(isinstance(getattr(module, leaf, None), torch.Tensor) and getattr(module, leaf).ndim == 3
+                   for leaf in EXPERT_WEIGHTS):  # a MoE (models.moe imports this module): its stacked experts
             continue
         for leaf in EXPERT_WEIGHTS:
             weight, key = getattr(module, leaf), f"{name}.{leaf}".lstrip(".")

@@ -84,15 +84,6 @@ def is_nf4(t: torch.Tensor) -> bool:
     return type(local).__name__ == "NF4Tensor" and hasattr(local, "quantized_data")
 
 
-def is_quantized_base(t: torch.Tensor) -> bool:
-    """Whether ``t`` (or the local piece of a sharded ``t``) is a frozen quantized base weight: NF4 (``quantize_base:
-    nf4``) or a MoE's MXFP4 experts (``quantize_base: mxfp4``). What the loader, the savers and the checks ask."""
-    from waypoint.models.mxfp4_weight import MXFP4Weight  # it imports this module
-
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return isinstance(local, MXFP4Weight) or is_nf4(local)
-
-
 def nf4_nbytes(t: torch.Tensor) -> int:
     """The bytes an NF4 tensor holds (packed 4-bit data and its double-quantized scalers)."""
     inner, _ = t.__tensor_flatten__()

@@ -24,7 +24,7 @@ from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, split_extra_sta
 from waypoint.checkpointers.load_model import load_into
 from waypoint.checkpointers.peft_adapter import write_adapter
 from waypoint.models.lora import MergedState, adapter_state, lora_modules
-from waypoint.models.nf4 import is_quantized_base
+from waypoint.models.quantized_base import is_quantized_base
 from waypoint.run.recipe_state import RECIPE_STATE_FILE, RecipeState, optimizer_state
 from waypoint.run.savers import StepContent
 

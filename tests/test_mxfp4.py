@@ -1,5 +1,5 @@
 """MXFP4 codec (gpt-oss experts): dequantization against transformers, quantization against hand-worked codes, the
-round-trip facts stated in converters/mxfp4.py, the converter op, meta tensors and errors."""
+round-trip facts stated in waypoint/mxfp4.py, the converter op, meta tensors and errors."""
 
 import ast
 import contextlib
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-import waypoint.converters.mxfp4 as mxfp4
+import waypoint.mxfp4 as mxfp4
 from waypoint.converters import CheckpointError, Converter, Rule
 from waypoint.converters.mxfp4 import MXFP4, dequantize_mxfp4, quantize_mxfp4
 

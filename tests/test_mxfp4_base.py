@@ -18,7 +18,7 @@ from waypoint.checkpointers.file_formats import read_tensors
 from waypoint.models import moe as moe_module
 from waypoint.models.lora import apply_lora, init_adapters, load_adapter_state
 from waypoint.models.mxfp4_weight import EXPERT_WEIGHTS, MXFP4Weight
-from waypoint.models.nf4 import is_quantized_base
+from waypoint.models.quantized_base import is_quantized_base
 from waypoint.training.quantize import quantize_base
 from tests.conftest import ROOT, tiny_family_config, write_mxfp4_checkpoint
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from waypoint.errors import CheckpointError
-from waypoint.models.nf4 import is_quantized_base
+from waypoint.models.quantized_base import is_quantized_base
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
