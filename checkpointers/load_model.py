@@ -162,6 +162,7 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
     # From the model as it now is: which parameters hold a checkpoint tensor, which were re-tied.
     after = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     report.quantized = sorted(k for k, ptr in held.items() if ptr is None and k in after and is_quantized_base(after[k]))
+    report.quantized_as = sorted({"NF4" if is_nf4(after[k]) else "MXFP4" for k in report.quantized})
     report.loaded = sorted(k for k, ptr in held.items() if ptr is not None and k in after and not is_quantized_base(after[k])
                            and _ptr(after[k]) == ptr)
     report.retied += sorted(k for k, ptr in held.items() if k in after and k not in report.loaded and k not in report.quantized)

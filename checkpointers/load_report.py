@@ -51,13 +51,15 @@ class LoadReport:
     mismatched: list[str] = field(default_factory=list)  # shape mismatches (an error unless strict=false drops them)
     retied: list[str] = field(default_factory=list)  # parameters re-tied to another after loading
     extra_state: list[str] = field(default_factory=list)  # module extra state restored
-    quantized: list[str] = field(default_factory=list)  # model keys that now hold the checkpoint tensor quantized (NF4)
+    quantized: list[str] = field(default_factory=list)  # model keys that now hold the checkpoint tensor quantized
+    quantized_as: list[str] = field(default_factory=lambda: ["NF4"])  # their formats (quantize_base: NF4, MXFP4)
     sources: dict[str, str] = field(default_factory=dict)  # model key -> the checkpoint key it was read from
 
     def lines(self) -> list[str]:
         out = [f"loaded {len(self.loaded)} tensors: {', '.join(fold_keys(self.loaded))}"]
         if self.quantized:
-            out.append(f"quantized to NF4 as loaded: {len(self.quantized)} tensors: {', '.join(fold_keys(self.quantized))}")
+            out.append(f"quantized to {' and '.join(self.quantized_as)} as loaded: {len(self.quantized)} tensors: "
+                       f"{', '.join(fold_keys(self.quantized))}")
         if self.renamed:
             prefixes = sorted({_prefix_change(a, b) for a, b in self.renamed.items()})
             out.append(f"renamed {len(self.renamed)} keys: {', '.join(prefixes)}")

@@ -81,6 +81,7 @@ def test_the_experts_are_mxfp4_and_hold_a_quarter_of_their_bf16_bytes(models):
     assert lines == [f"mxfp4: {len(keys)} expert weights held in MXFP4 (4.25 bits a value: blocks of 32 sharing a scale); "
                      "the rest in fp32"]
     assert sorted(report.quantized) == sorted(keys) and not set(keys) & set(report.loaded)
+    assert report.lines()[1].startswith(f"quantized to MXFP4 as loaded: {len(keys)} tensors: ")
     assert all(type(model.get_parameter(k)) is MXFP4Weight and not model.get_parameter(k).requires_grad for k in keys)
     assert not any(is_quantized_base(p) for n, p in model.named_parameters() if n not in keys)
     held = sum(model.get_parameter(k).blocks.untyped_storage().nbytes() + model.get_parameter(k).scales.untyped_storage().nbytes()
