@@ -51,6 +51,7 @@ implemented.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,10 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool
         device = torch.device("cuda", torch.cuda.current_device())
     key = (device.type, device.index, dtype)
     if key not in _GROUPED_MM_SUPPORT:
-        _GROUPED_MM_SUPPORT[key] = _probe_grouped_mm(device, dtype)
+        # in a thread of its own: the probe's autograd must not count as saved tensors of an activation-checkpointed
+        # layer asking from its forward (the hooks are thread-local), whose recomputation would then save fewer
+        with ThreadPoolExecutor(1) as pool:
+            _GROUPED_MM_SUPPORT[key] = pool.submit(_probe_grouped_mm, device, dtype).result()
     return _GROUPED_MM_SUPPORT[key]
 
 

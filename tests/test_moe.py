@@ -323,3 +323,18 @@ def test_masked_balance_stats_equal_transformers_with_an_attention_mask():
     assert abs(whole.item() - theirs.item()) <= 1e-6
     unmasked = load_balancing_stats(logits, 6, 2)
     assert abs(balance_loss(*unmasked, 6).item() - theirs.item()) > 1e-4, "the mask must matter for this batch"
+
+
+def test_the_grouped_mm_probe_inside_an_activation_checkpointed_layer_leaves_its_recomputation_alone(monkeypatch):
+    """The first forward probes grouped_mm (a small autograd run of its own). Run inside a checkpointed layer, the
+    probe's saved tensors would count as the layer's, and the recomputation (probe cached) would save fewer."""
+    from waypoint.models.args import ModelArgs
+    from waypoint.models.transformer import Transformer
+
+    monkeypatch.setattr(moe, "_GROUPED_MM_SUPPORT", {})  # not yet probed
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, hidden_dim=32, max_seq_len=32,
+                                  n_experts=4, experts_per_token=2))
+    model.activation_checkpointing = True
+    model.train()(torch.randint(0, 64, (2, 8))).square().mean().backward()  # raised torch's CheckpointError before
+    assert moe._GROUPED_MM_SUPPORT and all(p.grad is not None for p in model.parameters())
