@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from waypoint.errors import CheckpointError
+from waypoint.models.moe import same_routing
 
 log = logging.getLogger(__name__)
 PROBE_SHAPE = (2, 64)  # batch x tokens
@@ -61,7 +62,8 @@ class ExportCheck:
         self.tokens = probe_tokens(model.args.vocab_size, (shape[0], min(shape[1], model.args.max_seq_len)))
         # ``written(model)``: within it the model holds what the files will (a re-quantized output: the checkpointer's
         # ``as_written``), so the check compares the layout, not the format's rounding
-        with (written or nullcontext)(model):
+        # the experts each MoE layer chose, replayed in the reloaded model (``models.moe.same_routing``)
+        with (written or nullcontext)(model), same_routing(model) as self.routes:
             self.expected = probe_logits(model, self.tokens)
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.line = ""
@@ -76,8 +78,17 @@ class ExportCheck:
             model = (self.reload or load_model)(Path(directory))
         finally:
             logging.disable(logging.NOTSET)
-        got = probe_logits(model, self.tokens)
         written = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        if self.dtype in (torch.bfloat16, torch.float16) and written.itemsize > self.dtype.itemsize:
+            # a half-precision model written wider (the input's fp32 files): its values cast back exactly, so the
+            # reloaded model computes in the same precision, and any difference is the layout's, not the dtype's
+            from waypoint.checkpointers.load_model import refresh_derived
+
+            model = model.to(self.dtype)
+            refresh_derived(model)  # the rotary tables in fp32 again, as a model loaded in that dtype has them
+            written = self.dtype
+        with same_routing(model, self.routes):
+            got = probe_logits(model, self.tokens)
         del model
         diff = (got - self.expected).abs().max().item()
         scale = max(1.0, self.expected.abs().max().item())

@@ -50,7 +50,8 @@ implemented.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -157,6 +158,10 @@ class MoE(nn.Module):
         self.b1 = nn.Parameter(torch.zeros(n_experts, hidden_dim, device=self.w1.device)) if expert_bias else None
         self.b3 = nn.Parameter(torch.zeros(n_experts, hidden_dim, device=self.w1.device)) if expert_bias else None
         self.b2 = nn.Parameter(torch.zeros(n_experts, dim, device=self.w1.device)) if expert_bias else None
+        # each forward's chosen experts, recorded (``replaying`` False) or taken in turn instead of the top-k
+        # (``replaying`` True): ``same_routing``; None: neither
+        self.routes: list[torch.Tensor] | None = None
+        self.replaying = False
         # LoRA on the stacked experts (``lora_experts``: PEFT's parameter targets); None until added
         self.experts_gate_up: LoRAExperts | None = None
         self.experts_down: LoRAExperts | None = None
@@ -186,16 +191,25 @@ class MoE(nn.Module):
         """``x`` [tokens, dim] -> (router logits [tokens, E] in x's dtype, top-k weights [tokens, k], expert
         indices [tokens, k]), in transformers' order of operations."""
         logits = self.router(x)
+        replay = self.routes.pop(0).to(logits.device) if self.routes is not None and self.replaying else None
         if self.routing == "topk_softmax":  # gpt-oss: the top-k logits, then a softmax over them in their dtype
-            top, experts = torch.topk(logits, self.top_k, dim=-1)
-            return logits, torch.softmax(top, dim=-1, dtype=top.dtype), experts
-        probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+            top, experts = torch.topk(logits, self.top_k, dim=-1) if replay is None else (logits.gather(-1, replay), replay)
+            weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
+            weights, experts = torch.topk(probs, self.top_k, dim=-1) if replay is None else (probs.gather(-1, replay), replay)
+            weights = self._normalized(weights, logits.dtype)
+        if self.routes is not None and not self.replaying:
+            self.routes.append(experts.detach())
+        return logits, weights, experts
+
+    def _normalized(self, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The top-k probabilities renormalised (``normalize_topk``) and, unless ``fp32_routing_weights``, in ``dtype``."""
         if self.normalize_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.fp32_routing_weights:
-            weights = weights.to(logits.dtype)
-        return logits, weights, experts
+            weights = weights.to(dtype)
+        return weights
 
     def resolved_impl(self, x: torch.Tensor) -> str:
         """The implementation ``forward`` uses for ``x`` (``impl``, with ``"auto"`` resolved)."""
@@ -346,3 +360,21 @@ def load_balancing_stats(router_logits: Sequence[torch.Tensor] | torch.Tensor, n
         prob_sum = prob_sum + probs.float().sum(dim=0)
         rows += probs.shape[0]
     return counts, prob_sum, rows
+
+
+@contextmanager
+def same_routing(model: nn.Module, routes: dict[str, list[torch.Tensor]] | None = None) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Within: every MoE layer of ``model`` records the experts each forward chooses (``routes`` None: yields the
+    record, layer name -> one tensor a forward), or takes the recorded ones in turn instead of its own top-k (the
+    weights still its router's, for those experts). An export check compares a reloaded model with the one written
+    this way: a router logit a rounding away from a tie would otherwise pick another expert, and the comparison
+    would measure that, not the weights."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+    record = {name: list(routes.get(name, [])) if routes is not None else [] for name in layers}
+    for name, layer in layers.items():
+        layer.routes, layer.replaying = record[name], routes is not None
+    try:
+        yield record
+    finally:
+        for layer in layers.values():
+            layer.routes, layer.replaying = None, False

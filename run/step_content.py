@@ -111,7 +111,7 @@ def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, convert
         elif not dist.enabled:  # a 4-bit base computes something else, a re-quantized output holds something else:
             # the reference is the merge itself, in memory (as the output's format rounds it)
             check = _merged_reference_check(model, model_state, scalings, original, sources, verify, report,
-                                            checkpointer.as_written)
+                                            checkpointer.as_written if checkpointer.rounds else None)
         else:
             report("note: the merged model is not read back under torchrun with quantize_base (its full-precision "
                    "reference would have to be gathered); scripts/convert.py --verify checks it afterwards")
@@ -138,7 +138,10 @@ def write_gathered(stage: StagedDir, checkpointer, model_state: Mapping[str, Any
 
 def _merged_reference_check(model, model_state, scalings, original, sources, verify: ExportReload, report,
                             written=None) -> ExportCheck:
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point() and not is_quantized_base(p))
+    # in the model's dtype; where the output rounds (re-quantizes) the merge, in the dtypes the writer is given,
+    # so the reference is rounded from the very values the files are
+    dtype = None if written is not None else next(p.dtype for p in model.parameters()
+                                                  if p.is_floating_point() and not is_quantized_base(p))
     reference = verify.fresh_model()
     load_into(reference, MergedState(model_state, scalings, original, sources), dtype=dtype, device="cpu")
     check = ExportCheck(reference, report=report, reload=verify, written=written)

@@ -338,3 +338,32 @@ def test_the_grouped_mm_probe_inside_an_activation_checkpointed_layer_leaves_its
     model.activation_checkpointing = True
     model.train()(torch.randint(0, 64, (2, 8))).square().mean().backward()  # raised torch's CheckpointError before
     assert moe._GROUPED_MM_SUPPORT and all(p.grad is not None for p in model.parameters())
+
+
+def test_same_routing_replays_the_recorded_experts():
+    """An export check's reloaded model takes the experts the written one chose: with its router changed by a
+    rounding (here: a lot), the replayed forward still computes with the recorded experts and its own weights."""
+    torch.manual_seed(0)
+    layer = MoE(16, 8, n_experts=6, top_k=2)
+    x = torch.randn(10, 16)
+    with moe.same_routing(layer) as routes:
+        out, _ = layer(x)
+    assert len(routes[""]) == 1 and routes[""][0].shape == (10, 2)
+    with moe.same_routing(layer, routes):
+        assert torch.equal(layer(x)[0], out)
+    with torch.no_grad():
+        layer.router.weight.add_(torch.randn_like(layer.router.weight))
+    changed, _ = layer(x)
+    with moe.same_routing(layer, routes):
+        replayed, _ = layer(x)
+    experts = routes[""][0]
+    assert not torch.equal(changed, out) and not torch.equal(replayed, changed)
+    probs = torch.softmax(layer.router(x), dim=-1)
+    weights = probs.gather(-1, experts)
+    weights = weights / weights.sum(-1, keepdim=True)
+    expected = torch.zeros_like(x)
+    for t in range(10):
+        for slot in range(2):
+            e = experts[t, slot]
+            expected[t] += weights[t, slot] * (layer.w2[e] @ (F.silu(layer.w1[e] @ x[t]) * (layer.w3[e] @ x[t])))
+    assert (replayed - expected).abs().max() <= 1e-5
