@@ -43,93 +43,25 @@ Three interchangeable implementations of the experts' part, chosen by the module
 All give the same outputs and gradients up to the dtype's rounding. With ``quantize_base: mxfp4`` the experts' w1, w3,
 w2 are ``MXFP4Weight`` (``models.mxfp4_weight``): every product dequantizes them inside ``MXFP4Matmul``, in its
 forward and again in its backward, so autograd keeps no dense copy of them. ``forward`` returns the output and the
-router logits [tokens, E], which :func:`load_balancing_loss` turns into transformers' auxiliary loss.
+router logits [tokens, E], which ``balance_loss.load_balancing_loss`` turns into transformers' auxiliary loss.
 Mixtral's ``router_jitter_noise`` (multiplicative noise on the input while training; 0 in its checkpoints) is not
 implemented.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from waypoint.models.args import ACTIVATIONS
+from waypoint.models.grouped_mm import grouped_mm_fn, grouped_mm_layout_ok, grouped_mm_supported
 from waypoint.models.lora_experts import LoRAExperts, expert_update
-from waypoint.models.mxfp4_weight import MXFP4Weight, experts_mm, linear
+from waypoint.models.mxfp4_weight import experts_mm, linear
 
 IMPLS = ("auto", "grouped", "padded", "loop")
-
-# (device type, device index, dtype) -> whether grouped_mm runs forward and backward there
-_GROUPED_MM_SUPPORT: dict[tuple[str, int | None, torch.dtype], bool] = {}
-
-
-def _grouped_mm_fn():
-    """``torch.nn.functional.grouped_mm`` (public from torch 2.10), else ``torch._grouped_mm``, else None."""
-    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether this torch's ``grouped_mm`` computes a small grouped product and its gradients (an empty group
-    included) correctly on ``device`` in ``dtype``. Probed once per (device, dtype) and cached.
-
-    torch 2.13 on CPU: float32, bfloat16 and float16 (forward and backward; no float64). On CUDA the answer
-    depends on the GPU and dtype, hence the probe rather than a table.
-    """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (device.type, device.index, dtype)
-    if key not in _GROUPED_MM_SUPPORT:
-        # in a thread of its own: the probe's autograd must not count as saved tensors of an activation-checkpointed
-        # layer asking from its forward (the hooks are thread-local), whose recomputation would then save fewer
-        with ThreadPoolExecutor(1) as pool:
-            _GROUPED_MM_SUPPORT[key] = pool.submit(_probe_grouped_mm, device, dtype).result()
-    return _GROUPED_MM_SUPPORT[key]
-
-
-def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
-    fn = _grouped_mm_fn()
-    if fn is None or device.type == "meta":
-        return False
-    gen = torch.Generator().manual_seed(0)
-    counts = [3, 0, 5, 8]  # an empty group too
-    try:
-        with torch.inference_mode(False), torch.enable_grad():
-            a32 = torch.randn(sum(counts), 32, generator=gen)
-            w32 = torch.randn(len(counts), 16, 32, generator=gen)  # [groups, out, in], like the expert weights
-            g32 = torch.randn(sum(counts), 16, generator=gen)
-            a = a32.to(device, dtype).requires_grad_()
-            w = w32.to(device, dtype).requires_grad_()
-            offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
-            out = fn(a, w.transpose(-2, -1), offs=offs)
-            grad_a, grad_w = torch.autograd.grad(out, (a, w), g32.to(device, dtype))
-            # the reference, from the same rounded inputs, in fp32 on the CPU
-            a_r, w_r = a.detach().float().cpu(), w.detach().float().cpu()
-            g_r = g32.to(dtype).float()
-            ends = torch.tensor(counts).cumsum(0).tolist()
-            starts = [0] + ends[:-1]
-            ref = torch.cat([a_r[s:e] @ w_r[i].T for i, (s, e) in enumerate(zip(starts, ends))])
-            ref_ga = torch.cat([g_r[s:e] @ w_r[i] for i, (s, e) in enumerate(zip(starts, ends))])
-            ref_gw = torch.stack([g_r[s:e].T @ a_r[s:e] for s, e in zip(starts, ends)])
-            tol = 1e-4 if dtype == torch.float32 else 0.1  # the products are O(10); half-precision rounding
-            return all(torch.allclose(got.float().cpu(), want, rtol=tol, atol=tol)
-                       for got, want in ((out, ref), (grad_a, ref_ga), (grad_w, ref_gw)))
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        return False
-
-
-def _grouped_mm_layout_ok(*weights: torch.Tensor) -> bool:
-    """grouped_mm's layout rules (CUDA's kernels; CPU's in torch <= 2.10): operands 16-byte aligned (a memory-mapped
-    checkpoint's may not be; an MXFP4Weight's operand is its freshly dequantized copy) and each matrix's rows a
-    multiple of 16 bytes long."""
-    return all((isinstance(w, MXFP4Weight) or w.data_ptr() % 16 == 0) and w.shape[-1] * w.element_size() % 16 == 0
-               and w.shape[-2] * w.element_size() % 16 == 0 for w in weights)
-
 
 class MoE(nn.Module):
     """``moe(x [..., dim]) -> (out [..., dim], router_logits [tokens, n_experts])``; see the module docstring."""
@@ -217,7 +149,7 @@ class MoE(nn.Module):
             raise ValueError(f"impl={self.impl!r} is not one of {', '.join(IMPLS)}")
         if self.impl != "auto":
             return self.impl
-        if grouped_mm_supported(x.device, self.w1.dtype) and _grouped_mm_layout_ok(self.w1, self.w2, self.w3):
+        if grouped_mm_supported(x.device, self.w1.dtype) and grouped_mm_layout_ok(self.w1, self.w2, self.w3):
             return "grouped"
         return "padded"
 
@@ -278,7 +210,7 @@ class MoE(nn.Module):
         n_assignments = order.numel()
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n_assignments, device=x.device))
         if grouped:
-            mm = _grouped_mm_fn()
+            mm = grouped_mm_fn()
             xs = x[tokens].to(self.w1.dtype)  # [S, dim] (grouped_mm is not autocast-aware)
             h1, h3 = experts_mm(xs, self.w1, ends, mm), experts_mm(xs, self.w3, ends, mm)
             if self.b1 is not None:  # each sorted assignment's expert's bias
@@ -314,52 +246,6 @@ class MoE(nn.Module):
         # (deterministic, unlike an index_add)
         ys = (ys * weights.reshape(-1, 1)).to(x.dtype).view(n_tokens, k, self.dim)
         return ys.sum(dim=1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
-
-
-def load_balancing_loss(router_logits: Sequence[torch.Tensor] | torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
-    """The Switch-Transformer auxiliary loss over all layers' router logits (each [tokens, n_experts]), equal to
-    transformers' ``load_balancing_loss_func(router_logits, n_experts, top_k, attention_mask=None)``:
-    ``n_experts * sum_e f_e * P_e`` with ``f_e`` the number of top-k assignments to expert e per token and ``P_e``
-    its mean router probability, over the layers' tokens concatenated. Accumulated layer by layer as
-    transformers does (the softmax in the logits' dtype, the sums in fp32), so the result agrees bitwise.
-    Differentiable with respect to the logits (through ``P``). Multiply by ``router_aux_loss_coef`` for the
-    training loss."""
-    counts, prob_sum, rows = load_balancing_stats(router_logits, n_experts, top_k)
-    return balance_loss(counts, prob_sum, rows, n_experts)
-
-
-def balance_loss(counts: torch.Tensor, prob_sum: torch.Tensor, rows: float, n_experts: int) -> torch.Tensor:
-    """``n_experts * sum_e (counts_e / rows) * (prob_sum_e / rows)``, in transformers' order of operations. Summed
-    over ranks (or micro-batches), ``counts``, ``prob_sum`` and ``rows`` give the loss of the whole batch."""
-    return torch.sum((counts / rows) * (prob_sum / rows).unsqueeze(0)) * n_experts
-
-
-def load_balancing_stats(router_logits: Sequence[torch.Tensor] | torch.Tensor, n_experts: int, top_k: int,
-                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(top-k assignments per expert [E], router probabilities summed per expert [E] (differentiable), rows) over
-    all layers' router logits: the sums ``balance_loss`` needs, which add up across ranks. ``mask`` (bool, one per
-    token of a layer's logits): only those tokens count, as with transformers' ``attention_mask`` (padding aside)."""
-    if isinstance(router_logits, torch.Tensor):
-        router_logits = (router_logits,)
-    router_logits = list(router_logits)
-    if not router_logits:
-        raise ValueError("load_balancing_loss needs at least one layer's router logits")
-    device = router_logits[0].device
-    counts = torch.zeros(n_experts, dtype=torch.float32, device=device)
-    prob_sum = torch.zeros(n_experts, dtype=torch.float32, device=device)
-    rows = 0
-    for logits in router_logits:
-        probs = torch.softmax(logits.reshape(-1, n_experts).to(device), dim=-1)
-        if mask is not None:
-            probs = probs[mask.reshape(-1).to(device)]
-        _, selected = torch.topk(probs, top_k, dim=-1)
-        # histc as transformers (no host sync, unlike bincount on CUDA; deterministic with a float input on CPU and
-        # MPS, an integer one on CUDA); bins [e, e + 1) for e < n_experts
-        histc_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
-        counts = counts + torch.histc(selected.reshape(-1).to(histc_dtype), bins=n_experts, min=0, max=n_experts)
-        prob_sum = prob_sum + probs.float().sum(dim=0)
-        rows += probs.shape[0]
-    return counts, prob_sum, rows
 
 
 @contextmanager

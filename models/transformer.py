@@ -49,7 +49,8 @@ from waypoint.models.fused_loss import (ChunkBuffer, linear_cross_entropy_rows, 
                                         next_token_loss_sum)
 from waypoint.models.attention import Attention, RMSNorm, apply_rope, document_mask, sliding_window_mask, softcapped_attention
 from waypoint.models.kv_cache import KVCache
-from waypoint.models.moe import MoE, load_balancing_loss, load_balancing_stats
+from waypoint.models.balance_loss import load_balancing_loss, load_balancing_stats
+from waypoint.models.moe import MoE
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
            "apply_rope", "document_mask", "rope_attention_factor", "rope_cache", "rope_frequencies", "sliding_window_mask",

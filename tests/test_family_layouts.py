@@ -32,7 +32,7 @@ def test_moe_aux_loss_is_transformers_router_loss(name, tmp_path, tokens):
     assert model.args.router_aux_loss_coef == 0.02
     assert theirs.aux_loss is not None and abs(ours.item() - theirs.aux_loss.item()) <= 1e-6, (ours, theirs.aux_loss)
     uniform = torch.full_like(model.router_logits[0], 0.0)
-    from waypoint.models.moe import load_balancing_loss
+    from waypoint.models.balance_loss import load_balancing_loss
     assert load_balancing_loss([uniform], model.args.n_experts, model.args.experts_per_token).item() != pytest.approx(ours.item())
 
 

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import waypoint.models.moe as moe
-from waypoint.models.moe import MoE, grouped_mm_supported, load_balancing_loss
+import waypoint.models.grouped_mm as grouped
+from waypoint.models.balance_loss import load_balancing_loss
+from waypoint.models.moe import MoE, grouped_mm_supported
 
 D, I = 32, 48  # hidden size, expert intermediate size
 IMPLS = ("grouped", "padded", "loop", "auto")
@@ -206,13 +208,13 @@ def test_grouped_mm_probe(monkeypatch):
         assert grouped_mm_supported("cpu", torch.float32) and grouped_mm_supported("cpu", torch.bfloat16)
     assert not grouped_mm_supported("meta", torch.float32)
     # a grouped_mm that computes the wrong thing is not used
-    monkeypatch.setattr(moe, "_grouped_mm_fn", lambda: lambda a, b, offs: a @ b[0])
-    assert not moe._probe_grouped_mm(torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(grouped, "grouped_mm_fn", lambda: lambda a, b, offs: a @ b[0])
+    assert not grouped._probe_grouped_mm(torch.device("cpu"), torch.float32)
     # the cached answer decides "auto"
-    monkeypatch.setitem(moe._GROUPED_MM_SUPPORT, ("cpu", None, torch.float32), False)
+    monkeypatch.setitem(grouped._GROUPED_MM_SUPPORT, ("cpu", None, torch.float32), False)
     block = MoE(D, I, 4, 2)
     assert block.resolved_impl(torch.zeros(1, D)) == "padded"
-    monkeypatch.setitem(moe._GROUPED_MM_SUPPORT, ("cpu", None, torch.float32), True)
+    monkeypatch.setitem(grouped._GROUPED_MM_SUPPORT, ("cpu", None, torch.float32), True)
     assert block.resolved_impl(torch.zeros(1, D)) == "grouped"
     block.impl = "grouped_mm"
     with pytest.raises(ValueError, match="impl"):
@@ -310,7 +312,7 @@ def test_masked_balance_stats_equal_transformers_with_an_attention_mask():
     sums over two halves of a batch give the whole batch's loss (how ranks combine)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    from waypoint.models.moe import balance_loss, load_balancing_stats
+    from waypoint.models.balance_loss import balance_loss, load_balancing_stats
 
     g = torch.Generator().manual_seed(3)
     logits = [torch.randn(2 * 5, 6, generator=g) for _ in range(3)]  # 3 layers, batch 2 x 5 tokens, 6 experts
@@ -331,13 +333,13 @@ def test_the_grouped_mm_probe_inside_an_activation_checkpointed_layer_leaves_its
     from waypoint.models.args import ModelArgs
     from waypoint.models.transformer import Transformer
 
-    monkeypatch.setattr(moe, "_GROUPED_MM_SUPPORT", {})  # not yet probed
+    monkeypatch.setattr(grouped, "_GROUPED_MM_SUPPORT", {})  # not yet probed
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, hidden_dim=32, max_seq_len=32,
                                   n_experts=4, experts_per_token=2))
     model.activation_checkpointing = True
     model.train()(torch.randint(0, 64, (2, 8))).square().mean().backward()  # raised torch's CheckpointError before
-    assert moe._GROUPED_MM_SUPPORT and all(p.grad is not None for p in model.parameters())
+    assert grouped._GROUPED_MM_SUPPORT and all(p.grad is not None for p in model.parameters())
 
 
 def test_same_routing_replays_the_recorded_experts():

@@ -80,7 +80,7 @@ def balance_share(model: torch.nn.Module, dist, mask: torch.Tensor | None = None
     rank, padding left out (``mask``): (this rank's differentiable share, whose sum over ranks is the loss; the loss's
     value). The expert counts and probability sums are summed over ranks first, so N processes train as one with
     the same global batch. None for a dense model."""
-    from waypoint.models.moe import balance_loss
+    from waypoint.models.balance_loss import balance_loss
 
     stats = model.aux_stats(mask) if hasattr(model, "aux_stats") else None
     if stats is None:
