@@ -68,6 +68,7 @@ class HFCheckpointer(Checkpointer):
         self._disk_prefix = self._added_prefix = ""  # on-disk key = disk prefix + key[len(added prefix):]
         self._passthrough: dict[str, tuple[torch.Tensor, str]] = {}  # keys outside the text model: (tensor, file)
         self._source: dict[str, torch.Tensor] = {}  # the input's tensors as read (memory-mapped), by converter key
+        self._quantized_notes: list[str] = []  # the load report's lines about quantized tensors read
 
     def model_args(self) -> ModelArgs:
         return model_args_from_hf_config(self.config)
@@ -110,7 +111,7 @@ class HFCheckpointer(Checkpointer):
 
     @property
     def notes(self) -> list[str]:
-        return super().notes + getattr(self, "_quantized_notes", [])
+        return super().notes + self._quantized_notes
 
     def _key_prefixes(self, keys: list[str]) -> tuple[str, str]:
         """(the prefix on disk, the one the converter's keys have instead) for these keys."""
