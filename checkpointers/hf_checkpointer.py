@@ -81,7 +81,7 @@ class HFCheckpointer(Checkpointer):
         return HFSource(dict(self.config), layout)
 
     def hf_converter(self) -> Converter:
-        return self.converter
+        return self.quantized.dense  # a block-FP8 input's rules without the scales: transformers' module names
 
     def adapter_layout(self) -> None:
         return None  # PEFT's keys are the HF ones already
@@ -105,6 +105,7 @@ class HFCheckpointer(Checkpointer):
                                              for f in self.layout.files})
         self.input_dtypes = {k: t.dtype for k, t in hf_state.items()}
         self._source = hf_state
+        self.converter = self.quantized.adopt(list(hf_state))  # block FP8: the rules for the weights it quantizes
         native = self.converter.to_native(hf_state, where)
         self._quantized_notes = self.quantized.notes(list(hf_state), native)
         return native
@@ -151,9 +152,11 @@ class HFCheckpointer(Checkpointer):
         return write
 
     def _cast(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``cast_for_output``; a dequantized output's new keys take the dtype of the input's other weights."""
-        if key not in self.input_dtypes and self.quantized.dequantize and tensor.is_floating_point() and not self.output_dtype:
-            floats = [d for d in self.input_dtypes.values() if d.is_floating_point]
+        """``cast_for_output``; a dequantized output's weights (new keys, or FP8 ones) take the dtype of the input's
+        other weights."""
+        if self.quantized.dequantize and tensor.is_floating_point() and not self.output_dtype \
+                and self.input_dtypes.get(key) not in HF_DTYPES:
+            floats = [d for d in self.input_dtypes.values() if d in HF_DTYPES]
             return tensor.to(max(set(floats), key=floats.count)) if floats else tensor
         return self.cast_for_output(key, tensor)
 
@@ -170,7 +173,7 @@ class HFCheckpointer(Checkpointer):
         return line.replace(" format", f" format, {self.quantized.method} like the input", 1) if self.rounds else line
 
     def as_written(self, model: torch.nn.Module):
-        return self.quantized.as_written(model)
+        return self.quantized.as_written(model, self._source)
 
     # -- a new HF checkpoint ------------------------------------------------------------
     @classmethod
@@ -180,6 +183,8 @@ class HFCheckpointer(Checkpointer):
             config = dict(source.config)
             converter = get_converter(detect_model_type(config), config)
             if source.layout and source.layout.weight_map:
+                quantized = QuantizedOutput(dequantizing_to(converter, config), config, None)
+                converter = quantized.adopt(list(source.layout.weight_map))  # the source's FP8 weights, if any
                 converter.plan(list(source.layout.weight_map), "hf")  # the source's expert layout, if it has a choice
         else:
             dtypes = {t.dtype for t in native.values() if t.is_floating_point()}

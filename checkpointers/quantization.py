@@ -30,8 +30,9 @@ from waypoint.checkpointers.shard_layout import ShardLayout
 from waypoint.converters.table import Converter, Group
 from waypoint.errors import CheckpointError
 
-PACKED_KEYS = {"mxfp4": re.compile(r"_(blocks|scales)$")}  # quant_method -> the keys holding its integer bytes
-FORMATS = {"mxfp4": "MXFP4: FP4 E2M1 values in blocks of 32 along the input features, one E8M0 scale a block"}
+PACKED_KEYS = {"mxfp4": re.compile(r"_(blocks|scales)$"), "fp8": None}  # quant_method -> keys holding integer bytes
+FORMATS = {"mxfp4": "MXFP4: FP4 E2M1 values in blocks of 32 along the input features, one E8M0 scale a block",
+           "fp8": "block FP8: float8_e4m3fn weights, one weight_scale_inv per block of {block}"}
 OUTPUT_QUANTIZATION = ("input", "none")
 DENSE = "dense"  # the family layout of a dequantized model
 
@@ -48,18 +49,24 @@ def quant_method(config: Mapping[str, Any], source: str = "config.json") -> str 
     return method
 
 
-def dequantizing_to(converter: Converter, config: Mapping[str, Any]) -> Converter:
-    """``converter`` with its lossy ops dequantizing into the dtype config.json names (``dtype`` / ``torch_dtype``), as
-    transformers dequantizes into the model's dtype; bf16 (the releases') where it names none."""
-    from waypoint.converters.ops import Chain
-    from waypoint.converters.table import Rule
+def config_dtype(config: Mapping[str, Any]) -> torch.dtype:
+    """The dtype config.json names (``dtype`` / ``torch_dtype``), into which transformers dequantizes; bf16 (the
+    releases') where it names none."""
     from waypoint.models.dtypes import HF_DTYPES, parse_dtype
 
     try:
         dtype = parse_dtype(config.get("dtype") or config.get("torch_dtype"))
     except ValueError:
         dtype = None
-    dtype = dtype if dtype in HF_DTYPES else torch.bfloat16
+    return dtype if dtype in HF_DTYPES else torch.bfloat16
+
+
+def dequantizing_to(converter: Converter, config: Mapping[str, Any]) -> Converter:
+    """``converter`` with its lossy ops dequantizing into ``config_dtype(config)``."""
+    from waypoint.converters.ops import Chain
+    from waypoint.converters.table import Rule
+
+    dtype = config_dtype(config)
 
     def retyped(op):
         if isinstance(op, Chain):
@@ -68,6 +75,18 @@ def dequantizing_to(converter: Converter, config: Mapping[str, Any]) -> Converte
 
     variants = {name: [Rule(r.hf, r.native, retyped(r.op)) for r in rules] for name, rules in converter.variants.items()}
     return replace(converter, variants=variants)
+
+
+def replace_op(rule, kind: type, **fields):
+    """``rule`` with its op (or the op of that ``kind`` inside its ``Chain``) given ``fields``."""
+    from waypoint.converters.ops import Chain
+    from waypoint.converters.table import Rule
+
+    def swap(op):
+        if isinstance(op, Chain):
+            return Chain(*(swap(o) for o in op.ops))
+        return replace(op, **fields) if isinstance(op, kind) else op
+    return Rule(rule.hf, rule.native, swap(rule.op))
 
 
 def is_lossy(op: object) -> bool:
@@ -84,15 +103,33 @@ class QuantizedOutput:
         choice = output_quantization or "input"
         if choice not in OUTPUT_QUANTIZATION:
             raise CheckpointError(f"output_quantization={choice!r} is not one of {', '.join(OUTPUT_QUANTIZATION)}")
-        if self.method is not None and self.method not in converter.variants:
+        if self.method == "mxfp4" and self.method not in converter.variants:
             raise CheckpointError(f"{source}: quantization_config.quant_method {self.method!r} is not a layout of this "
                                   f"model family's checkpoints ({', '.join(converter.variants) or 'it has one layout'})")
+        self.block = tuple(int(b) for b in (config["quantization_config"].get("weight_block_size") or (128, 128))) \
+            if self.method == "fp8" else None
+        self.source, self.dtype = source, config_dtype(config)
         self.dequantize = self.method is not None and choice == "none"
-        self.converter = converter
+        self.converter = self.dense = converter
+
+    def adopt(self, hf_keys: list[str]) -> Converter:
+        """The converter for a checkpoint with these keys: for block FP8, the family's rules reading the weights the
+        checkpoint holds in FP8 with their scales (``converters.fp8``); the family's own otherwise."""
+        if self.method != "fp8":
+            return self.converter
+        from waypoint.converters.fp8 import FP8Blocks, fp8_rules, is_scale_key
+
+        if not any(is_scale_key(k) for k in hf_keys):
+            raise CheckpointError(f"{self.source}: quantization_config says fp8, but no weight has a weight_scale_inv")
+        rules = lambda rs: [replace_op(r, FP8Blocks, dtype=self.dtype) for r in fp8_rules(rs, hf_keys, self.block)]  # noqa: E731
+        self.converter = replace(self.dense, rules=rules(self.dense.rules),
+                                 variants={name: rules(rs) for name, rs in self.dense.variants.items()})
+        return self.converter
 
     def packed(self, key: str) -> bool:
-        """Whether ``key`` may hold the input's quantized bytes."""
-        return self.method is not None and bool(PACKED_KEYS[self.method].search(key))
+        """Whether ``key`` may hold the input's quantized integer bytes."""
+        pattern = PACKED_KEYS.get(self.method) if self.method else None
+        return pattern is not None and bool(pattern.search(key))
 
     @property
     def lossy(self) -> bool:
@@ -101,7 +138,9 @@ class QuantizedOutput:
 
     # -- the output's converter, layout and config ---------------------------------------------------------
     def output_converter(self) -> Converter:
-        return replace(self.converter, variant=DENSE) if self.dequantize else self.converter
+        if not self.dequantize:
+            return self.converter
+        return replace(self.converter, variant=DENSE) if self.method == "mxfp4" else self.dense
 
     def output_layout(self, layout: ShardLayout, native_keys: list[str]) -> ShardLayout:
         """The input's layout, or for a dequantized output the dense keys, each in the file its quantized twin was in."""
@@ -143,7 +182,7 @@ class QuantizedOutput:
         written = "dense (output_quantization: none)" if self.dequantize else \
             f"{self.method} again, untouched tensors byte for byte (output_quantization: none writes them dense)"
         return [f"quantized input ({self.method}): {len(groups)} tensors dequantized as loaded into {read}; "
-                f"{FORMATS[self.method]}; written back {written}"]
+                f"{FORMATS[self.method].format(block=list(self.block or ()))}; written back {written}"]
 
     # -- unchanged tensors keep their bytes ------------------------------------------------------------------
     def keep_unchanged(self, groups: list[Group], converted: dict[str, torch.Tensor], native: Mapping[str, torch.Tensor],
@@ -153,17 +192,15 @@ class QuantizedOutput:
         if not self.lossy:
             return converted
         for g in groups:
-            if not is_lossy(g.rule.op) or not all(k in source for k in g.targets):
-                continue
-            loaded = g.rule.op.forward([source[k] for k in g.targets])
-            if all(_same(native[k], t) for k, t in zip(g.sources, loaded)):
+            if is_lossy(g.rule.op) and _unchanged(g, [native[k] for k in g.sources], source):
                 converted.update({k: source[k] for k in g.targets})
         return converted
 
     @contextlib.contextmanager
-    def as_written(self, model: torch.nn.Module) -> Iterator[None]:
+    def as_written(self, model: torch.nn.Module, source: Mapping[str, torch.Tensor]) -> Iterator[None]:
         """Within: ``model``'s parameters that the output re-quantizes hold the values the files will load as (each
-        round-tripped through the format), the trained values restored on exit."""
+        round-tripped through the format; those still equal to what the input's bytes (``source``) load as are kept
+        with those bytes, so they stay), the trained values restored on exit."""
         if not self.lossy:
             yield
             return
@@ -175,6 +212,8 @@ class QuantizedOutput:
             with torch.no_grad():
                 for g in groups:  # in the same order on every rank: a sharded parameter is gathered whole
                     values = [_whole(params[k].detach()) for k in g.sources]
+                    if _unchanged(g, values, source):
+                        continue
                     rounded = g.rule.op.forward(g.rule.op.inverse(values))
                     for key, value in zip(g.sources, rounded):
                         kept[key] = _local(params[key]).to("cpu", copy=True)
@@ -184,6 +223,14 @@ class QuantizedOutput:
             with torch.no_grad():
                 for key, value in kept.items():
                     _local(params[key]).copy_(value)
+
+
+def _unchanged(group: Group, values: list[torch.Tensor], source: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a lossy group's native ``values`` are what the input's bytes for it (``source``) load as."""
+    if not all(k in source for k in group.targets):
+        return False
+    loaded = group.rule.op.forward([source[k] for k in group.targets])
+    return all(_same(v, t) for v, t in zip(values, loaded))
 
 
 def _same(trained: torch.Tensor, loaded: torch.Tensor) -> bool:

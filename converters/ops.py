@@ -143,6 +143,13 @@ class Chain:
     def __init__(self, *ops) -> None:
         object.__setattr__(self, "ops", tuple(ops))
 
+    def __getattr__(self, name: str):
+        if name == "count":  # the experts a Stack inside gathers (what a rule with {e} in its keys asks its op)
+            for op in self.ops:
+                if hasattr(op, "count"):
+                    return op.count
+        raise AttributeError(name)
+
     def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         for op in self.ops:
             tensors = op.forward(tensors)

@@ -26,7 +26,7 @@ from waypoint.lazy import LazyState, on_meta, release_pages
 from waypoint.converters.ops import Identity
 
 
-def _compile(pattern: str) -> re.Pattern:
+def compile_pattern(pattern: str) -> re.Pattern:
     """``{i}`` matches a layer index, ``{key}`` any key (for tables that keep names as they are)."""
     regex = (re.escape(pattern).replace(re.escape("{i}"), r"(?P<i>\d+)").replace(re.escape("{e}"), r"(?P<e>\d+)")
              .replace(re.escape("{key}"), r"(?P<key>.+)"))
@@ -90,7 +90,7 @@ class Converter:
         cache = (side, self.variant)
         if cache not in self._compiled:
             self._compiled[cache] = [
-                (rule, pos, _compile(p)) for rule in self.rules_in_use() for pos, p in enumerate(getattr(rule, side))
+                (rule, pos, compile_pattern(p)) for rule in self.rules_in_use() for pos, p in enumerate(getattr(rule, side))
             ]
         return self._compiled[cache]
 
@@ -98,7 +98,7 @@ class Converter:
         """The layout whose patterns match most of the checkpoint's keys (layouts may share some, e.g. the router's)."""
         matched = {}
         for name, rules in self.variants.items():
-            patterns = [_compile(p) for rule in rules for p in rule.hf]
+            patterns = [compile_pattern(p) for rule in rules for p in rule.hf]
             matched[name] = sum(any(regex.match(key) for regex in patterns) for key in hf_keys)
         best = max(matched, key=lambda name: matched[name])  # the first of equals
         if matched[best]:

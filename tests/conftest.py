@@ -187,3 +187,39 @@ def write_mxfp4_checkpoint(path: Path, config, seed: int = 0, max_shard_size: st
     config_path.write_text(json.dumps(config_json, indent=2))
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32)
     return model.eval()
+
+
+def write_fp8_checkpoint(path: Path, config, block=(32, 32), seed: int = 0, max_shard_size: str = "40KB", packed: bool = False):
+    """A checkpoint shaped like a block-FP8 release (Qwen3 ``-FP8``, DeepSeek-V3): ``write_family_checkpoint``'s, each
+    attention and MLP projection weight (experts' included) replaced by random ``float8_e4m3fn`` values and a random
+    ``weight_scale_inv`` per ``block`` (in the same file), and ``quantization_config`` in config.json; embeddings,
+    norms, router and head stay as they were. The bytes are random, not made by any quantizer. Returns the
+    transformers model that reads it (``FineGrainedFP8Config(dequantize=True)``: the oracle), in fp32."""
+    import math
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    write_family_checkpoint(path, config, max_shard_size=max_shard_size, seed=seed, packed=packed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for name in sorted(set(index["weight_map"].values())):
+        tensors = load_file(path / name)
+        for key in [k for k in tensors if k.endswith("_proj.weight") and ".mlp.gate." not in k]:
+            rows, cols = tensors[key].shape
+            values = torch.randn(rows, cols, generator=generator) * 100  # spread over e4m3's range (saturating at 448)
+            tensors[key] = values.clamp(-448, 448).to(torch.float8_e4m3fn)
+            scale = key.removesuffix("weight") + "weight_scale_inv"
+            tensors[scale] = torch.rand(math.ceil(rows / block[0]), math.ceil(cols / block[1]), generator=generator) * 2e-3
+            index["weight_map"][scale] = name
+        save_file(tensors, path / name, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+    config_path = path / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": list(block)}
+    config_path.write_text(json.dumps(config_json, indent=2))
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=FineGrainedFP8Config(dequantize=True),
+                                                 dtype=torch.float32)
+    return model.eval()

@@ -37,17 +37,17 @@ def test_imports_and_a_recipe_work_beside_llama_models_outside_the_repository(tm
 # output_dir) and `training` (what a step is made of) stand side by side above `checkpointers`: neither imports the
 # other; the recipes and `cli` put them together.
 BELOW = {
-    "errors": set(), "lazy": set(), "mxfp4": set(),
-    "models": {"errors", "lazy", "mxfp4"},
-    "converters": {"errors", "lazy", "mxfp4"},
-    "families": {"errors", "lazy", "models", "converters", "mxfp4"},
-    "checkpointers": {"errors", "lazy", "models", "converters", "mxfp4", "families"},
+    "errors": set(), "lazy": set(), "mxfp4": set(), "fp8": set(),
+    "models": {"errors", "lazy", "mxfp4", "fp8"},
+    "converters": {"errors", "lazy", "mxfp4", "fp8"},
+    "families": {"errors", "lazy", "models", "converters", "mxfp4", "fp8"},
+    "checkpointers": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families"},
     "text": {"errors"},
-    "run": {"errors", "lazy", "models", "converters", "mxfp4", "families", "checkpointers"},
-    "training": {"errors", "lazy", "models", "converters", "mxfp4", "families", "checkpointers", "text"},
-    "cli": {"errors", "lazy", "models", "converters", "mxfp4", "families", "checkpointers", "text", "run", "training"},
+    "run": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers"},
+    "training": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text"},
+    "cli": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run", "training"},
 }
-PACKAGES = [p for p in BELOW if p not in ("errors", "lazy", "mxfp4")]
+PACKAGES = [p for p in BELOW if p not in ("errors", "lazy", "mxfp4", "fp8")]
 
 
 def library_modules() -> dict[str, "Path"]:

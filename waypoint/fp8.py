@@ -1,0 +1,94 @@
+"""Block FP8, the format of DeepSeek-V3's release and of Qwen3's ``-FP8`` checkpoints: the codec.
+
+A quantized linear weight ``X.weight`` is ``float8_e4m3fn`` ``[..., R, C]``, and ``X.weight_scale_inv`` holds one
+fp32 (or bf16) scale per block of ``block = (bm, bn)`` values (``quantization_config.weight_block_size``, usually
+``[128, 128]``): ``[..., ceil(R / bm), ceil(C / bn)]``, a last partial block where a dim does not divide (DeepSeek's
+reference ``weight_dequant`` grids the same way). The value is ``weight * scale_inv`` of its block.
+
+``dequantize_fp8`` multiplies in fp32 and rounds once to ``dtype``: for dims the blocks divide, bitwise what
+transformers' ``Fp8Dequantize`` gives (which derives the block from the scale grid and needs it to divide).
+``quantize_fp8`` is transformers' ``Fp8Quantize`` rounding (what its ``save_pretrained`` of an FP8 model writes):
+per block ``scale = 448 / max|x|`` in fp32 (1 for an all-zero block), ``scale_inv = 1 / scale``, and the weight
+``clamp(x * scale, -448, 448)`` cast to ``float8_e4m3fn`` (round to nearest even). DeepSeek's own quantizer
+divides by ``max|x| / 448`` instead; the two can differ in the last bit of a value.
+
+Both work one slab of rows at a time (a temporary of a few blocks' rows, never a second copy of a large weight)
+and, on meta tensors, return empty meta tensors of the right shapes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_SLAB = 1 << 22  # values per slab of block rows
+
+
+def _grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
+
+
+def _blockwise(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``[rows, cols]`` (padded with zeros to whole blocks) -> ``[grid_r, bm, grid_c, bn]``."""
+    rows, cols = t.shape
+    gr, gc = _grid(rows, cols, block)
+    padded = torch.nn.functional.pad(t, (0, gc * block[1] - cols, 0, gr * block[0] - rows))
+    return padded.view(gr, block[0], gc, block[1])
+
+
+def _check(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+    if weight.ndim < 2:
+        raise ValueError(f"an FP8 weight {list(weight.shape)} must have at least 2 dims")
+    expected = (*weight.shape[:-2], *_grid(weight.shape[-2], weight.shape[-1], block))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"weight {list(weight.shape)} in blocks of {list(block)} needs scales {list(expected)}, "
+                         f"got {list(scale_inv.shape)}")
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``float8_e4m3fn`` ``[..., R, C]`` and its block scales -> ``dtype`` ``[..., R, C]``."""
+    _check(weight, scale_inv, block)
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    if weight.is_meta or scale_inv.is_meta or not out.numel():
+        return out
+    rows, cols = weight.shape[-2:]
+    flat_w, flat_s, flat_out = weight.reshape(-1, rows, cols), scale_inv.reshape(-1, *scale_inv.shape[-2:]), out.view(-1, rows, cols)
+    step = max(1, _SLAB // (block[0] * cols)) * block[0]  # whole block rows at a time
+    for m in range(flat_w.shape[0]):
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            scales = flat_s[m, r0 // block[0]: math.ceil(r1 / block[0])].float()
+            expanded = scales.repeat_interleave(block[0], 0)[: r1 - r0].repeat_interleave(block[1], 1)[:, :cols]
+            flat_out[m, r0:r1] = flat_w[m, r0:r1].float() * expanded
+    return out
+
+
+def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float ``[..., R, C]`` -> (``float8_e4m3fn`` ``[..., R, C]``, fp32 ``scale_inv`` ``[..., ceil(R/bm), ceil(C/bn)]``)."""
+    if not x.dtype.is_floating_point or x.ndim < 2:
+        raise ValueError(f"cannot quantize {x.dtype} {list(x.shape)} to block FP8")
+    rows, cols = x.shape[-2:]
+    weight = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale_inv = torch.empty((*x.shape[:-2], *_grid(rows, cols, block)), dtype=torch.float32, device=x.device)
+    if x.is_meta or not x.numel():
+        return weight, scale_inv
+    flat_x, flat_w, flat_s = x.reshape(-1, rows, cols), weight.view(-1, rows, cols), scale_inv.view(-1, *scale_inv.shape[-2:])
+    step = max(1, _SLAB // (block[0] * cols)) * block[0]
+    for m in range(flat_x.shape[0]):
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            blocks = _blockwise(flat_x[m, r0:r1].float(), block)  # [gr, bm, gc, bn]
+            max_abs = blocks.abs().amax(dim=(1, 3))
+            scale = torch.where(max_abs > 0, FP8_MAX / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs)),
+                                torch.ones_like(max_abs))
+            flat_s[m, r0 // block[0]: math.ceil(r1 / block[0])] = 1.0 / scale
+            scaled = (blocks * scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            flat_w[m, r0:r1] = scaled.view(-1, scaled.shape[2] * block[1])[: r1 - r0, :cols]
+    return weight, scale_inv
+
+
+__all__ = ["FP8", "FP8_MAX", "dequantize_fp8", "quantize_fp8"]
