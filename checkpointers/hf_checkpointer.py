@@ -18,6 +18,7 @@ from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, json_bytes, read_json
 from waypoint.checkpointers.hf_source import HFSource
+from waypoint.checkpointers.load_report import fold_keys
 from waypoint.checkpointers.quantization import QuantizedOutput, dequantizing_to
 from waypoint.checkpointers.shard_layout import ShardLayout, discover, plan_files, plan_layout, read_files, write_files
 from waypoint.converters import CheckpointError, Converter
@@ -101,6 +102,12 @@ class HFCheckpointer(Checkpointer):
             self._passthrough = {k: (hf_state[k], where[k]) for k in hf_state if not k.startswith(self._disk_prefix)}
             hf_state = {self._converter_key(k): hf_state[k] for k in inside}
             where = {self._converter_key(k): where[k] for k in inside}
+        # Layers the model does not run (DeepSeek-V3's multi-token prediction) are carried the same way.
+        carried = self.family.carried_keys(self.config)
+        if carried:
+            self._passthrough |= {self._disk_key(k): (hf_state[k], where[k]) for k in hf_state if carried.search(k)}
+            hf_state = {k: t for k, t in hf_state.items() if not carried.search(k)}
+            where = {k: f for k, f in where.items() if k in hf_state}
         self.layout = self.layout.with_keys({f: [k for k in hf_state if where[k] == f and not self.converter.is_ignored(k)]
                                              for f in self.layout.files})
         self.input_dtypes = {k: t.dtype for k, t in hf_state.items()}
@@ -108,6 +115,11 @@ class HFCheckpointer(Checkpointer):
         self.converter = self.quantized.adopt(list(hf_state))  # block FP8: the rules for the weights it quantizes
         native = self.converter.to_native(hf_state, where)
         self._quantized_notes = self.quantized.notes(list(hf_state), native)
+        if carried and self._passthrough:
+            keys = [k for k in self._passthrough if carried.search(self._converter_key(k))]
+            self._quantized_notes.append(f"carried untouched: {len(keys)} tensors of layers the model does not run "
+                                         f"({', '.join(fold_keys(keys)[:4])}{' ...' if len(fold_keys(keys)) > 4 else ''}); "
+                                         "written back as they came")
         return native
 
     @property

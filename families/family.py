@@ -9,6 +9,7 @@ families up (``waypoint.families``) and never test a family's name.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,16 @@ class Family:
     # LoRA targets on stacked expert weights -> the HF parameter PEFT names (``target_parameters``), in the order the
     # transformers module registers them (which decides PEFT's nesting of its wrappers)
     lora_parameters: Mapping[str, str] = field(default_factory=dict)
+    # HF keys of layers the native model does not run, carried untouched through a fine-tune (DeepSeek-V3's
+    # multi-token-prediction layer ``model.layers.{num_hidden_layers}.*``): config.json -> their key regex, or None
+    carried: Callable[[Mapping[str, Any]], str | None] | None = None
+
+    def carried_keys(self, config: Mapping[str, Any]) -> re.Pattern | None:
+        """The compiled ``carried`` regex for a config.json, or None."""
+        if self.carried is None:
+            return None
+        pattern = self.carried(config.get(self.nested_config) or config if self.nested_config else config)
+        return re.compile(pattern) if pattern else None
 
     def converter(self, args: ModelArgs) -> Converter:
         return Converter(rules=self.rules(args), ignore=self.ignore, tied_embeddings=args.tie_embeddings,

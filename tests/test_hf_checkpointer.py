@@ -129,3 +129,30 @@ def test_save_never_overwrites_an_existing_step(tmp_path):
         ckpt.save_checkpoint(state, step=1)
     assert (tmp_path / "out" / "step_1" / "keep.txt").read_text() == "user data"
     assert sorted(os.listdir(tmp_path / "out")) == ["step_1"], "no temporary directory may be left behind"
+
+
+def test_layers_the_model_does_not_run_are_carried_untouched(tmp_path):
+    """A family may declare keys it carries (DeepSeek-V3's multi-token-prediction layer after the last one): they
+    stay out of the native model, the load report says so, and every save writes them back in their files."""
+    import dataclasses
+
+    from safetensors.torch import load_file, save_file
+
+    write_hf_checkpoint(tmp_path / "in", tiny_llama_config())
+    index_path = tmp_path / "in" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = sorted(set(index["weight_map"].values()))[-1]
+    extra = {"model.layers.2.eh_proj.weight": torch.randn(8, 16), "model.layers.2.enorm.weight": torch.randn(8)}
+    save_file({**load_file(tmp_path / "in" / name), **extra}, tmp_path / "in" / name, metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(extra, name))
+    index_path.write_text(json.dumps(index))
+    ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
+    ckpt.family = dataclasses.replace(ckpt.family, carried=lambda config: rf"^model\.layers\.{config['num_hidden_layers']}\.")
+    state = ckpt.load_checkpoint()["model"]
+    assert not [k for k in state if k.startswith("layers.2.")]
+    assert "carried untouched: 2 tensors of layers the model does not run (model.layers.2.eh_proj.weight, " \
+           "model.layers.2.enorm.weight); written back as they came" in ckpt.notes
+    out = ckpt.save_checkpoint({"model": state}, step=1)
+    written = read_tensors(out / name)
+    assert all(torch.equal(written[k], t) for k, t in extra.items())
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == index["weight_map"]
