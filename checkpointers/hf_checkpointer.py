@@ -159,7 +159,7 @@ class HFCheckpointer(Checkpointer):
 
         def write(stage: StagedDir) -> None:
             written = write_files(stage, layout, tensors_of, lambda name, _: self._file_metadata.get(source_of[name]) or {"format": "pt"},
-                                  total_bytes=sum(nbytes(native, k) for k in native))
+                                  total_bytes=sum(nbytes(native, k) for k in native), is_parameter=converter.is_parameter)
             stage.write_bytes(CONFIG_FILE, json_bytes(config_with_dtype(self.quantized.output_config(self.config), written)))
         return write
 
@@ -213,7 +213,7 @@ class HFCheckpointer(Checkpointer):
         sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
         layout = layout or plan_layout(sizes, conversion.files, conversion.max_shard_bytes)
         write_files(stage, layout, lambda name: {k: tensors[k] for k in layout.keys_in(name)},
-                    lambda name, _: {"format": "pt"}, total_bytes=sum(sizes.values()))
+                    lambda name, _: {"format": "pt"}, total_bytes=sum(sizes.values()), is_parameter=converter.is_parameter)
         stage.write_bytes(CONFIG_FILE, json_bytes(config))
 
 

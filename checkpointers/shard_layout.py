@@ -168,10 +168,11 @@ def read_files(directory: Path, layout: ShardLayout, unmapped: list[str] | None 
 
 def write_files(stage, layout: ShardLayout, tensors_of: Callable[[str], Mapping[str, torch.Tensor]],
                 metadata_of: Callable[[str, Mapping[str, torch.Tensor]], Mapping[str, str] | None],
-                total_bytes: int | None = None) -> set[torch.dtype]:
+                total_bytes: int | None = None, is_parameter: Callable[[str], bool] | None = None) -> set[torch.dtype]:
     """Write the layout's files in order, file ``name`` holding ``tensors_of(name)`` (produced, and dropped, one file at
     a time) with ``metadata_of(name, tensors)`` in its safetensors header, then the index json when the layout has one
-    (its metadata's ``total_size`` and ``total_parameters`` made true); the dtypes written."""
+    (its metadata's ``total_size`` and ``total_parameters`` made true: ``is_parameter(key)`` says which keys count); the
+    dtypes written."""
     dtypes: set[torch.dtype] = set()
     weight_map, total_size, total_params = {}, 0, 0
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="save", leave=False) as bar:
@@ -180,7 +181,8 @@ def write_files(stage, layout: ShardLayout, tensors_of: Callable[[str], Mapping[
             metadata = metadata_of(name, tensors) if layout.file_format == SAFETENSORS else None
             stage.write(name, lambda f, tensors=tensors: write_tensors(f, tensors, layout.file_format, metadata))
             size = sum(t.numel() * t.element_size() for t in tensors.values())
-            total_size, total_params = total_size + size, total_params + sum(t.numel() for t in tensors.values())
+            total_params += sum(t.numel() for k, t in tensors.items() if is_parameter is None or is_parameter(k))
+            total_size += size
             dtypes.update(t.dtype for t in tensors.values())
             weight_map.update(dict.fromkeys(tensors, name))
             bar.update(size)

@@ -80,6 +80,7 @@ class Converter:
     # native LoRA target on a stacked parameter -> the HF parameter PEFT targets (``{i}``: the layer), in the order
     # transformers' module registers them (``checkpointers.peft_parameters``)
     lora_parameters: dict[str, str] = field(default_factory=dict)
+    buffers: tuple[str, ...] = ()  # regexes of HF keys holding buffers, not parameters (not in total_parameters)
     _compiled: dict = field(default_factory=dict, init=False, repr=False)
 
     # -- planning (keys only) -------------------------------------------------
@@ -103,6 +104,10 @@ class Converter:
         best = max(matched, key=lambda name: matched[name])  # the first of equals
         if matched[best]:
             self.variant = best
+
+    def is_parameter(self, hf_key: str) -> bool:
+        """Whether an HF key holds a parameter (what ``num_parameters()`` counts), not a buffer."""
+        return not any(re.search(p, hf_key) for p in self.buffers)
 
     def is_ignored(self, hf_key: str) -> bool:
         return any(re.search(p, hf_key) for p in self.ignore)

@@ -22,7 +22,7 @@ from waypoint.families.hf_config import HFConfig, check_fixed
 from waypoint.models.args import ModelArgs
 from waypoint.models.transformer import Transformer
 
-_ORDER = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss")
+_ORDER = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
 
 
 def _discover() -> tuple[Family, ...]:

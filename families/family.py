@@ -48,6 +48,9 @@ class Family:
     # HF keys of layers the native model does not run, carried untouched through a fine-tune (DeepSeek-V3's
     # multi-token-prediction layer ``model.layers.{num_hidden_layers}.*``): config.json -> their key regex, or None
     carried: Callable[[Mapping[str, Any]], str | None] | None = None
+    # HF keys that hold buffers, not parameters (DeepSeek's e_score_correction_bias): left out of an index's
+    # ``total_parameters``, as transformers' ``num_parameters()`` leaves them out
+    buffers: tuple[str, ...] = ()
 
     def carried_keys(self, config: Mapping[str, Any]) -> re.Pattern | None:
         """The compiled ``carried`` regex for a config.json, or None."""
@@ -58,4 +61,5 @@ class Family:
 
     def converter(self, args: ModelArgs) -> Converter:
         return Converter(rules=self.rules(args), ignore=self.ignore, tied_embeddings=args.tie_embeddings,
-                         variants=self.layouts(args) if self.layouts else {}, lora_parameters=dict(self.lora_parameters))
+                         variants=self.layouts(args) if self.layouts else {}, lora_parameters=dict(self.lora_parameters),
+                         buffers=self.buffers)

@@ -17,7 +17,8 @@ ACTIVATIONS = {
     "gelu": F.gelu,  # exact (erf) GELU
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
 }
-ROUTINGS = ("softmax_topk", "topk_softmax")
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "softmax_grouped")
+GROUPED_ROUTINGS = ("sigmoid_grouped", "softmax_grouped")  # DeepSeek-V3, DeepSeek-V2 (models.grouped_routing)
 ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
@@ -68,6 +69,8 @@ class ModelArgs:
     expert_weights_fp32: bool = False  # weigh expert outputs with fp32 routing weights (Mixtral) or cast first (Qwen3-MoE)
     dense_layers: tuple[int, ...] = ()  # layers keeping the dense MLP in a MoE model (Qwen3-MoE's mlp_only_layers)
     router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight in the training loss
+    shared_expert_hidden_dim: int | None = None  # a dense gated MLP this wide on every token of each MoE layer (Qwen2-MoE)
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(Linear(dim, 1)(x)) (Qwen2-MoE)
     # gpt-oss:
     attn_sinks: bool = False  # a learned logit per head that joins each softmax's denominator
     attn_output_bias: bool = False  # a bias on the attention's output projection (gpt-oss's attention_bias)
@@ -76,6 +79,18 @@ class ModelArgs:
     routing: str = "softmax_topk"  # softmax over all experts, then top-k; "topk_softmax": softmax over the top-k logits
     swiglu_limit: float | None = None  # clamped SwiGLU: gate clamped above and up both sides at the limit,
     swiglu_alpha: float = 1.702  # then (up + 1) * gate * sigmoid(alpha * gate)
+    # multi-head latent attention (DeepSeek V2/V3, models.mla), in place of Attention where kv_lora_rank is set; head_dim
+    # is then the rotary part of each q/k head (transformers' qk_rope_head_dim, as its config's head_dim), n_kv_heads n_heads
+    kv_lora_rank: int | None = None  # the compressed k/v latent's width
+    q_lora_rank: int | None = None  # the compressed query's width (None: one q_proj)
+    qk_nope_head_dim: int = 0  # each q/k head's dimensions without RoPE, before its head_dim rotary ones
+    v_head_dim: int | None = None  # each value head's width (None: qk_nope_head_dim + head_dim)
+    rope_interleave: bool = True  # the rotary rows in interleaved pairs (DeepSeek's); False: in halves (rotated as HF's)
+    # DeepSeek routing (routing "sigmoid_grouped": V3, "softmax_grouped": V2): the experts in expert_groups groups, the
+    # top-k chosen within the topk_groups best groups, the weights times routed_scaling
+    expert_groups: int = 1  # n_group
+    topk_groups: int = 1  # topk_group
+    routed_scaling: float = 1.0  # routed_scaling_factor
 
     @property
     def resolved_head_dim(self) -> int:
@@ -87,6 +102,10 @@ class ModelArgs:
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} must be between 1 and n_experts={self.n_experts}")
+        if self.shared_expert_hidden_dim is not None and not self.shared_expert_hidden_dim > 0:
+            raise ValueError(f"shared_expert_hidden_dim={self.shared_expert_hidden_dim} must be positive (or None)")
+        if self.shared_expert_gate and self.shared_expert_hidden_dim is None:
+            raise ValueError("shared_expert_gate scales a shared expert, but shared_expert_hidden_dim is None")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.resolved_head_dim % 2:
@@ -118,3 +137,30 @@ class ModelArgs:
             raise ValueError(f"swiglu_limit={self.swiglu_limit} must be positive (or None)")
         if self.local_rope_theta is not None and self.sliding_window is None:
             raise ValueError("local_rope_theta is the sliding layers' RoPE base, but sliding_window is None")
+        check_mla_and_groups(self)
+
+
+def check_mla_and_groups(args: ModelArgs) -> None:
+    """The latent attention's and the grouped routing's fields: shapes that fit together, and no feature of
+    ``Attention`` that ``LatentAttention`` lacks."""
+    if args.kv_lora_rank is not None:
+        for name in ("kv_lora_rank", "q_lora_rank", "v_head_dim"):
+            value = getattr(args, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value} must be positive (or None)")
+        if args.qk_nope_head_dim < 0:
+            raise ValueError(f"qk_nope_head_dim={args.qk_nope_head_dim} must not be negative")
+        if args.n_kv_heads != args.n_heads:
+            raise ValueError(f"latent attention has a key and a value per head: n_kv_heads={args.n_kv_heads} must be n_heads={args.n_heads}")
+        unsupported = [name for name in ("attn_sinks", "attn_softcap", "qk_norm") if getattr(args, name)]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)} not supported with latent attention (kv_lora_rank)")
+    if args.routing in GROUPED_ROUTINGS:
+        if args.expert_groups < 1 or args.n_experts % args.expert_groups:
+            raise ValueError(f"expert_groups={args.expert_groups} must divide n_experts={args.n_experts}")
+        if not 1 <= args.topk_groups <= args.expert_groups:
+            raise ValueError(f"topk_groups={args.topk_groups} must be between 1 and expert_groups={args.expert_groups}")
+        if args.routing == "sigmoid_grouped" and args.expert_groups > 1 and args.n_experts // args.expert_groups < 2:
+            raise ValueError("sigmoid_grouped scores each group by its top-2 experts: groups need 2 experts or more")
+        if not args.routed_scaling > 0:
+            raise ValueError(f"routed_scaling={args.routed_scaling} must be positive")

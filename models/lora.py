@@ -27,9 +27,11 @@ from waypoint.models.lora_factors import LoRAFactors, initial_lora_weights
 from waypoint.models.lora_experts import EXPERT_TARGETS, LoRAExperts, add_expert_lora, adapted_rows, merge_expert_weight
 
 HALF = (torch.bfloat16, torch.float16)
-TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output", *EXPERT_TARGETS)
+TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output", *EXPERT_TARGETS,
+           "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")  # the last four: latent attention's (models.mla)
 HF_NAMES = {"o_proj": "output_proj", "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "lm_head": "output",  # also accepted
-            "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
+            "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down",
+            "kv_a_proj_with_mqa": "kv_a_proj"}
 
 
 class LoRALinear(LoRAFactors):

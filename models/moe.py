@@ -8,6 +8,10 @@ Parameter names (the native checkpoint format, under each layer's ``mlp.``)::
     w2              [n_experts, dim, hidden_dim]     down: expert e's ``down_proj.weight`` is ``w2[e]``
 
     router.bias, b1, b3 [n_experts, hidden_dim], b2 [n_experts, dim]   (gpt-oss only: ``router_bias``, ``expert_bias``)
+    shared.{w1,w2,w3}.weight, shared_gate.weight     (a shared expert: ``shared_hidden_dim``, ``shared_gate``;
+                                                      Qwen2-MoE, see ``models.shared_expert``)
+    router.e_score_correction_bias [n_experts]       (a buffer, DeepSeek-V3's ``routing="sigmoid_grouped"``: the
+                                                      DeepSeek routings are ``models.grouped_routing``'s)
 
 Rows are output features as in ``nn.Linear``; transformers' packed ``experts.gate_up_proj`` [E, 2I, H] is
 ``cat((w1, w3), dim=1)`` and its ``experts.down_proj`` is ``w2``.
@@ -56,10 +60,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from waypoint.models.args import ACTIVATIONS
+from waypoint.models.args import ACTIVATIONS, GROUPED_ROUTINGS
+from waypoint.models.grouped_routing import grouped_route
 from waypoint.models.grouped_mm import grouped_mm_fn, grouped_mm_layout_ok, grouped_mm_supported
 from waypoint.models.lora_experts import LoRAExperts, expert_update
 from waypoint.models.mxfp4_weight import experts_mm, linear
+from waypoint.models.shared_expert import SharedExpert, init_shared, shared_output
 
 IMPLS = ("auto", "grouped", "padded", "loop")
 
@@ -69,7 +75,9 @@ class MoE(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, normalize_topk: bool = True,
                  activation: str = "silu", *, fp32_routing_weights: bool = False, impl: str = "auto",
                  router_bias: bool = False, expert_bias: bool = False, routing: str = "softmax_topk",
-                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.702) -> None:
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
+                 shared_hidden_dim: int | None = None, shared_gate: bool = False,
+                 groups: tuple[int, int] = (1, 1), routed_scaling: float = 1.0) -> None:
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
@@ -83,6 +91,11 @@ class MoE(nn.Module):
         self.impl = impl
         self.routing, self.swiglu_limit, self.swiglu_alpha = routing, swiglu_limit, swiglu_alpha
         self.router = nn.Linear(dim, n_experts, bias=router_bias)
+        # DeepSeek (``grouped_routing``): (n_groups, topk_groups), the weights' scale, and V3's per-expert score bias for
+        # choosing (a buffer, as transformers' ``e_score_correction_bias``: in the checkpoint, not trained)
+        self.groups, self.routed_scaling = tuple(groups), routed_scaling
+        if routing == "sigmoid_grouped":
+            self.router.register_buffer("e_score_correction_bias", torch.zeros(n_experts, device=self.router.weight.device))
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
@@ -97,6 +110,9 @@ class MoE(nn.Module):
         # LoRA on the stacked experts (``lora_experts``: PEFT's parameter targets); None until added
         self.experts_gate_up: LoRAExperts | None = None
         self.experts_down: LoRAExperts | None = None
+        # a dense expert on every token, optionally gated (``shared_expert``: Qwen2-MoE, DeepSeek); None without
+        self.shared = SharedExpert(dim, shared_hidden_dim, activation) if shared_hidden_dim else None
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_hidden_dim and shared_gate else None
         if not self.w1.is_meta:
             self.init_weights()
 
@@ -107,6 +123,7 @@ class MoE(nn.Module):
             for p in (self.router.weight, self.w1, self.w3):
                 nn.init.normal_(p, std=std)
             nn.init.normal_(self.w2, std=std if down_std is None else down_std)
+            init_shared(self.shared, self.shared_gate, std, std if down_std is None else down_std)
             for p in (self.router.bias, self.b1, self.b2, self.b3):
                 if p is not None:
                     nn.init.zeros_(p)
@@ -116,15 +133,21 @@ class MoE(nn.Module):
                 f"normalize_topk={self.normalize_topk}, fp32_routing_weights={self.fp32_routing_weights}, "
                 f"activation={self.activation}, impl={self.impl}"
                 + (f", routing={self.routing}" if self.routing != "softmax_topk" else "")
-                + (f", swiglu_limit={self.swiglu_limit}" if self.swiglu_limit is not None else ""))
+                + (f", swiglu_limit={self.swiglu_limit}" if self.swiglu_limit is not None else "")
+                + (f", shared_gate={self.shared_gate is not None}" if self.shared is not None else ""))
 
     # -- routing -----------------------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` [tokens, dim] -> (router logits [tokens, E] in x's dtype, top-k weights [tokens, k], expert
-        indices [tokens, k]), in transformers' order of operations."""
-        logits = self.router(x)
-        replay = self.routes.pop(0).to(logits.device) if self.routes is not None and self.replaying else None
-        if self.routing == "topk_softmax":  # gpt-oss: the top-k logits, then a softmax over them in their dtype
+        indices [tokens, k]), in transformers' order of operations (DeepSeek's: fp32 logits, ``grouped_routing``)."""
+        replay = self.routes.pop(0).to(x.device) if self.routes is not None and self.replaying else None
+        logits = self.router(x) if self.routing not in GROUPED_ROUTINGS else None
+        if self.routing in GROUPED_ROUTINGS:  # DeepSeek: fp32 logits and weights
+            logits, weights, experts = grouped_route(x, self.router.weight, self.top_k, self.routing, *self.groups,
+                                                     self.normalize_topk, self.routed_scaling,
+                                                     getattr(self.router, "e_score_correction_bias", None), replay)
+            weights = weights if self.fp32_routing_weights else weights.to(x.dtype)
+        elif self.routing == "topk_softmax":  # gpt-oss: the top-k logits, then a softmax over them in their dtype
             top, experts = torch.topk(logits, self.top_k, dim=-1) if replay is None else (logits.gather(-1, replay), replay)
             weights = torch.softmax(top, dim=-1, dtype=top.dtype)
         else:
@@ -164,6 +187,8 @@ class MoE(nn.Module):
             out = self._experts_loop(x, weights, experts)
         else:
             out = self._experts_sorted(x, weights, experts, grouped=impl == "grouped")
+        if self.shared is not None:  # added after the routed experts' sum, in x's dtype (Qwen2MoeSparseMoeBlock)
+            out = out + shared_output(self.shared, self.shared_gate, x)
         return out.reshape(shape), logits
 
     # -- the experts -------------------------------------------------------------------------------------------

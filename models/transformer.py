@@ -14,6 +14,9 @@ Parameter names (the native checkpoint format)::
     layers.{i}.post_{attn,mlp}_norm.weight  (only with ``sandwich_norms``: Gemma 2, Gemma 3)
     layers.{i}.moe.router.weight, layers.{i}.moe.{w1,w2,w3}   (in place of ``mlp``, with ``n_experts``: Mixtral,
                              Qwen3-MoE; the experts stacked [E, ...], see :mod:`waypoint.models.moe`)
+    layers.{i}.moe.shared.{w1,w2,w3}.weight, layers.{i}.moe.shared_gate.weight   (a shared expert: Qwen2-MoE)
+    layers.{i}.attn.{q_a,q_b,kv_a,kv_b,output}_proj.weight, layers.{i}.attn.{q_a,kv_a}_norm.weight   (with
+                             ``kv_lora_rank``: DeepSeek's latent attention, see :mod:`waypoint.models.mla`)
 
 Rotary embeddings rotate interleaved pairs ``(x0, x1), (x2, x3), ...`` as in
 Meta's reference code; Hugging Face rotates the two halves of each head, which
@@ -49,6 +52,7 @@ from waypoint.models.fused_loss import (ChunkBuffer, linear_cross_entropy_rows, 
                                         next_token_loss_sum)
 from waypoint.models.attention import Attention, RMSNorm, apply_rope, document_mask, sliding_window_mask, softcapped_attention
 from waypoint.models.kv_cache import KVCache
+from waypoint.models.mla import LatentAttention
 from waypoint.models.balance_loss import load_balancing_loss, load_balancing_stats
 from waypoint.models.moe import MoE
 
@@ -151,7 +155,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         norm = partial(RMSNorm, args.dim, args.norm_eps, args.norm_plus_one)
         self.sa_norm = norm()
-        self.attn = Attention(args)
+        self.attn = Attention(args) if args.kv_lora_rank is None else LatentAttention(args)  # DeepSeek's MLA
         self.mlp_norm = norm()
         # the dense gated MLP, or in a mixture-of-experts layer ``moe`` in its place (``mlp`` None)
         sparse = args.n_experts > 0 and layer_id not in args.dense_layers and mlp is None
@@ -159,7 +163,9 @@ class TransformerBlock(nn.Module):
         self.moe = MoE(args.dim, args.expert_hidden_dim or args.hidden_dim, args.n_experts, args.experts_per_token,
                        args.normalize_expert_weights, args.activation, fp32_routing_weights=args.expert_weights_fp32,
                        router_bias=args.router_bias, expert_bias=args.expert_bias, routing=args.routing,
-                       swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha) if sparse else None
+                       groups=(args.expert_groups, args.topk_groups), routed_scaling=args.routed_scaling,
+                       swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha,
+                       shared_hidden_dim=args.shared_expert_hidden_dim, shared_gate=args.shared_expert_gate) if sparse else None
         self.router_logits: torch.Tensor | None = None  # the MoE router's logits of the last forward
         # Gemma 2/3 also normalise the attention and MLP outputs before each residual add; None otherwise
         self.post_attn_norm = norm() if args.sandwich_norms else None

@@ -119,6 +119,8 @@ def tiny_family_config(family: str, **overrides):
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+        "qwen2_moe": ("Qwen2MoeConfig", dict(head_dim=24, num_hidden_layers=3, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                             num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])),
         "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
         "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=24, num_hidden_layers=3, moe_intermediate_size=32, num_experts=4,
                                              num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])),
@@ -128,6 +130,19 @@ def tiny_family_config(family: str, **overrides):
                                          sliding_window=4, rope_parameters={
                                              "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                              "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})),
+        # latent attention (q compressed: q_lora_rank), the first layer dense, 8 experts in 4 groups of which the best 2 are
+        # searched for the top 3, 2 shared experts, YaRN with mscale != mscale_all_dim (the cos/sin and the softmax scaled)
+        "deepseek_v3": ("DeepseekV3Config", dict(
+            num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8,
+            num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5, kv_lora_rank=16,
+            q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8})),
+        # V2-Lite's shape: one q_proj (no q_lora_rank), greedy top-k of a softmax, 2 shared experts
+        "deepseek_v2": ("DeepseekV2Config", dict(
+            num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8,
+            num_experts_per_tok=3, n_shared_experts=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=12, topk_method="greedy")),
     }
     class_name, fields = specific[family]
     return getattr(transformers, class_name)(**{**common, **fields, **overrides})

@@ -40,7 +40,17 @@ FAMILIES = {
     "mixtral-packed": ("mixtral", {}, "MIXTRAL"),
     "qwen3-moe": ("qwen3_moe", {}, "QWEN3_MOE"),
     "qwen3-moe-packed": ("qwen3_moe", {}, "QWEN3_MOE"),
+    "qwen2-moe": ("qwen2_moe", {}, "QWEN2_MOE"),  # a gated shared expert in each MoE layer, norm_topk_prob false
+    "qwen2-moe-packed": ("qwen2_moe", {}, "QWEN2_MOE"),
     "gpt-oss": ("gpt_oss", {}, "GPT_OSS"),  # dense experts; MXFP4 ones: test_gpt_oss.py
+    "deepseek-v3": ("deepseek_v3", {}, "DEEPSEEK_V3"),  # q_lora_rank, YaRN + mscale_all_dim, group-limited sigmoid routing
+    "deepseek-v3-packed": ("deepseek_v3", {}, "DEEPSEEK_V3"),
+    # one q_proj, the rotary rows in halves (rope_interleave false), ungrouped, plain RoPE
+    "deepseek-v3-rope-halves": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1,
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), "DEEPSEEK_V3"),
+    "deepseek-v2-lite": ("deepseek_v2", {}, "DEEPSEEK_V2"),  # one q_proj, greedy routing
+    "deepseek-v2-grouped": ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                routed_scaling_factor=1.5, attention_bias=True), "DEEPSEEK_V2"),
 }
 TIED = {"qwen2-tied", "gemma", "llama3.2-tied", "qwen3-tied", "gemma2", "gemma3"}
 

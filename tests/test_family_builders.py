@@ -71,6 +71,11 @@ PUBLISHED = {
                                 num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen2_moe.qwen1_5_moe_a2_7b": ("Qwen2MoeConfig", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                                    num_attention_heads=16, num_key_value_heads=16, vocab_size=151936, max_position_embeddings=8192,
+                                    num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, norm_topk_prob=False,
+                                    shared_expert_intermediate_size=5632, decoder_sparse_step=1, router_aux_loss_coef=0.001,
+                                    use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     # the released configs differ from GptOssConfig's defaults in these fields only
     "gpt_oss.gpt_oss_20b": ("GptOssConfig", dict(num_hidden_layers=24, num_local_experts=32)),
     "gpt_oss.gpt_oss_120b": ("GptOssConfig", dict(num_hidden_layers=36, num_local_experts=128)),

@@ -17,7 +17,7 @@ from tests.test_families import FAMILIES
 
 # -- mixture of experts ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe-packed"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe-packed", "qwen2-moe"])
 def test_moe_aux_loss_is_transformers_router_loss(name, tmp_path, tokens):
     """The load-balancing loss of the native model equals transformers' ``aux_loss`` (output_router_logits) on
     the same batch and weights, and the coefficient is the config's."""
