@@ -156,3 +156,20 @@ def test_fp8_config_without_scales_is_one_line(qwen3, tmp_path):
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="config.json: quantization_config says fp8, but no weight has a weight_scale_inv"):
         HFCheckpointer(bad, output_dir=tmp_path / "out").load_checkpoint()
+
+
+def test_fp8_experts_round_trip_in_their_per_expert_layout(tmp_path):
+    """Qwen3-MoE's experts in FP8, one key each (the hub's layout): stacked on load through the FP8 chain, written
+    back expert by expert, every byte as it was; a changed expert stack re-quantizes only its own keys."""
+    path = tmp_path / "in"
+    write_fp8_checkpoint(path, tiny_family_config("qwen3_moe"), block=BLOCK)
+    ckpt = HFCheckpointer(path, output_dir=tmp_path / "out")
+    state = dict(ckpt.load_checkpoint()["model"])
+    out = ckpt.save_checkpoint({"model": state}, step=1)
+    before, after = files_of(path), files_of(out)
+    assert all(torch.equal(as_bytes(after[n][k]), as_bytes(t)) for n in before for k, t in before[n].items())
+    assert any(".experts.3.down_proj.weight_scale_inv" in k for n in before for k in before[n])
+    state["layers.0.moe.w2"] = state["layers.0.moe.w2"].float() * 1.5
+    after = files_of(ckpt.save_checkpoint({"model": state}, step=2))
+    differs = {k for n in before for k in before[n] if not torch.equal(as_bytes(before[n][k]), as_bytes(after[n][k]))}
+    assert differs and all(k.startswith("model.layers.0.mlp.experts.") and ".down_proj." in k for k in differs)
