@@ -27,7 +27,7 @@ from waypoint.lazy import local_shard, release_heap, release_pages, spec_of
 from waypoint.models.extra_state import EXTRA_STATE_SUFFIX
 from waypoint.models import Transformer, parse_dtype
 from waypoint.models.nf4 import is_nf4, nf4_local_shard
-from waypoint.models.quantized_base import is_quantized_base
+from waypoint.models.quantized_base import carry_source, is_quantized_base, quantized_format
 from waypoint.models.swap import swapping_conversions
 
 
@@ -119,7 +119,7 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
             if is_nf4(like):  # quantized whole (the shards keep one set of scales), then cut
                 return nf4_local_shard(value, like, device=device)
             return local_shard(value, like, device=device, dtype=cast)
-        return value.to(device=device, dtype=cast)
+        return carry_source(value, value.to(device=device, dtype=cast))  # a block-FP8 origin stays (converters.fp8)
 
     # One tensor at a time, each through load_state_dict with swapping on: the parameter object stays (an
     # optimizer or FSDP2 holding it stays valid) and decides how to take the tensor (module_load: an NF4
@@ -162,7 +162,7 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
     # From the model as it now is: which parameters hold a checkpoint tensor, which were re-tied.
     after = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     report.quantized = sorted(k for k, ptr in held.items() if ptr is None and k in after and is_quantized_base(after[k]))
-    report.quantized_as = sorted({"NF4" if is_nf4(after[k]) else "MXFP4" for k in report.quantized})
+    report.quantized_as = sorted({quantized_format(after[k]) for k in report.quantized})
     report.loaded = sorted(k for k, ptr in held.items() if ptr is not None and k in after and not is_quantized_base(after[k])
                            and _ptr(after[k]) == ptr)
     report.retied += sorted(k for k, ptr in held.items() if k in after and k not in report.loaded and k not in report.quantized)

@@ -52,7 +52,7 @@ class LoadReport:
     retied: list[str] = field(default_factory=list)  # parameters re-tied to another after loading
     extra_state: list[str] = field(default_factory=list)  # module extra state restored
     quantized: list[str] = field(default_factory=list)  # model keys that now hold the checkpoint tensor quantized
-    quantized_as: list[str] = field(default_factory=lambda: ["NF4"])  # their formats (quantize_base: NF4, MXFP4)
+    quantized_as: list[str] = field(default_factory=lambda: ["NF4"])  # their formats (quantize_base: NF4, MXFP4, FP8)
     sources: dict[str, str] = field(default_factory=dict)  # model key -> the checkpoint key it was read from
 
     def lines(self) -> list[str]:

@@ -6,6 +6,12 @@ gates and heads usually stay in bf16, per ``modules_to_not_convert``). So it is 
 ``fp8_rules`` gives each rule whose keys the checkpoint holds quantized a twin that reads the weights with their
 scales, dequantizes them (``FP8Blocks``) and then applies the rule's own op (a rename, the RoPE permutation, a
 split of fused projections, a stack of experts), and on save runs the same chain backwards.
+
+Each dense tensor the chain makes out of whole rows of one FP8 weight carries where its values come from
+(``fp8_source``, an :class:`FP8Source`): block FP8 does not survive dequantize -> quantize (each block's scale is
+recomputed from its max), so a holder of FP8 weights (``quantize_base: fp8``, ``models.fp8_weight``) takes those
+bytes instead of re-quantizing the values. ``KeepSource`` passes it through the rule's op where that op only
+picks and orders rows (found by running it on the rows' numbers); the values are untouched either way.
 """
 
 from __future__ import annotations
@@ -19,9 +25,67 @@ import torch
 
 from waypoint.converters.ops import Chain
 from waypoint.converters.table import Rule, compile_pattern
-from waypoint.fp8 import dequantize_fp8, quantize_fp8
+from waypoint.fp8 import FP8_SOURCE, FP8Source, carry_source, dequantize_fp8, quantize_fp8
 
 SCALE = "weight_scale_inv"
+def row_plan(op, shapes: list[tuple[int, ...]], block: tuple[int, int]) -> list[tuple[int, int, int, torch.Tensor | None] | str]:
+    """For each output of ``op`` on dense inputs of ``shapes``: ``(j, lo, hi, order)`` where it is rows ``lo:hi`` of
+    input ``j``, starting and ending on whole blocks of ``block[0]`` rows (or the input's end), in the order
+    ``order`` (None: as they are); otherwise why not. Found by running ``op`` on each input's row numbers."""
+    if not shapes or any(len(s) != 2 for s in shapes):
+        return []
+    big = 1 << 32
+    probe = [torch.arange(s[0], dtype=torch.int64).add_(j * big).unsqueeze(1) for j, s in enumerate(shapes)]
+    try:
+        outs = op.forward(probe)
+    except (ValueError, RuntimeError, IndexError, TypeError):
+        return []
+    plans: list[tuple[int, int, int, torch.Tensor | None] | str] = []
+    for out in outs:
+        if out.ndim != 2 or out.shape[1] != 1 or not out.numel():
+            plans.append("its conversion does not keep whole rows")
+            continue
+        j = int(out[0, 0]) // big
+        rows = out[:, 0] - j * big
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        if not bool((out[:, 0] // big == j).all()):
+            plans.append("its rows come from several tensors of the file")
+        elif hi - lo != len(rows) or not torch.equal(rows.sort().values, torch.arange(lo, hi)):
+            plans.append("its rows are not a range of the file's rows")
+        elif lo % block[0] or (hi % block[0] and hi != shapes[j][0]):
+            plans.append(f"rows {lo}:{hi} of the file's {shapes[j][0]} are not whole blocks of {block[0]}")
+        else:
+            plans.append((j, lo, hi, None if torch.equal(rows, torch.arange(lo, hi)) else rows - lo))
+    return plans
+
+
+@dataclass(frozen=True)
+class KeepSource:
+    """A rule's ``op`` after ``FP8Blocks``, passing each input's ``fp8_source`` on to each output made of whole block
+    rows of one input (``row_plan``: the RoPE permutation of q/k, a split of fused projections on block boundaries),
+    with those rows' bytes and scales. The values are ``op``'s, bitwise."""
+
+    op: object
+
+    def __getattr__(self, name: str):
+        if name == "count":  # the experts a Stack inside gathers (what a rule with {e} in its keys asks its op)
+            return getattr(self.op, name)
+        raise AttributeError(name)
+
+    def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = self.op.forward(tensors)
+        sources = [getattr(t, FP8_SOURCE, None) for t in tensors]
+        if not sources or any(s is None or s.rows is not None for s in sources):
+            return out
+        for t, plan in zip(out, row_plan(self.op, [tuple(t.shape) for t in tensors], sources[0].block)):
+            if isinstance(plan, tuple) and t.ndim == 2 and t.shape[1] == tensors[plan[0]].shape[1]:
+                j, lo, hi, order = plan
+                s, (bm, _) = sources[j], sources[j].block
+                setattr(t, FP8_SOURCE, FP8Source(s.weight[lo:hi], s.scale_inv[lo // bm: -(-hi // bm)], s.block, s.dtype, order))
+        return out
+
+    def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.op.inverse(tensors)
 
 
 @dataclass(frozen=True)
@@ -39,7 +103,11 @@ class FP8Blocks:
         if len(tensors) % 2:
             raise ValueError(f"got {len(tensors)} tensors, expected FP8 weights and as many scales")
         n = len(tensors) // 2
-        return [dequantize_fp8(w, s, self.block, self.dtype) for w, s in zip(tensors[:n], tensors[n:])]
+        out = [dequantize_fp8(w, s, self.block, self.dtype) for w, s in zip(tensors[:n], tensors[n:])]
+        for t, w, s in zip(out, tensors[:n], tensors[n:]):
+            if t.ndim == 2:  # a linear weight: its origin, for a holder of FP8 weights (module docstring)
+                setattr(t, FP8_SOURCE, FP8Source(w, s, self.block, self.dtype))
+        return out
 
     def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         pairs = [quantize_fp8(t, self.block) for t in tensors]
@@ -55,7 +123,7 @@ def fp8_rules(rules: list[Rule], hf_keys: Iterable[str], block: tuple[int, int])
         scales = tuple(p.removesuffix("weight") + SCALE for p in rule.hf)
         quantized = all(p.endswith(".weight") for p in rule.hf) and all(
             any(compile_pattern(s).match(k) for k in keys) for s in scales)
-        out.append(Rule(rule.hf + scales, rule.native, Chain(FP8Blocks(block), rule.op)) if quantized else rule)
+        out.append(Rule(rule.hf + scales, rule.native, Chain(FP8Blocks(block), KeepSource(rule.op))) if quantized else rule)
     return out
 
 
@@ -63,4 +131,5 @@ def is_scale_key(key: str) -> bool:
     return bool(re.search(rf"\.{SCALE}$", key))
 
 
-__all__ = ["FP8Blocks", "SCALE", "fp8_rules", "is_scale_key"]
+__all__ = ["FP8Blocks", "FP8Source", "FP8_SOURCE", "KeepSource", "SCALE", "carry_source", "fp8_rules", "is_scale_key",
+           "row_plan"]

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")  # the frozen base linears of every block
-QUANTIZE_BASE = ("nf4", "mxfp4")  # what quantize_base accepts (null: the base in the compute dtype); mxfp4: models/mxfp4_weight.py
+QUANTIZE_BASE = ("nf4", "mxfp4", "fp8")  # what quantize_base accepts (null: the base in the compute dtype); mxfp4: models/mxfp4_weight.py, fp8: models/fp8_weight.py
 _registered = False
 
 

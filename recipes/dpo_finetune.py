@@ -98,7 +98,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     if lora:
         wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
         nf4 = NF4Options(**(cfg.get("nf4") or {})) if cfg.get("quantize_base") == "nf4" else None
-        for line in quantize_base(model, cfg.dtype, cfg.get("quantize_base"), nf4, dist.world_size):
+        for line in quantize_base(model, cfg.dtype, cfg.get("quantize_base"), nf4, dist.world_size, checkpointer):
             say(line)
     if dist.enabled:
         shard_model(model, dist.mesh, cfg.get("mixed_precision"))

@@ -11,6 +11,7 @@ LoRA differences:
   as the checkpoint's tensor is read; the merged model is still computed from the input's full-precision
   weights, and step checkpoints never hold the 4-bit base (a resume quantizes the input again, identically);
   ``quantize_base: mxfp4`` holds a MoE model's experts in MXFP4 the same way (gpt-oss: the file's own values);
+  ``quantize_base: fp8`` holds a block-FP8 checkpoint's linears in FP8, as the file's own bytes where it can;
 - ``output_dir/step_N`` holds ``adapter_model.safetensors`` + ``adapter_config.json`` (PEFT's format:
   ``PeftModel.from_pretrained(base, step_N)`` loads it), ``recipe_state.pt`` and ``MANIFEST.json``;
 - the merged model (W + alpha/r * B @ A) goes to ``step_N/merged/``: a complete checkpoint in the input's
@@ -101,7 +102,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     lora = cfg.lora
     wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
     nf4 = NF4Options(**(cfg.get("nf4") or {})) if cfg.get("quantize_base") == "nf4" else None
-    for line in quantize_base(model, cfg.dtype, cfg.get("quantize_base"), nf4, dist.world_size):
+    for line in quantize_base(model, cfg.dtype, cfg.get("quantize_base"), nf4, dist.world_size, checkpointer):
         say(line)
     if dist.enabled:
         shard_model(model, dist.mesh, cfg.get("mixed_precision"))

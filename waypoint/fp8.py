@@ -19,6 +19,7 @@ and, on meta tensors, return empty meta tensors of the right shapes.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -91,4 +92,44 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[
     return weight, scale_inv
 
 
-__all__ = ["FP8", "FP8_MAX", "dequantize_fp8", "quantize_fp8"]
+# -- where a dense tensor's values come from (the FP8 base held as the file's bytes: models.fp8_weight) -------------------
+FP8_SOURCE = "fp8_source"  # the attribute naming a dense tensor's FP8 origin (FP8Source)
+
+
+@dataclass(frozen=True, eq=False)
+class FP8Source:
+    """Where a dense ``[R, C]`` tensor's values come from: ``weight`` (``float8_e4m3fn``, the file's bytes) with its
+    ``scale_inv`` in blocks of ``block``, dequantized into ``dtype``, row ``i`` being ``weight``'s row ``rows[i]``
+    (``rows`` None: in order). Set by ``FP8Blocks.forward`` on each 2-D tensor it makes; an op after it keeps it
+    only through ``KeepSource``; any other op's output (a cast or a copy included) has none."""
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+    dtype: torch.dtype
+    rows: torch.Tensor | None = None
+
+    def agrees_with(self, dense: torch.Tensor, samples: int = 3) -> bool:
+        """Whether a few rows of ``dense`` (first, middle, last) are these bytes dequantized (as ``FP8Blocks`` does,
+        then cast to ``dense``'s dtype): a cheap check that no op changed the values on the way."""
+        rows, cols = self.weight.shape
+        if tuple(dense.shape) != (rows, cols) or dense.is_meta:
+            return tuple(dense.shape) == (rows, cols)
+        for i in sorted({0, rows // 2, rows - 1})[:samples] if rows else ():
+            held = int(self.rows[i]) if self.rows is not None else i
+            scales = self.scale_inv[held // self.block[0]].float().repeat_interleave(self.block[1])[:cols]
+            row = (self.weight[held].float() * scales).to(self.dtype).to(dense.dtype)
+            if not torch.equal(row.to(dense.device), dense[i]):
+                return False
+        return True
+
+
+def carry_source(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """``after`` (``before`` moved or cast: the same values) with ``before``'s ``fp8_source``, if any."""
+    source = getattr(before, FP8_SOURCE, None)
+    if source is not None and after is not before:
+        setattr(after, FP8_SOURCE, source)
+    return after
+
+
+__all__ = ["FP8", "FP8_MAX", "FP8_SOURCE", "FP8Source", "carry_source", "dequantize_fp8", "quantize_fp8"]
