@@ -229,3 +229,24 @@ def test_moe_experts_stay_in_dtype_and_are_named(tmp_path):
                      "in fp32", "fp8: kept in fp32: layers.{0,2}.moe.w1, layers.{0,2}.moe.w2, layers.{0,2}.moe.w3 (stacked "
                      "experts: FP8Weight holds 2-D linear weights)"], lines
     assert len(held(model)) == len(report.quantized) == 15 and all(p.from_file for p in held(model).values())
+
+
+def test_an_adapter_trained_over_the_fp8_base_is_peft_s_over_the_release(checkpoints, tmp_path):
+    """LoRA over the FP8 base, against PEFT over transformers' reading of the same release (dequantized): the
+    adapter loads with PeftModel.from_pretrained and computes our logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    from tests.conftest import save_adapter
+
+    path = checkpoints / "qwen3_hd24"
+    model, _, _ = load(path, quantize=True)
+    assert any(isinstance(p, FP8Weight) for p in model.parameters())
+    save_adapter(tmp_path / "adapter", model, HFCheckpointer(path, output_dir=tmp_path / "out").hf_converter(), str(path))
+    base = AutoModelForCausalLM.from_pretrained(path, quantization_config=FineGrainedFP8Config(dequantize=True),
+                                                dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        diff = (model.eval()(TOKENS) - peft(TOKENS).logits).abs().max().item()
+    print(f"\nLoRA over the FP8 base vs PEFT over transformers' dequantized release: max |dlogit| {diff:.3g}")
+    assert diff <= 1e-5
