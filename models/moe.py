@@ -229,32 +229,35 @@ class MoE(nn.Module):
         n_tokens, k, n_experts = x.shape[0], self.top_k, self.n_experts
         flat_experts = experts.reshape(-1)
         sorted_experts, order = torch.sort(flat_experts, stable=True)
-        tokens = order // k  # each sorted assignment's token
+        # each token's row once per slot ((token, slot) order), then in expert order: an expand and a permutation,
+        # whose backward sums in a fixed order (x[tokens] would accumulate each token's k rows in whatever order
+        # the CPU's threads reach them, and a rerun would not be bit-identical)
+        x_slots = x.unsqueeze(1).expand(n_tokens, k, self.dim).reshape(n_tokens * k, self.dim)
         # ends[e]: the number of assignments to experts <= e, which grouped_mm takes as offsets (no host sync)
         ends = torch.searchsorted(sorted_experts, torch.arange(n_experts, device=x.device), right=True, out_int32=True)
         n_assignments = order.numel()
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(n_assignments, device=x.device))
         if grouped:
             mm = grouped_mm_fn()
-            xs = x[tokens].to(self.w1.dtype)  # [S, dim] (grouped_mm is not autocast-aware)
+            xs = x_slots[order].to(self.w1.dtype)  # [S, dim] (grouped_mm is not autocast-aware)
             h1, h3 = experts_mm(xs, self.w1, ends, mm), experts_mm(xs, self.w3, ends, mm)
             if self.b1 is not None:  # each sorted assignment's expert's bias
-                h1, h3 = h1 + self.b1[sorted_experts], h3 + self.b3[sorted_experts]
+                h1, h3 = h1 + expert_rows(self.b1, sorted_experts, ends), h3 + expert_rows(self.b3, sorted_experts, ends)
             if self.experts_gate_up is not None and not self.experts_gate_up.disabled:
                 d = self.experts_gate_up.grouped(xs, ends)  # gate and up interleaved
                 h1, h3 = h1 + d[:, 0::2], h3 + d[:, 1::2]
             g = self.gated(h1, h3).to(self.w2.dtype)
             ys = experts_mm(g, self.w2, ends, mm)
             if self.b2 is not None:
-                ys = ys + self.b2[sorted_experts]
+                ys = ys + expert_rows(self.b2, sorted_experts, ends)
             ys = expert_update(self.experts_down, ys, lambda m: m.grouped(g, ends))[inverse]  # [S, dim], (token, slot) order
         else:
             counts = torch.diff(ends, prepend=ends.new_zeros(1))
             capacity = int(counts.max())  # one host sync
             # each sorted assignment's row in the [E * capacity] buffer; the rows left over read a zero row
             slots = sorted_experts * capacity + torch.arange(n_assignments, device=x.device) - (ends - counts)[sorted_experts]
-            source = torch.full((n_experts * capacity,), n_tokens, device=x.device).index_put_((slots,), tokens)
-            buf = torch.cat([x, x.new_zeros(1, self.dim)])[source].view(n_experts, capacity, self.dim)
+            source = torch.full((n_experts * capacity,), n_assignments, device=x.device).index_put_((slots,), order)
+            buf = torch.cat([x_slots, x.new_zeros(1, self.dim)])[source].view(n_experts, capacity, self.dim)
             h1, h3 = experts_mm(buf, self.w1), experts_mm(buf, self.w3)
             if self.b1 is not None:  # rows past an expert's count read a zero row and are never gathered
                 h1, h3 = h1 + self.b1[:, None], h3 + self.b3[:, None]
@@ -271,6 +274,26 @@ class MoE(nn.Module):
         # (deterministic, unlike an index_add)
         ys = (ys * weights.reshape(-1, 1)).to(x.dtype).view(n_tokens, k, self.dim)
         return ys.sum(dim=1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
+
+
+class _ExpertRows(torch.autograd.Function):
+    """``table[sorted_experts]`` (each sorted assignment's row of a per-expert table, e.g. a bias), whose backward sums
+    each expert's rows as one contiguous slice (``ends``), in a fixed order, rather than accumulating them by index."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, sorted_experts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ends)
+        return table[sorted_experts]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ends,) = ctx.saved_tensors
+        bounds = [0] + ends.tolist()
+        return torch.stack([grad[a:b].sum(0) for a, b in zip(bounds, bounds[1:])]), None, None
+
+
+def expert_rows(table: torch.Tensor, sorted_experts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return _ExpertRows.apply(table, sorted_experts, ends)
 
 
 @contextmanager

@@ -30,6 +30,7 @@ FAMILIES = {
     "qwen3-moe-packed": ("qwen3_moe", True),
     "qwen2-moe": ("qwen2_moe", False),  # a gated shared expert beside the routed ones
     "gpt-oss-mxfp4": ("gpt_oss", False),  # the experts in MXFP4, as released: written back so
+    "deepseek-v3": ("deepseek_v3", False),  # latent attention, grouped sigmoid routing, shared experts
 }
 
 
@@ -65,7 +66,7 @@ def test_family_trains_stops_on_sigterm_and_resumes_bit_exactly(name, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "straight/metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records]
     assert len(losses) == STEPS and sum(losses[-2:]) < sum(losses[:2]), f"{name}: the loss did not fall: {losses}"
-    assert ("aux_loss" in records[0]) == name.startswith(("mixtral", "qwen3-moe", "qwen2-moe", "gpt-oss")), "MoE runs log their load-balancing loss"
+    assert ("aux_loss" in records[0]) == name.startswith(("mixtral", "qwen3-moe", "qwen2-moe", "gpt-oss", "deepseek")), "MoE runs log their load-balancing loss"
 
     assert run(base, tmp_path / "stopped", stop_at=STOP_AT) == 75
     assert (tmp_path / "stopped" / f"step_{STOP_AT}").is_dir()
