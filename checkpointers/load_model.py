@@ -113,8 +113,8 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
         others = sorted(set(report.unexpected) - set(dropped_heads))
         raise CheckpointError(f"checkpoint has key {_fold(fold_keys(others))} that the model does not")
 
-    def place(value, like):
-        cast = dtype if dtype is not None and value.is_floating_point() else None
+    def place(value, like, keep: bool = False):
+        cast = dtype if dtype is not None and value.is_floating_point() and not keep else None
         if isinstance(like, DTensor):  # a sharded (FSDP2) model: this rank's piece only
             if is_nf4(like):  # quantized whole (the shards keep one set of scales), then cut
                 return nf4_local_shard(value, like, device=device)
@@ -136,7 +136,7 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
                 report.retied.append(target)
                 continue
             raw = state[key]
-            value = place(raw, expected[target])
+            value = place(raw, expected[target], keep=leaf in getattr(owner, "keep_dtype", ()))
             piece = {leaf: value}
             if f"{owner_name}.{EXTRA_STATE_SUFFIX}".lstrip(".") in own:  # its extra state loads below, once; kept as is here
                 piece[EXTRA_STATE_SUFFIX] = owner.get_extra_state()

@@ -96,6 +96,9 @@ class MoE(nn.Module):
         self.groups, self.routed_scaling = tuple(groups), routed_scaling
         if routing == "sigmoid_grouped":
             self.router.register_buffer("e_score_correction_bias", torch.zeros(n_experts, device=self.router.weight.device))
+            # loaded in the checkpoint's dtype whatever the model's (transformers keeps it in fp32): a bf16 run
+            # neither rounds the selection nor writes the untrained bias back rounded
+            self.router.keep_dtype = ("e_score_correction_bias",)
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))

@@ -272,3 +272,30 @@ def test_the_multi_token_prediction_layer_is_carried_untouched(tmp_path):
     written = load_file(out / last)
     assert all(torch.equal(written[k], t) for k, t in mtp.items())
     assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == index["weight_map"]
+
+
+def test_the_score_correction_bias_keeps_its_dtype_in_a_bf16_model(tmp_path):
+    """Loaded into a bf16 model the untrained bias stays in the checkpoint's fp32 (as transformers keeps it), so the
+    selection is not rounded and a save writes it back byte for byte."""
+    from safetensors.torch import load_file, save_file
+
+    from waypoint.checkpointers import load_into
+    from waypoint.checkpointers.file_formats import read_tensors
+
+    write_family_checkpoint(tmp_path / "in", tiny_family_config("deepseek_v3"))
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    index = json.loads((tmp_path / "in" / "model.safetensors.index.json").read_text())["weight_map"]
+    file = tmp_path / "in" / index[key]
+    tensors = load_file(file)
+    tensors[key] = torch.randn(tensors[key].shape, generator=torch.Generator().manual_seed(2)) * 1e-3 + 0.1
+    save_file(tensors, file, metadata={"format": "pt"})
+    ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
+    state = ckpt.load_checkpoint()["model"]
+    with torch.device("meta"):
+        model = Transformer(ckpt.model_args())
+    load_into(model, state, dtype=torch.bfloat16)
+    bias = model.layers[1].moe.router.e_score_correction_bias
+    assert bias.dtype == torch.float32 and model.layers[1].moe.router.weight.dtype == torch.bfloat16
+    assert torch.equal(bias, tensors[key])
+    out = ckpt.save_checkpoint({"model": model.state_dict()}, step=1)
+    assert torch.equal(read_tensors(out / index[key])[key], tensors[key])
