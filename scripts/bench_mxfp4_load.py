@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +29,8 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # scripts.bench_support (after the installed packages)
+from scripts.bench_support import lora_step, print_table, run_children, rss_gb  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "output_proj", "experts_gate_up", "experts_down"]
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
@@ -86,12 +86,6 @@ def build_checkpoint(path: Path, args) -> dict:
     return sizes
 
 
-def rss_gb(field: str = "VmRSS") -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024 / 1e9
-    return 0.0
-
 
 def child(kind: str, ckpt: Path, device: str, steps: int, seq_len: int) -> dict:
     import torch
@@ -129,27 +123,7 @@ def child(kind: str, ckpt: Path, device: str, steps: int, seq_len: int) -> dict:
             out["load_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
         del state
     if steps:
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-        tokens = torch.randint(0, model.args.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
-        model.train()
-        Path("/proc/self/clear_refs").write_text("5")
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        before, times = rss_gb(), []
-        for _ in range(steps + 1):  # the first is a warm-up
-            begin = time.perf_counter()
-            loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - begin)
-        out["step_s"] = statistics.median(times[1:])
-        out["step_rise_gb"] = rss_gb("VmHWM") - before  # over the loaded model: activations, saved tensors, optimizer
-        if cuda:
-            out["step_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        out.update(lora_step(model, device, steps, seq_len))
     return out
 
 
@@ -177,21 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"checkpoint: gpt-oss shape, hidden {args.hidden}, intermediate {args.intermediate}, {args.experts} experts, "
               f"{args.layers} layers: {sizes['packed'] / 1e9:.3f} GB MXFP4 experts + {sizes['other'] / 1e9:.3f} GB bf16; "
               f"LoRA on {', '.join(TARGETS)}; {args.device}")
-        got = {}
-        for kind in ("bf16", "mxfp4"):
-            result = subprocess.run([sys.executable, __file__, "--child", kind, str(ckpt), "--device", args.device,
-                                     "--steps", str(steps), "--seq-len", str(args.seq_len)], capture_output=True, text=True)
-            if result.returncode:
-                raise SystemExit(f"{kind} failed:\n{result.stderr[-3000:]}")
-            got[kind] = json.loads(result.stdout.strip().splitlines()[-1])
+        got = run_children(__file__, ("bf16", "mxfp4"), ckpt, ["--device", args.device, "--steps", str(steps),
+                                                           "--seq-len", str(args.seq_len)])
         cuda = args.device.startswith("cuda")
-        columns = [("load s", "load_s"), ("experts GB", "experts_gb"), ("held GB", "held_gb"), ("load RSS GB", "load_rss_gb")]
-        columns += [("load GPU GB", "load_gpu_gb")] if cuda else []
-        columns += [("step s", "step_s"), ("step RSS+ GB", "step_rise_gb")] if steps else []
-        columns += [("step GPU GB", "step_gpu_gb")] if cuda and steps else []
-        print(f"{'experts':8}" + "".join(f" {title:>12}" for title, _ in columns))
-        for kind, r in got.items():
-            print(f"{kind:8}" + "".join(f" {r[key]:12.3f}" for _, key in columns))
+        print_table("experts", got, ("experts GB", "experts_gb"), cuda, steps)
         dense, packed = got["bf16"], got["mxfp4"]
         peak = "load_gpu_gb" if cuda else "load_rss_gb"
         print(f"mxfp4 / bf16: experts held {packed['experts_gb'] / dense['experts_gb']:.3f}x, all parameters "

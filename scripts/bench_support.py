@@ -1,0 +1,71 @@
+"""What the quantized-base benchmarks share (``bench_mxfp4_load.py``, ``bench_fp8_load.py``): resident memory from
+/proc, one LoRA training step's time and memory over a loaded model, each case in a fresh process, and the figures
+printed side by side. Not a command of its own."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def rss_gb(field: str = "VmRSS") -> float:
+    """This process's resident memory (``VmHWM``: its peak since the last reset of /proc/self/clear_refs), in GB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024 / 1e9
+    return 0.0
+
+
+def lora_step(model, device: str, steps: int, seq_len: int) -> dict:
+    """The median time of ``steps`` LoRA training steps (forward, backward, AdamW; after a warm-up) over ``model``,
+    and what they add to the resident (or GPU) memory."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    tokens = torch.randint(0, model.args.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    model.train()
+    Path("/proc/self/clear_refs").write_text("5")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    before, times = rss_gb(), []
+    for _ in range(steps + 1):  # the first is a warm-up
+        begin = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+    out = {"step_s": statistics.median(times[1:]), "step_rise_gb": rss_gb("VmHWM") - before}  # activations, saved, optimizer
+    if cuda:
+        out["step_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return out
+
+
+def run_children(script: str, kinds: tuple[str, ...], ckpt: Path, args: list[str]) -> dict[str, dict]:
+    """``script --child KIND CKPT *args`` for each kind, each in a fresh process: kind -> the JSON it printed last."""
+    got = {}
+    for kind in kinds:
+        result = subprocess.run([sys.executable, script, "--child", kind, str(ckpt), *args], capture_output=True, text=True)
+        if result.returncode:
+            raise SystemExit(f"{kind} failed:\n{result.stderr[-3000:]}")
+        got[kind] = json.loads(result.stdout.strip().splitlines()[-1])
+    return got
+
+
+def print_table(label: str, got: dict[str, dict], held: tuple[str, str], cuda: bool, steps: int) -> None:
+    """One row a kind: load time, the ``held`` (title, key) figure, all parameters held, load peak, step figures."""
+    columns = [("load s", "load_s"), held, ("held GB", "held_gb"), ("load RSS GB", "load_rss_gb")]
+    columns += [("load GPU GB", "load_gpu_gb")] if cuda else []
+    columns += [("step s", "step_s"), ("step RSS+ GB", "step_rise_gb")] if steps else []
+    columns += [("step GPU GB", "step_gpu_gb")] if cuda and steps else []
+    print(f"{label:8}" + "".join(f" {title:>12}" for title, _ in columns))
+    for kind, r in got.items():
+        print(f"{kind:8}" + "".join(f" {r[key]:12.3f}" for _, key in columns))
