@@ -32,18 +32,17 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
-from waypoint.fp8 import FP8_SOURCE
-from waypoint.fp8 import FP8, dequantize_fp8, quantize_fp8
+from waypoint.fp8 import FP8, FP8_SOURCE, dequantize_fp8, quantize_fp8
 from waypoint.lazy import release_pages
 from waypoint.models.nf4 import LINEARS, QuantizedBase
+from waypoint.models.packed_weight import PackedWeight
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
 
 
-class FP8Weight(torch.Tensor):
+class FP8Weight(PackedWeight):
     """A frozen ``[out, in]`` weight in ``dtype`` held as block FP8 (module docstring). ``from_file``: whether the
     bytes are the checkpoint's own (False: quantized here)."""
 
@@ -140,18 +139,6 @@ class FP8Weight(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _OPS:
-            result = _OPS[func](*args, **kwargs)
-            if result is not NotImplemented:
-                return result
-        if func._schema.is_mutable and args and isinstance(args[0], FP8Weight):
-            raise RuntimeError(f"{func}: an FP8Weight is a frozen base weight; only copy_ writes into it")
-        args, kwargs = tree_map_only(FP8Weight, lambda t: t.dequantize(), (args, kwargs))  # the fallback
-        return func(*args, **kwargs)
-
 
 def _linear_args(input, weight, bias=None):
     return input, weight, bias
@@ -216,6 +203,7 @@ _OPS = {
     aten.empty_like.default: _empty_like,
     aten.copy_.default: _copy_,
 }
+FP8Weight.ops = _OPS
 
 
 class FP8Matmul(torch.autograd.Function):

@@ -27,17 +27,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
 from waypoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from waypoint.models.nf4 import QuantizedBase
+from waypoint.models.packed_weight import PackedWeight
 
 BLOCK = 32  # values sharing one scale byte, along the input features
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 aten = torch.ops.aten
 
 
-class MXFP4Weight(torch.Tensor):
+class MXFP4Weight(PackedWeight):
     """A frozen weight ``[..., out, in]`` in ``dtype`` held as MXFP4 ``blocks`` and ``scales`` (module docstring)."""
 
     @staticmethod
@@ -94,18 +94,6 @@ class MXFP4Weight(torch.Tensor):
             return _module_load(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _OPS:
-            result = _OPS[func](*args, **kwargs)
-            if result is not NotImplemented:
-                return result
-        if func._schema.is_mutable and args and isinstance(args[0], MXFP4Weight):
-            raise RuntimeError(f"{func}: an MXFP4Weight is a frozen base weight; only copy_ writes into it")
-        args, kwargs = tree_map_only(MXFP4Weight, lambda t: t.dequantize(), (args, kwargs))  # the fallback
-        return func(*args, **kwargs)
 
 
 def _module_load(dest: MXFP4Weight, src: torch.Tensor, assign: bool = False) -> torch.Tensor:
@@ -169,6 +157,7 @@ _OPS = {
     aten.select.int: _select,
     aten.unbind.int: _unbind,
 }
+MXFP4Weight.ops = _OPS
 
 
 # -- compute: the projection from the packed weight, dequantized in forward and again in backward ------------------------
