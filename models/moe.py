@@ -65,7 +65,7 @@ from waypoint.models.grouped_routing import grouped_route
 from waypoint.models.grouped_mm import grouped_mm_fn, grouped_mm_layout_ok, grouped_mm_supported
 from waypoint.models.lora_experts import LoRAExperts, expert_update
 from waypoint.models.mxfp4_weight import experts_mm, linear
-from waypoint.models.shared_expert import SharedExpert, init_shared, shared_output
+from waypoint.models.shared_expert import FeedForward, init_shared, shared_output
 
 IMPLS = ("auto", "grouped", "padded", "loop")
 
@@ -114,7 +114,7 @@ class MoE(nn.Module):
         self.experts_gate_up: LoRAExperts | None = None
         self.experts_down: LoRAExperts | None = None
         # a dense expert on every token, optionally gated (``shared_expert``: Qwen2-MoE, DeepSeek); None without
-        self.shared = SharedExpert(dim, shared_hidden_dim, activation) if shared_hidden_dim else None
+        self.shared = FeedForward(dim, shared_hidden_dim, activation) if shared_hidden_dim else None
         self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_hidden_dim and shared_gate else None
         if not self.w1.is_meta:
             self.init_weights()

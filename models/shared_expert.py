@@ -21,9 +21,9 @@ from torch import nn
 from waypoint.models.args import ACTIVATIONS
 
 
-class SharedExpert(nn.Module):
-    """Gated MLP ``w2(act(w1 x) * w3 x)``: ``transformer.FeedForward``'s computation and names, here so that the MoE
-    (which ``transformer`` imports) can own one."""
+class FeedForward(nn.Module):
+    """Gated MLP: w2(act(w1 x) * w3 x); SwiGLU with the default silu, GeGLU with a gelu. The dense block's MLP
+    (``transformer`` re-exports it) and a MoE's shared expert: here, below both, so that the MoE can own one."""
 
     def __init__(self, dim: int, hidden_dim: int, activation: str = "silu") -> None:
         super().__init__()
@@ -36,13 +36,13 @@ class SharedExpert(nn.Module):
         return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
-def shared_output(shared: SharedExpert, gate: nn.Linear | None, x: torch.Tensor) -> torch.Tensor:
+def shared_output(shared: FeedForward, gate: nn.Linear | None, x: torch.Tensor) -> torch.Tensor:
     """The shared expert's contribution for ``x`` [tokens, dim]: scaled by ``sigmoid(gate(x))`` where there is a gate."""
     out = shared(x)
     return out if gate is None else torch.sigmoid(gate(x)) * out
 
 
-def init_shared(shared: SharedExpert | None, gate: nn.Linear | None, std: float, down_std: float) -> None:
+def init_shared(shared: FeedForward | None, gate: nn.Linear | None, std: float, down_std: float) -> None:
     """Normal(0, ``std``) for w1, w3 and the gate, Normal(0, ``down_std``) for w2 (transformers' Linear init)."""
     with torch.no_grad():
         for p in ((shared.w1.weight, shared.w3.weight) if shared is not None else ()) + ((gate.weight,) if gate is not None else ()):

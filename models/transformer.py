@@ -55,6 +55,7 @@ from waypoint.models.kv_cache import KVCache
 from waypoint.models.mla import LatentAttention
 from waypoint.models.balance_loss import load_balancing_loss, load_balancing_stats
 from waypoint.models.moe import MoE
+from waypoint.models.shared_expert import FeedForward
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
            "apply_rope", "document_mask", "rope_attention_factor", "rope_cache", "rope_frequencies", "sliding_window_mask",
@@ -132,20 +133,6 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None,
     if scale != 1.0:
         return torch.stack([angles.cos() * scale, angles.sin() * scale], dim=-1)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
-
-
-class FeedForward(nn.Module):
-    """Gated MLP: w2(act(w1 x) * w3 x); SwiGLU with the default silu, GeGLU with a gelu."""
-
-    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu") -> None:
-        super().__init__()
-        self.act = ACTIVATIONS[activation]
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
