@@ -25,14 +25,13 @@ import json
 import math
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # scripts.bench_support (after the installed packages)
-from scripts.bench_support import lora_step, print_table, run_children, rss_gb  # noqa: E402
+from scripts.bench_support import held_bytes, load_lora_model, lora_step, print_table, run_children  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "output_proj"]
 
@@ -86,43 +85,12 @@ def build_checkpoint(path: Path, args) -> dict:
 
 
 def child(kind: str, ckpt: Path, device: str, steps: int, seq_len: int) -> dict:
-    import torch
-
-    from waypoint.checkpointers import HFCheckpointer, build_model, load_into
     from waypoint.models.fp8_weight import FP8Weight
-    from waypoint.models.lora import apply_lora, init_adapters
-    from waypoint.models.swap import swapping_conversions
-    from waypoint.training.quantize import quantize_base
 
-    cuda = device.startswith("cuda")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts here: the imports are the runtime, reported apart
-    runtime = rss_gb()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    with swapping_conversions():
-        checkpointer = HFCheckpointer(ckpt, output_dir=ckpt.parent / "unused")
-        state = checkpointer.load_checkpoint()["model"]
-        with torch.device("meta"):
-            model = build_model(ckpt)
-        apply_lora(model, TARGETS, 8, 16.0)
-        lines = quantize_base(model, "bf16", "fp8" if kind == "fp8" else None, checkpointer=checkpointer)
-        load_into(model, state, dtype=torch.bfloat16, device=device, fill_later=[k for k in model.state_dict() if ".lora_" in k])
-        init_adapters(model, device)
-        for p in model.parameters():  # every weight read: the mmap-assigned bf16 ones become resident
-            float((p.weight if isinstance(p, FP8Weight) else p).detach().float().sum())
-        if cuda:
-            torch.cuda.synchronize()
-        out = {"load_s": time.perf_counter() - started, "runtime_gb": runtime, "load_rss_gb": rss_gb("VmHWM") - runtime,
-               "lines": lines}
-        linears = [p for n, p in model.named_parameters() if n.endswith("_proj.weight") or n.endswith(("w1.weight", "w2.weight", "w3.weight"))]
-        nbytes = lambda p: p.held_nbytes if isinstance(p, FP8Weight) else p.numel() * p.element_size()  # noqa: E731
-        out["held_gb"] = sum(nbytes(p) for p in model.parameters()) / 1e9
-        out["linears_gb"] = sum(nbytes(p) for p in linears) / 1e9
-        out["exact"] = sum(isinstance(p, FP8Weight) and p.from_file for p in linears)
-        if cuda:
-            out["load_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
-        del state
+    model, out = load_lora_model(ckpt, device, TARGETS, "fp8" if kind == "fp8" else None)
+    linears = [p for n, p in model.named_parameters() if n.endswith("_proj.weight") or n.endswith(("w1.weight", "w2.weight", "w3.weight"))]
+    out["linears_gb"] = sum(held_bytes(p) for p in linears) / 1e9
+    out["exact"] = sum(isinstance(p, FP8Weight) and p.from_file for p in linears)
     if steps:
         out.update(lora_step(model, device, steps, seq_len))
     return out

@@ -20,6 +20,55 @@ def rss_gb(field: str = "VmRSS") -> float:
     return 0.0
 
 
+def load_lora_model(ckpt: Path, device: str, targets: list[str], method: str | None) -> tuple[object, dict]:
+    """As recipes/lora_finetune.py loads it (meta build, LoRA on ``targets``, ``quantize_base: method``, one load in
+    bf16), every parameter then read once (memory-mapped ones become resident): (the model, the load's figures: time,
+    the runtime's resident memory, the peak over it, GPU peak, all parameters held, and quantize_base's lines)."""
+    import torch
+
+    from waypoint.checkpointers import HFCheckpointer, build_model, load_into
+    from waypoint.models.lora import apply_lora, init_adapters
+    from waypoint.models.swap import swapping_conversions
+    from waypoint.training.quantize import quantize_base
+
+    cuda = device.startswith("cuda")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts here: the imports are the runtime, reported apart
+    runtime = rss_gb()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    with swapping_conversions():
+        checkpointer = HFCheckpointer(ckpt, output_dir=ckpt.parent / "unused")
+        state = checkpointer.load_checkpoint()["model"]
+        with torch.device("meta"):
+            model = build_model(ckpt)
+        apply_lora(model, targets, 8, 16.0)
+        lines = quantize_base(model, "bf16", method, checkpointer=checkpointer)
+        load_into(model, state, dtype=torch.bfloat16, device=device, fill_later=[k for k in model.state_dict() if ".lora_" in k])
+        init_adapters(model, device)
+        for p in model.parameters():
+            for t in packed_parts(p):
+                float(t.detach().float().sum())
+        if cuda:
+            torch.cuda.synchronize()
+        out = {"load_s": time.perf_counter() - started, "runtime_gb": runtime, "load_rss_gb": rss_gb("VmHWM") - runtime,
+               "held_gb": sum(held_bytes(p) for p in model.parameters()) / 1e9, "lines": lines}
+        if cuda:
+            out["load_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return model, out
+
+
+def packed_parts(p) -> list:
+    """The tensors a parameter holds: a packed weight's inner ones (``models.packed_weight``), else itself."""
+    from waypoint.models.packed_weight import PackedWeight
+
+    return [getattr(p, name) for name in p.__tensor_flatten__()[0]] if isinstance(p, PackedWeight) else [p]
+
+
+def held_bytes(p) -> int:
+    return sum(t.numel() * t.element_size() for t in packed_parts(p))
+
+
 def lora_step(model, device: str, steps: int, seq_len: int) -> dict:
     """The median time of ``steps`` LoRA training steps (forward, backward, AdamW; after a warm-up) over ``model``,
     and what they add to the resident (or GPU) memory."""
