@@ -1,8 +1,9 @@
 """Block FP8 (DeepSeek-V3's release, Qwen3's ``-FP8``) as a converter op, and the rules it wraps.
 
 Unlike MXFP4, which one family declares as an on-disk layout of its experts, block FP8 quantizes whatever linear
-weights a checkpoint says (``X.weight`` in ``float8_e4m3fn`` beside its ``X.weight_scale_inv``; embeddings, norms,
-gates and heads usually stay in bf16, per ``modules_to_not_convert``). So it is a wrapper over any family's table:
+weights a checkpoint says (``X.weight`` in ``float8_e4m3fn`` beside its ``X.weight_scale_inv``, or packed experts
+``mlp.experts.gate_up_proj`` beside ``mlp.experts.gate_up_proj_scale_inv``; embeddings, norms, gates and heads
+usually stay in bf16, per ``modules_to_not_convert``). So it is a wrapper over any family's table:
 ``fp8_rules`` gives each rule whose keys the checkpoint holds quantized a twin that reads the weights with their
 scales, dequantizes them (``FP8Blocks``) and then applies the rule's own op (a rename, the RoPE permutation, a
 split of fused projections, a stack of experts), and on save runs the same chain backwards.
@@ -11,12 +12,12 @@ Each dense tensor the chain makes out of whole rows of one FP8 weight carries wh
 (``fp8_source``, an :class:`FP8Source`): block FP8 does not survive dequantize -> quantize (each block's scale is
 recomputed from its max), so a holder of FP8 weights (``quantize_base: fp8``, ``models.fp8_weight``) takes those
 bytes instead of re-quantizing the values. ``KeepSource`` passes it through the rule's op where that op only
-picks and orders rows (found by running it on the rows' numbers); the values are untouched either way.
+picks and orders rows, or stacks whole experts (found by running it on the rows' numbers); the values are
+untouched either way.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -25,45 +26,69 @@ import torch
 
 from waypoint.converters.ops import Chain
 from waypoint.converters.table import Rule, compile_pattern
-from waypoint.fp8 import FP8_SOURCE, FP8Source, carry_source, dequantize_fp8, quantize_fp8
+from waypoint.fp8 import FP8_SOURCE, FP8Source, StackedFP8Source, carry_source, dequantize_fp8, quantize_fp8
 
-SCALE = "weight_scale_inv"
+
+def _row_probes(shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Per input of ``shapes``: ``[..., R, 1]`` whose value is the input's number times 2**32 plus the row (dim -2)."""
+    big = 1 << 32
+    return [torch.arange(s[-2], dtype=torch.int64).add_(j * big).view(-1, 1).expand(*s[:-1], 1).contiguous()
+            for j, s in enumerate(shapes)]
+
+
 def row_plan(op, shapes: list[tuple[int, ...]], block: tuple[int, int]) -> list[tuple[int, int, int, torch.Tensor | None] | str]:
-    """For each output of ``op`` on dense inputs of ``shapes``: ``(j, lo, hi, order)`` where it is rows ``lo:hi`` of
-    input ``j``, starting and ending on whole blocks of ``block[0]`` rows (or the input's end), in the order
-    ``order`` (None: as they are); otherwise why not. Found by running ``op`` on each input's row numbers."""
-    if not shapes or any(len(s) != 2 for s in shapes):
+    """For each output of ``op`` on dense inputs of ``shapes`` (2-D, or ``[E, R, C]`` packed experts): ``(j, lo, hi,
+    order)`` where it is rows ``lo:hi`` (dim -2) of input ``j`` (of each expert alike), starting and ending on whole
+    blocks of ``block[0]`` rows (or the input's end), in the order ``order`` (None: as they are); otherwise why not.
+    Found by running ``op`` on each input's row numbers."""
+    if not shapes or any(len(s) < 2 for s in shapes):
         return []
     big = 1 << 32
-    probe = [torch.arange(s[0], dtype=torch.int64).add_(j * big).unsqueeze(1) for j, s in enumerate(shapes)]
     try:
-        outs = op.forward(probe)
+        outs = op.forward(_row_probes(shapes))
     except (ValueError, RuntimeError, IndexError, TypeError):
         return []
     plans: list[tuple[int, int, int, torch.Tensor | None] | str] = []
     for out in outs:
-        if out.ndim != 2 or out.shape[1] != 1 or not out.numel():
+        if out.ndim < 2 or out.shape[-1] != 1 or not out.numel():
             plans.append("its conversion does not keep whole rows")
             continue
-        j = int(out[0, 0]) // big
-        rows = out[:, 0] - j * big
+        per_expert = out.reshape(-1, out.shape[-2])
+        j = int(per_expert[0, 0]) // big
+        rows = per_expert[0] - j * big
         lo, hi = int(rows.min()), int(rows.max()) + 1
-        if not bool((out[:, 0] // big == j).all()):
+        if not bool((per_expert // big == j).all()) or tuple(out.shape[:-2]) != tuple(shapes[j][:-2]):
             plans.append("its rows come from several tensors of the file")
+        elif not bool((per_expert == per_expert[0]).all()):
+            plans.append("its experts' rows are not alike")
         elif hi - lo != len(rows) or not torch.equal(rows.sort().values, torch.arange(lo, hi)):
             plans.append("its rows are not a range of the file's rows")
-        elif lo % block[0] or (hi % block[0] and hi != shapes[j][0]):
-            plans.append(f"rows {lo}:{hi} of the file's {shapes[j][0]} are not whole blocks of {block[0]}")
+        elif lo % block[0] or (hi % block[0] and hi != shapes[j][-2]):
+            plans.append(f"rows {lo}:{hi} of the file's {shapes[j][-2]} are not whole blocks of {block[0]}")
         else:
             plans.append((j, lo, hi, None if torch.equal(rows, torch.arange(lo, hi)) else rows - lo))
     return plans
 
 
+def stack_plan(op, shapes: list[tuple[int, ...]]) -> bool:
+    """Whether ``op`` on 2-D inputs of ``shapes`` (one per expert) gives one tensor stacking them whole, in order (a
+    MoE's ``Stack``): its source is then the experts' sources (``StackedFP8Source``)."""
+    if not shapes or any(len(s) != 2 for s in shapes) or len(set(shapes)) != 1:
+        return False
+    probes = _row_probes(shapes)
+    try:
+        outs = op.forward(probes)
+    except (ValueError, RuntimeError, IndexError, TypeError):
+        return False
+    return len(outs) == 1 and torch.equal(outs[0], torch.stack(probes))
+
+
 @dataclass(frozen=True)
 class KeepSource:
     """A rule's ``op`` after ``FP8Blocks``, passing each input's ``fp8_source`` on to each output made of whole block
-    rows of one input (``row_plan``: the RoPE permutation of q/k, a split of fused projections on block boundaries),
-    with those rows' bytes and scales. The values are ``op``'s, bitwise."""
+    rows of one input (``row_plan``: the RoPE permutation of q/k, a split of fused projections on block boundaries,
+    packed experts' gate/up split alike), with those rows' bytes and scales, or, to a stack of whole experts
+    (``stack_plan``), the experts' sources. The values are ``op``'s, bitwise."""
 
     op: object
 
@@ -75,13 +100,20 @@ class KeepSource:
     def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out = self.op.forward(tensors)
         sources = [getattr(t, FP8_SOURCE, None) for t in tensors]
-        if not sources or any(s is None or s.rows is not None for s in sources):
+        if not sources or any(not isinstance(s, FP8Source) or s.rows is not None for s in sources):
             return out
-        for t, plan in zip(out, row_plan(self.op, [tuple(t.shape) for t in tensors], sources[0].block)):
-            if isinstance(plan, tuple) and t.ndim == 2 and t.shape[1] == tensors[plan[0]].shape[1]:
-                j, lo, hi, order = plan
+        shapes = [tuple(t.shape) for t in tensors]
+        if len(out) == 1 and out[0].ndim == 3 and stack_plan(self.op, shapes):
+            setattr(out[0], FP8_SOURCE, StackedFP8Source(tuple(sources)))
+            return out
+        for t, plan in zip(out, row_plan(self.op, shapes, sources[0].block)):
+            if not isinstance(plan, tuple):
+                continue
+            j, lo, hi, order = plan
+            if t.ndim == tensors[j].ndim and t.shape[-1] == tensors[j].shape[-1] and (order is None or t.ndim == 2):
                 s, (bm, _) = sources[j], sources[j].block
-                setattr(t, FP8_SOURCE, FP8Source(s.weight[lo:hi], s.scale_inv[lo // bm: -(-hi // bm)], s.block, s.dtype, order))
+                setattr(t, FP8_SOURCE, FP8Source(s.weight[..., lo:hi, :], s.scale_inv[..., lo // bm: -(-hi // bm), :],
+                                                 s.block, s.dtype, order))
         return out
 
     def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -104,9 +136,8 @@ class FP8Blocks:
             raise ValueError(f"got {len(tensors)} tensors, expected FP8 weights and as many scales")
         n = len(tensors) // 2
         out = [dequantize_fp8(w, s, self.block, self.dtype) for w, s in zip(tensors[:n], tensors[n:])]
-        for t, w, s in zip(out, tensors[:n], tensors[n:]):
-            if t.ndim == 2:  # a linear weight: its origin, for a holder of FP8 weights (module docstring)
-                setattr(t, FP8_SOURCE, FP8Source(w, s, self.block, self.dtype))
+        for t, w, s in zip(out, tensors[:n], tensors[n:]):  # its origin, for a holder of FP8 weights (module docstring)
+            setattr(t, FP8_SOURCE, FP8Source(w, s, self.block, self.dtype))
         return out
 
     def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -114,22 +145,27 @@ class FP8Blocks:
         return [w for w, _ in pairs] + [s for _, s in pairs]
 
 
+def scale_key(key: str) -> str:
+    """The key of ``key``'s block scales: ``X.weight_scale_inv`` beside ``X.weight``, and beside packed experts
+    (``mlp.experts.gate_up_proj [E, 2I, H]``) ``mlp.experts.gate_up_proj_scale_inv``, as transformers names them."""
+    return key + "_scale_inv"
+
+
 def fp8_rules(rules: list[Rule], hf_keys: Iterable[str], block: tuple[int, int]) -> list[Rule]:
-    """``rules`` with each rule whose weights the checkpoint holds in FP8 (a ``weight_scale_inv`` beside them)
-    reading them with their scales; the others as they are."""
+    """``rules`` with each rule whose weights the checkpoint holds in FP8 (a ``scale_key`` beside each) reading them
+    with their scales; the others as they are."""
     keys = list(hf_keys)
     out = []
     for rule in rules:
-        scales = tuple(p.removesuffix("weight") + SCALE for p in rule.hf)
-        quantized = all(p.endswith(".weight") for p in rule.hf) and all(
-            any(compile_pattern(s).match(k) for k in keys) for s in scales)
+        scales = tuple(scale_key(p) for p in rule.hf)
+        quantized = all(any(compile_pattern(s).match(k) for k in keys) for s in scales)
         out.append(Rule(rule.hf + scales, rule.native, Chain(FP8Blocks(block), KeepSource(rule.op))) if quantized else rule)
     return out
 
 
 def is_scale_key(key: str) -> bool:
-    return bool(re.search(rf"\.{SCALE}$", key))
+    return key.endswith("_scale_inv")
 
 
-__all__ = ["FP8Blocks", "FP8Source", "FP8_SOURCE", "KeepSource", "SCALE", "carry_source", "fp8_rules", "is_scale_key",
-           "row_plan"]
+__all__ = ["FP8Blocks", "FP8Source", "FP8_SOURCE", "KeepSource", "StackedFP8Source", "carry_source", "fp8_rules",
+           "is_scale_key", "row_plan", "scale_key", "stack_plan"]

@@ -1,25 +1,28 @@
 """``quantize_base: fp8``: a block-FP8 checkpoint's linear weights held in FP8, as the file's own bytes, while LoRA trains.
 
-:class:`FP8Weight` is a frozen 2-D linear weight ``[out, in]`` in a compute dtype that holds only ``weight``
-(``float8_e4m3fn`` ``[out, in]``) and ``scale_inv`` (fp32, one per ``block`` of values: ``waypoint.fp8``), and, where
-the model's row order is not the file's, ``rows`` (int32 ``[out]``: row ``i`` is held row ``rows[i]``). About one
-byte a value. A wrapper subclass with the life of an MXFP4 weight (``models.mxfp4_weight``):
+:class:`FP8Weight` is a frozen linear weight ``[out, in]``, or a MoE's stacked experts ``[E, out, in]``, in a compute
+dtype that holds only ``weight`` (``float8_e4m3fn``, same shape) and ``scale_inv`` (fp32, one per ``block`` of
+values: ``waypoint.fp8``), and, where a 2-D weight's row order is not the file's, ``rows`` (int32 ``[out]``: row
+``i`` is held row ``rows[i]``). About one byte a value. A wrapper subclass with the life of an MXFP4 weight
+(``models.mxfp4_weight``):
 
-- **placeholder**: :func:`quantize_fp8_linears` makes the frozen linears of a meta-built model meta ``FP8Weight``s
-  before the checkpoint loads;
+- **placeholder**: :func:`quantize_fp8_linears` makes the frozen linears (and the experts) of a meta-built model
+  meta ``FP8Weight``s before the checkpoint loads;
 - **module_load**: ``load_state_dict`` with swapping on asks the destination how to take the incoming dense tensor.
   Block FP8 does not survive dequantize -> quantize (each block's scale is recomputed from its max), so a dense
   tensor that came straight from the file (its ``fp8_source``: ``converters.fp8``, carried through a row-only
-  op such as q/k's RoPE permutation) gives its bytes and scales, taken as they are (checked on a few rows); rows
-  permuted within their blocks are re-ordered once, others keep ``rows``. Any other dense tensor is quantized
-  with ``quantize_fp8`` (transformers' rounding) on its device;
-- **compute**: ``F.linear(x, w)`` (``nn.Linear``'s and ``LoRALinear``'s forward) reaches :class:`FP8Matmul` through
-  ``__torch_function__``; it dequantizes inside its forward and again inside its backward (the input's gradient;
-  the weight is frozen): autograd saves the FP8 weight, never a dense copy.
+  op such as q/k's RoPE permutation, or the experts' stack) gives its bytes and scales, taken as they are
+  (checked on a few rows); rows permuted within their blocks are re-ordered once, others keep ``rows``. Any
+  other dense tensor is quantized with ``quantize_fp8`` (transformers' rounding) on its device;
+- **compute**: ``F.linear(x, w)`` (``nn.Linear``'s and ``LoRALinear``'s forward) reaches
+  ``packed_weight.PackedMatmul`` through ``__torch_function__``, and the MoE's products through ``experts_mm``; it
+  dequantizes inside its forward and again inside its backward (the input's gradient; the weight is frozen):
+  autograd saves the FP8 weight, never a dense copy.
 
 Supported ops, in ``__torch_dispatch__``: ``detach`` / ``alias``, ``_to_copy`` (a device move, or a float dtype:
 the compute dtype; the bytes are never dequantized), ``clone``, ``empty_like``, ``copy_`` into one (an FP8Weight's
-bytes, or dense values quantized in the held row order). Any other op dequantizes its FP8 arguments and runs on
+bytes, or dense values quantized in the held row order), ``select`` / ``unbind`` along the experts (one expert's
+bytes). Any other op dequantizes its FP8 arguments and runs on
 the dense values; an in-place op other than ``copy_`` is refused. Single-process only (no FSDP2 all-gather
 hooks): ``training.quantize`` refuses ``quantize_base: fp8`` under torchrun.
 """
@@ -36,15 +39,16 @@ from torch import nn
 from waypoint.fp8 import FP8, FP8_SOURCE, dequantize_fp8, quantize_fp8
 from waypoint.lazy import release_pages
 from waypoint.models.nf4 import LINEARS, QuantizedBase
-from waypoint.models.packed_weight import PackedWeight
+from waypoint.models.packed_weight import PackedMatmul, PackedWeight
 
 aten = torch.ops.aten
+EXPERTS = ("w1", "w3", "w2")  # a MoE's stacked expert weights (models.moe)
 log = logging.getLogger(__name__)
 
 
 class FP8Weight(PackedWeight):
-    """A frozen ``[out, in]`` weight in ``dtype`` held as block FP8 (module docstring). ``from_file``: whether the
-    bytes are the checkpoint's own (False: quantized here)."""
+    """A frozen ``[out, in]`` (or ``[E, out, in]``) weight in ``dtype`` held as block FP8 (module docstring).
+    ``from_file``: whether the bytes are the checkpoint's own (False: quantized here)."""
 
     @staticmethod
     def __new__(cls, weight, scale_inv, block, dtype, rows=None, from_file=False, requires_grad=False):
@@ -54,9 +58,11 @@ class FP8Weight(PackedWeight):
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
                  rows: torch.Tensor | None = None, from_file: bool = False, requires_grad: bool = False) -> None:
         block = (int(block[0]), int(block[1]))
-        grid = tuple(math.ceil(n / b) for n, b in zip(weight.shape, block)) if weight.ndim == 2 else None
+        grid = (*weight.shape[:-2], *(math.ceil(n / b) for n, b in zip(weight.shape[-2:], block))) \
+            if weight.ndim in (2, 3) else None
         if weight.dtype != FP8 or grid is None or tuple(scale_inv.shape) != grid or scale_inv.device != weight.device \
-                or (rows is not None and (tuple(rows.shape) != weight.shape[:1] or rows.device != weight.device)):
+                or (rows is not None and (weight.ndim != 2 or tuple(rows.shape) != weight.shape[:1]
+                                          or rows.device != weight.device)):
             raise ValueError(f"FP8 weight {tuple(weight.shape)} {weight.dtype}, scales {tuple(scale_inv.shape)} in blocks "
                              f"of {list(block)}{'' if rows is None else f' and rows {tuple(rows.shape)}'} do not belong together")
         self.weight, self.scale_inv, self.block, self.rows, self.from_file = weight, scale_inv, block, rows, from_file
@@ -77,14 +83,14 @@ class FP8Weight(PackedWeight):
             source = None
         if source is None:
             return cls.from_dense(t, block, dtype)
-        weight, scale_inv, rows = source.weight, source.scale_inv, source.rows
+        rows = source.rows
         if rows is not None and bool((rows // block[0] == torch.arange(len(rows)) // block[0]).all()):
-            weight, rows = weight.view(torch.uint8).index_select(0, rows).view(FP8).to(t.device), None  # re-ordered once
+            weight = source.weight.view(torch.uint8).index_select(0, rows).view(FP8).to(t.device)  # re-ordered once
+            scale_inv, rows = source.scale_inv.to(t.device, torch.float32, copy=True), None
         else:
-            weight = weight.to(t.device, copy=True)  # a copy: the file's pages are not kept
-        held = cls(weight, scale_inv.to(t.device, torch.float32, copy=True), block, dtype,
-                   None if rows is None else rows.to(t.device, torch.int32), from_file=True)
-        release_pages(source.weight, source.scale_inv)  # the file's pages: the copy is what is kept
+            weight, scale_inv = source.held(t.device)  # a copy: the file's pages are not kept
+        held = cls(weight, scale_inv, block, dtype, None if rows is None else rows.to(t.device, torch.int32), from_file=True)
+        release_pages(*source.pages())  # the file's pages: the copy is what is kept
         return held
 
     @classmethod
@@ -96,15 +102,15 @@ class FP8Weight(PackedWeight):
         """The dense values in ``dtype`` (default the compute dtype), in the model's row order: bitwise
         ``dequantize_fp8`` (each value times its block's scale in fp32, rounded once), with fewer temporaries (the
         rows' bytes re-ordered before, each row's scales broadcast over its blocks in place)."""
-        (rows, cols), (bm, bn) = self.weight.shape, self.block
+        (rows, cols), (bm, bn) = self.weight.shape[-2:], self.block
         if self.weight.is_meta or cols % bn:
             dense = dequantize_fp8(self.weight, self.scale_inv, self.block, dtype or self.dtype)
             return dense if self.rows is None else dense.index_select(0, self.rows)
-        weight, scales = self.weight, self.scale_inv.float().repeat_interleave(bm, 0)[:rows]  # [rows, cols / bn]
+        weight, scales = self.weight, self.scale_inv.float().repeat_interleave(bm, -2)[..., :rows, :]  # [..., rows, cols / bn]
         if self.rows is not None:
             weight, scales = weight.view(torch.uint8).index_select(0, self.rows).view(FP8), scales.index_select(0, self.rows)
         dense = weight.float()
-        dense.view(rows, cols // bn, bn).mul_(scales.unsqueeze(-1))
+        dense.view(*weight.shape[:-1], cols // bn, bn).mul_(scales.unsqueeze(-1))
         return dense.to(dtype or self.dtype)
 
     @property
@@ -135,7 +141,7 @@ class FP8Weight(PackedWeight):
         if func is F.linear:
             x, weight, bias = _linear_args(*args, **kwargs)
             if isinstance(weight, FP8Weight) and not isinstance(x, FP8Weight) and not isinstance(bias, FP8Weight):
-                return FP8Matmul.apply(x, weight, bias)
+                return PackedMatmul.apply(x, weight, bias)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -194,6 +200,18 @@ def _copy_(dest, src, non_blocking=False):
     return dest
 
 
+def _select(t, dim, index):
+    if dim not in (0, -t.dim()) or t.dim() < 3:
+        return NotImplemented  # along the experts only
+    return _like(t, t.weight[index], t.scale_inv[index])
+
+
+def _unbind(t, dim=0):
+    if dim not in (0, -t.dim()) or t.dim() < 3:
+        return NotImplemented
+    return [_like(t, w, s) for w, s in zip(t.weight.unbind(0), t.scale_inv.unbind(0))]
+
+
 _OPS = {
     aten.detach.default: lambda t: _like(t, t.weight, t.scale_inv),
     aten.alias.default: lambda t: _like(t, t.weight, t.scale_inv),
@@ -202,34 +220,37 @@ _OPS = {
     aten._to_copy.default: _to_copy,
     aten.empty_like.default: _empty_like,
     aten.copy_.default: _copy_,
+    aten.select.int: _select,
+    aten.unbind.int: _unbind,
 }
 FP8Weight.ops = _OPS
 
 
-class FP8Matmul(torch.autograd.Function):
-    """``F.linear(x, W, bias)`` for an FP8Weight ``W``. The dense weight is a temporary of the forward and of the
-    backward: autograd saves the FP8 weight only. Gradient for ``x`` (and a bias that wants one); none for ``W``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias=None):
-        ctx.save_for_backward(weight)
-        return F.linear(x, weight.dequantize(x.dtype), bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
-        grad_x = grad @ weight.dequantize(grad.dtype) if ctx.needs_input_grad[0] else None
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
-        return grad_x, None, grad_bias
-
-
 def quantize_fp8_linears(model: nn.Module, dtype: torch.dtype, block: tuple[int, int], held: set[str]) -> QuantizedBase:
     """Make each frozen base linear weight of a meta-built model whose key is in ``held`` (those the checkpoint holds
-    in FP8) an FP8Weight placeholder computing in ``dtype``; the output head too where it is in ``held`` and not tied.
-    A loaded weight is quantized at once. Returns what was made FP8, and what was kept in ``dtype`` and why."""
+    in FP8) an FP8Weight placeholder computing in ``dtype``, and each MoE's stacked experts (w1, w3, w2) in ``held``;
+    the output head too where it is in ``held`` and not tied. A loaded weight is quantized at once. Returns what was
+    made FP8, and what was kept in ``dtype`` and why."""
     tied = getattr(getattr(model, "args", None), "tie_embeddings", False)
     result = QuantizedBase()
+
+    def hold(module: nn.Module, leaf: str, key: str) -> None:
+        weight = getattr(module, leaf)
+        new = FP8Weight.placeholder(weight.shape, block, dtype) if weight.is_meta else FP8Weight.from_dense(weight, block, dtype)
+        setattr(module, leaf, nn.Parameter(new, requires_grad=False))
+        result.quantized.append(key)
+
     for name, module in model.named_modules():
+        experts = [leaf for leaf in EXPERTS if isinstance(getattr(module, leaf, None), torch.Tensor)
+                   and getattr(module, leaf).ndim == 3]
+        for leaf in experts if len(experts) == len(EXPERTS) else ():  # a MoE's stacked experts
+            key = f"{name}.{leaf}".lstrip(".")
+            if isinstance(getattr(module, leaf), FP8Weight):
+                continue
+            if key in held:
+                hold(module, leaf, key)
+            else:
+                result.kept[key] = "not block FP8 in the checkpoint"
         weight, leaf, key = getattr(module, "weight", None), name.rpartition(".")[2], f"{name}.weight"
         if leaf not in LINEARS + ("output",) or not isinstance(weight, torch.Tensor) or isinstance(weight, FP8Weight):
             continue
@@ -241,12 +262,10 @@ def quantize_fp8_linears(model: nn.Module, dtype: torch.dtype, block: tuple[int,
             result.kept[key] = "tied to the embedding"
             continue
         if weight.ndim != 2:
-            result.kept[key] = f"{weight.ndim}-D (FP8Weight holds 2-D linear weights)"
+            result.kept[key] = f"{weight.ndim}-D (FP8Weight holds 2-D linear weights and stacked experts)"
             continue
-        new = FP8Weight.placeholder(weight.shape, block, dtype) if weight.is_meta else FP8Weight.from_dense(weight, block, dtype)
-        module.weight = nn.Parameter(new, requires_grad=False)
-        result.quantized.append(key)
+        hold(module, "weight", key)
     return result
 
 
-__all__ = ["FP8Matmul", "FP8Weight", "quantize_fp8_linears"]
+__all__ = ["FP8Weight", "quantize_fp8_linears"]

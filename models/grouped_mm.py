@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from waypoint.models.mxfp4_weight import MXFP4Weight
+from waypoint.models.packed_weight import PackedWeight
 
 # (device type, device index, dtype) -> whether grouped_mm runs forward and backward there
 _GROUPED_MM_SUPPORT: dict[tuple[str, int | None, torch.dtype], bool] = {}
@@ -72,7 +72,7 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
 
 def grouped_mm_layout_ok(*weights: torch.Tensor) -> bool:
     """grouped_mm's layout rules (CUDA's kernels; CPU's in torch <= 2.10): operands 16-byte aligned (a memory-mapped
-    checkpoint's may not be; an MXFP4Weight's operand is its freshly dequantized copy) and each matrix's rows a
+    checkpoint's may not be; a packed weight's operand is its freshly dequantized copy) and each matrix's rows a
     multiple of 16 bytes long."""
-    return all((isinstance(w, MXFP4Weight) or w.data_ptr() % 16 == 0) and w.shape[-1] * w.element_size() % 16 == 0
+    return all((isinstance(w, PackedWeight) or w.data_ptr() % 16 == 0) and w.shape[-1] * w.element_size() % 16 == 0
                and w.shape[-2] * w.element_size() % 16 == 0 for w in weights)

@@ -44,9 +44,9 @@ Three interchangeable implementations of the experts' part, chosen by the module
                and the weights suit its kernels (16-byte aligned, rows a multiple of 16 bytes), otherwise
                ``"padded"``.
 
-All give the same outputs and gradients up to the dtype's rounding. With ``quantize_base: mxfp4`` the experts' w1, w3,
-w2 are ``MXFP4Weight`` (``models.mxfp4_weight``): every product dequantizes them inside ``MXFP4Matmul``, in its
-forward and again in its backward, so autograd keeps no dense copy of them. ``forward`` returns the output and the
+All give the same outputs and gradients up to the dtype's rounding. With ``quantize_base: mxfp4`` (or ``fp8``) the
+experts' w1, w3, w2 are ``MXFP4Weight`` (``FP8Weight``): every product dequantizes them inside
+``packed_weight.PackedMatmul``, in its forward and again in its backward, so autograd keeps no dense copy of them. ``forward`` returns the output and the
 router logits [tokens, E], which ``balance_loss.load_balancing_loss`` turns into transformers' auxiliary loss.
 Mixtral's ``router_jitter_noise`` (multiplicative noise on the input while training; 0 in its checkpoints) is not
 implemented.
@@ -64,7 +64,7 @@ from waypoint.models.args import ACTIVATIONS, GROUPED_ROUTINGS
 from waypoint.models.grouped_routing import grouped_route
 from waypoint.models.grouped_mm import grouped_mm_fn, grouped_mm_layout_ok, grouped_mm_supported
 from waypoint.models.lora_experts import LoRAExperts, expert_update
-from waypoint.models.mxfp4_weight import experts_mm, linear
+from waypoint.models.packed_weight import experts_mm, linear
 from waypoint.models.shared_expert import FeedForward, init_shared, shared_output
 
 IMPLS = ("auto", "grouped", "padded", "loop")
@@ -217,7 +217,7 @@ class MoE(nn.Module):
                 continue
             tokens = idx // k
             xe = x[tokens]
-            h1, h3 = linear(xe, w1[e], b1[e]), linear(xe, w3[e], b3[e])  # F.linear, or MXFP4Matmul per expert
+            h1, h3 = linear(xe, w1[e], b1[e]), linear(xe, w3[e], b3[e])  # F.linear, or PackedMatmul per expert
             if self.experts_gate_up is not None and not self.experts_gate_up.disabled:
                 d = self.experts_gate_up.expert(e, xe)
                 h1, h3 = h1 + d[:, 0::2], h3 + d[:, 1::2]
@@ -228,7 +228,7 @@ class MoE(nn.Module):
 
     def _experts_sorted(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """All assignments sorted by expert, then either grouped_mm over the per-expert offsets or a bmm over a
-        zero-padded [E, capacity, dim] buffer (``experts_mm``: an MXFP4Weight's dense copy lives inside the product only)."""
+        zero-padded [E, capacity, dim] buffer (``experts_mm``: a packed weight's dense copy lives inside the product only)."""
         n_tokens, k, n_experts = x.shape[0], self.top_k, self.n_experts
         flat_experts = experts.reshape(-1)
         sorted_experts, order = torch.sort(flat_experts, stable=True)

@@ -11,9 +11,9 @@ wrapper subclass, as torchao's ``NF4Tensor``, and follows the same life as an NF
   it is quantized with ``quantize_mxfp4`` on its own device, so only the packed bytes are kept. A dense source that
   came out of an MXFP4 checkpoint is rebuilt with exactly the file's values (the round trip D(Q(D(b, s))) == D(b, s)
   of ``waypoint.mxfp4``; the bytes may differ, which is why merged/ writes the input's own bytes);
-- **compute**: :class:`MXFP4Matmul`, used by the MoE's three implementations, dequantizes inside its forward and
-  again inside its backward (the input's gradient; the weight is frozen, so it has none): autograd saves the packed
-  weight, never the dense copy of any layer's experts.
+- **compute**: ``packed_weight.PackedMatmul``, used by the MoE's three implementations, dequantizes inside its
+  forward and again inside its backward (the input's gradient; the weight is frozen, so it has none): autograd saves
+  the packed weight, never the dense copy of any layer's experts.
 
 Supported ops, in ``__torch_dispatch__``: ``detach`` / ``alias``, ``_to_copy`` (``.to(device)``, ``.cuda()``,
 ``.cpu()``, and a float ``.to(dtype)``, which changes the compute dtype: the bytes are moved, never dequantized),
@@ -160,55 +160,6 @@ _OPS = {
 MXFP4Weight.ops = _OPS
 
 
-# -- compute: the projection from the packed weight, dequantized in forward and again in backward ------------------------
-class MXFP4Matmul(torch.autograd.Function):
-    """``x @ W.T`` for an MXFP4Weight ``W``: one expert's ``[n, in] x [out, in]`` (``F.linear``, with ``bias``), every
-    expert's ``[E, n, in] x [E, out, in]`` (bmm), or sorted rows ``[S, in]`` with the experts' ends ``offs`` (the
-    ``grouped_mm`` function given). The dense weight is a temporary of the forward and of the backward: autograd
-    saves the packed weight only. Gradient for ``x`` (and a bias that wants one); none for the frozen weight."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias=None, offs=None, grouped_mm=None):
-        if bias is not None and weight.dim() != 2:
-            raise ValueError("MXFP4Matmul adds a bias to one expert's projection only")
-        ctx.save_for_backward(weight, offs)
-        ctx.grouped_mm = grouped_mm
-        dense = weight.dequantize(x.dtype)
-        if weight.dim() == 2:
-            return torch.nn.functional.linear(x, dense, bias)
-        return _product(x, dense.transpose(-2, -1), offs, grouped_mm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        weight, offs = ctx.saved_tensors
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            dense = weight.dequantize(grad.dtype)
-            grad_x = grad @ dense if weight.dim() == 2 else _product(grad, dense, offs, ctx.grouped_mm)
-        if ctx.needs_input_grad[2]:
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
-        return grad_x, None, grad_bias, None, None
-
-
-def _product(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, grouped_mm) -> torch.Tensor:
-    return torch.bmm(a, b) if offs is None else grouped_mm(a, b, offs=offs)
-
-
-def experts_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor | None = None, grouped_mm=None) -> torch.Tensor:
-    """Each expert's ``x @ weight[e].T``: ``grouped_mm`` over ``offs`` (rows sorted by expert), else a bmm over
-    ``[E, rows, in]``; an MXFP4Weight through :class:`MXFP4Matmul`."""
-    if isinstance(weight, MXFP4Weight):
-        return MXFP4Matmul.apply(x, weight, None, offs, grouped_mm)
-    return _product(x, weight.transpose(-2, -1), offs, grouped_mm)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, with an MXFP4Weight (one expert's) through :class:`MXFP4Matmul`."""
-    if isinstance(weight, MXFP4Weight):
-        return MXFP4Matmul.apply(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
-
-
 # -- quantize_base: mxfp4 ----------------------------------------------------------------------------------------------------
 def quantize_experts(model: nn.Module, dtype: torch.dtype) -> QuantizedBase:
     """Make every MoE's w1, w3, w2 of a model an MXFP4Weight computing in ``dtype``: a meta placeholder on a
@@ -232,4 +183,4 @@ def quantize_experts(model: nn.Module, dtype: torch.dtype) -> QuantizedBase:
     return result
 
 
-__all__ = ["MXFP4Matmul", "MXFP4Weight", "experts_mm", "linear", "quantize_experts"]
+__all__ = ["MXFP4Weight", "quantize_experts"]

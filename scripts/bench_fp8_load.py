@@ -1,15 +1,17 @@
 """Loading (and one LoRA step over) a Qwen3 block-FP8 checkpoint with its linears dense in bf16 vs kept in FP8.
 
     python scripts/bench_fp8_load.py [--layers 8] [--hidden 1024] [--head-dim 128] [--device cpu|cuda] [--no-step]
+    python scripts/bench_fp8_load.py --experts 32   # Qwen3-MoE's shape: 32 experts of --expert-intermediate 256
 
 Writes a Qwen3-``FP8``-shaped checkpoint scaled down to fit a CPU (hidden 1024, intermediate 3072, 16 heads of 128,
-8 KV heads, 8 layers by default): the release's layout, each attention and MLP projection as random
-``float8_e4m3fn`` bytes with a random ``weight_scale_inv`` per block of ``--block`` (128 x 128), the rest random
-bf16. Then, each in a fresh process, as recipes/lora_finetune.py does it (meta build, LoRA on q/k/v/o,
+8 KV heads, 8 layers by default; with ``--experts`` a Qwen3-MoE one, its experts one key each as released): the
+release's layout, each attention, MLP and expert projection as random ``float8_e4m3fn`` bytes with a random
+``weight_scale_inv`` per block of ``--block`` (128 x 128), the rest random bf16. Then, each in a fresh process, as recipes/lora_finetune.py does it (meta build, LoRA on q/k/v/o,
 ``load_into`` in bf16, every parameter read once):
 
   bf16    the linears dequantized to dense bf16 as they load (quantize_base: null)
-  fp8     the linears kept in FP8 (quantize_base: fp8): the file's bytes and scales, copied as each is read
+  fp8     the linears (and experts) kept in FP8 (quantize_base: fp8): the file's bytes and scales, copied as each
+          is read
 
 and, unless ``--no-step``, one LoRA training step (forward, backward, AdamW; median of ``--steps``) over the loaded
 model. Peak RSS is VmHWM over the measured part, the runtime's own resident memory (the imports) reported apart; on
@@ -37,6 +39,9 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "output_proj"]
 
 
 def hf_config(args) -> dict:
+    moe = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=args.experts,
+               num_experts_per_tok=min(8, args.experts), moe_intermediate_size=args.expert_intermediate,
+               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True) if args.experts else {}
     return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": args.hidden,
             "intermediate_size": args.intermediate, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
             "num_key_value_heads": args.heads // 2, "head_dim": args.head_dim, "vocab_size": args.vocab,
@@ -44,7 +49,7 @@ def hf_config(args) -> dict:
             "attention_bias": False, "use_sliding_window": False, "torch_dtype": "bfloat16",
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
             "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                    "weight_block_size": list(args.block)}}
+                                    "weight_block_size": list(args.block)}, **moe}
 
 
 def build_checkpoint(path: Path, args) -> dict:
@@ -83,12 +88,12 @@ def build_checkpoint(path: Path, args) -> dict:
     return sizes
 
 
-
 def child(kind: str, ckpt: Path, device: str, steps: int, seq_len: int) -> dict:
     from waypoint.models.fp8_weight import FP8Weight
 
     model, out = load_lora_model(ckpt, device, TARGETS, "fp8" if kind == "fp8" else None)
-    linears = [p for n, p in model.named_parameters() if n.endswith("_proj.weight") or n.endswith(("w1.weight", "w2.weight", "w3.weight"))]
+    linears = [p for n, p in model.named_parameters()
+               if n.endswith(("_proj.weight", "w1.weight", "w2.weight", "w3.weight", "moe.w1", "moe.w2", "moe.w3"))]
     out["linears_gb"] = sum(held_bytes(p) for p in linears) / 1e9
     out["exact"] = sum(isinstance(p, FP8Weight) and p.from_file for p in linears)
     if steps:
@@ -104,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block", type=int, nargs=2, default=(128, 128))
+    parser.add_argument("--experts", type=int, default=0, help="0: dense Qwen3; N: Qwen3-MoE with N experts")
+    parser.add_argument("--expert-intermediate", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=3)
@@ -119,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="bench_fp8_") as work:
         ckpt = Path(work) / "ckpt"
         sizes = build_checkpoint(ckpt, args)
-        print(f"checkpoint: Qwen3 shape, hidden {args.hidden}, intermediate {args.intermediate}, {args.heads} heads of "
+        shape = (f"Qwen3-MoE shape, {args.experts} experts of {args.expert_intermediate}" if args.experts else
+                 f"Qwen3 shape, intermediate {args.intermediate}")
+        print(f"checkpoint: {shape}, hidden {args.hidden}, {args.heads} heads of "
               f"{args.head_dim}, {args.layers} layers: {sizes['fp8'] / 1e9:.3f} GB block FP8 ({list(args.block)}) + "
               f"{sizes['other'] / 1e9:.3f} GB bf16; LoRA on {', '.join(TARGETS)}; {args.device}")
         got = run_children(__file__, ("bf16", "fp8"), ckpt, ["--device", args.device, "--steps", str(steps),

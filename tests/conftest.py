@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -206,9 +207,9 @@ def write_mxfp4_checkpoint(path: Path, config, seed: int = 0, max_shard_size: st
 
 def write_fp8_checkpoint(path: Path, config, block=(32, 32), seed: int = 0, max_shard_size: str = "40KB", packed: bool = False):
     """A checkpoint shaped like a block-FP8 release (Qwen3 ``-FP8``, DeepSeek-V3): ``write_family_checkpoint``'s, each
-    attention and MLP projection weight (experts' included) replaced by random ``float8_e4m3fn`` values and a random
-    ``weight_scale_inv`` per ``block`` (in the same file), and ``quantization_config`` in config.json; embeddings,
-    norms, router and head stay as they were. The bytes are random, not made by any quantizer. Returns the
+    attention and MLP projection weight (experts' included, one key each or ``packed``) replaced by random
+    ``float8_e4m3fn`` values and a random ``weight_scale_inv`` per ``block`` (in the same file), and
+    ``quantization_config`` in config.json; embeddings, norms, router and head stay as they were. The bytes are random, not made by any quantizer. Returns the
     transformers model that reads it (``FineGrainedFP8Config(dequantize=True)``: the oracle), in fp32."""
     import math
 
@@ -221,12 +222,13 @@ def write_fp8_checkpoint(path: Path, config, block=(32, 32), seed: int = 0, max_
     index = json.loads(index_path.read_text())
     for name in sorted(set(index["weight_map"].values())):
         tensors = load_file(path / name)
-        for key in [k for k in tensors if k.endswith("_proj.weight") and ".mlp.gate." not in k]:
-            rows, cols = tensors[key].shape
-            values = torch.randn(rows, cols, generator=generator) * 100  # spread over e4m3's range (saturating at 448)
+        for key in [k for k in tensors if k.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj"))
+                    and ".mlp.gate." not in k]:
+            *lead, rows, cols = tensors[key].shape  # [E, rows, cols] for packed experts
+            values = torch.randn(*lead, rows, cols, generator=generator) * 100  # over e4m3's range (saturating at 448)
             tensors[key] = values.clamp(-448, 448).to(torch.float8_e4m3fn)
-            scale = key.removesuffix("weight") + "weight_scale_inv"
-            tensors[scale] = torch.rand(math.ceil(rows / block[0]), math.ceil(cols / block[1]), generator=generator) * 2e-3
+            scale = key + "_scale_inv"  # X.weight_scale_inv; beside packed experts X_scale_inv (transformers' names)
+            tensors[scale] = torch.rand(*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]), generator=generator) * 2e-3
             index["weight_map"][scale] = name
         save_file(tensors, path / name, metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))
@@ -238,3 +240,44 @@ def write_fp8_checkpoint(path: Path, config, block=(32, 32), seed: int = 0, max_
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=FineGrainedFP8Config(dequantize=True),
                                                  dtype=torch.float32)
     return model.eval()
+
+
+def pack_fp8_experts(source: Path, path: Path) -> None:
+    """``source`` (a per-expert block-FP8 checkpoint: ``write_fp8_checkpoint``) rewritten at ``path`` with each
+    layer's experts packed as transformers names them in memory: ``mlp.experts.gate_up_proj [E, 2I, H]`` (each
+    expert's gate rows, then its up rows) and ``mlp.experts.down_proj [E, H, I]``, each beside ``<key>_scale_inv``
+    (``[E, ...]`` block scales), in the file expert 0's gate was in. The same bytes and scales, so it reads as the
+    per-expert release does (which transformers reads; it ignores packed FP8 scales, so it is no oracle here)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, path)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    tensors = {name: load_file(path / name) for name in sorted(set(index["weight_map"].values()))}
+    every = {k: t for file in tensors.values() for k, t in file.items()}
+    layers = sorted({m.group(1) for k in every if (m := re.match(r"(model\.layers\.\d+\.mlp\.experts)\.0\.gate_proj\.weight$", k))})
+    for layer in layers:
+        count = sum(1 for k in every if re.match(re.escape(layer) + r"\.\d+\.gate_proj\.weight$", k))
+        file = index["weight_map"][f"{layer}.0.gate_proj.weight"]
+        packed = {}
+        for suffix in ("weight", "weight_scale_inv"):
+            cat = lambda e: torch.cat([every[f"{layer}.{e}.{p}_proj.{suffix}"].view(torch.uint8) if suffix == "weight" else  # noqa: E731
+                                       every[f"{layer}.{e}.{p}_proj.{suffix}"] for p in ("gate", "up")])
+            gate_up = torch.stack([cat(e) for e in range(count)])
+            down = torch.stack([every[f"{layer}.{e}.down_proj.{suffix}"].view(torch.uint8) if suffix == "weight" else
+                                every[f"{layer}.{e}.down_proj.{suffix}"] for e in range(count)])
+            end = "" if suffix == "weight" else "_scale_inv"
+            packed[f"{layer}.gate_up_proj{end}"] = gate_up.view(torch.float8_e4m3fn) if suffix == "weight" else gate_up
+            packed[f"{layer}.down_proj{end}"] = down.view(torch.float8_e4m3fn) if suffix == "weight" else down
+        for key in [k for k in index["weight_map"] if k.startswith(layer + ".")]:
+            del tensors[index["weight_map"].pop(key)][key]
+        tensors[file].update(packed)
+        index["weight_map"].update(dict.fromkeys(packed, file))
+    for name, file in tensors.items():
+        if file:
+            save_file(file, path / name, metadata={"format": "pt"})
+        else:  # held only experts of a later layer: gone with them
+            (path / name).unlink()
+    index_path.write_text(json.dumps(index, indent=2))

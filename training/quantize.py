@@ -8,10 +8,11 @@ loads, so each weight is quantized as it is read and the full-precision base nev
 - ``mxfp4``: the mixture-of-experts weights (every MoE's w1, w3, w2) in MXFP4, gpt-oss's own format
   (``waypoint.models.mxfp4_weight``): an MXFP4 checkpoint's experts keep exactly their values, at 4.25 bits each.
   Attention, embeddings, norms, router and head stay in the compute dtype. One process only (FSDP2 cannot shard it).
-- ``fp8``: a block-FP8 checkpoint's (Qwen3 ``-FP8``) linear weights held in FP8 (``waypoint.models.fp8_weight``), as
-  the file's own bytes and scales wherever the conversion only picks and orders whole rows (a rename, q/k's RoPE
-  permutation, a split on block boundaries), re-quantized otherwise (named, with why); about one byte a value. The
-  q/k/v/o and MLP projections the checkpoint holds in FP8, and the head if it does; the rest in the compute dtype.
+- ``fp8``: a block-FP8 checkpoint's (Qwen3 ``-FP8``, DeepSeek-V3) linear weights held in FP8
+  (``waypoint.models.fp8_weight``), as the file's own bytes and scales wherever the conversion only picks and orders
+  whole rows (a rename, q/k's RoPE permutation, a split on block boundaries) or stacks whole experts, re-quantized
+  otherwise (named, with why); about one byte a value. The attention and MLP projections and a MoE's experts the
+  checkpoint holds in FP8, and the head if it does; the rest in the compute dtype.
   One process only.
 """
 
@@ -25,7 +26,7 @@ from torch import nn
 from waypoint.checkpointers.load_model import map_prefixes
 from waypoint.checkpointers.load_report import fold_keys
 from waypoint.checkpointers.quantization import is_lossy
-from waypoint.converters.fp8 import KeepSource, row_plan
+from waypoint.converters.fp8 import KeepSource, row_plan, stack_plan
 from waypoint.errors import CheckpointError
 from waypoint.models import parse_dtype
 from waypoint.models.fp8_weight import quantize_fp8_linears
@@ -94,10 +95,8 @@ def _fp8(model: nn.Module, dtype: str, shards: int, checkpointer) -> list[str]:
                               f"is {f'{method}, not block FP8' if method else 'not quantized'}; {hint}")
     plan = _fp8_plan(model, checkpointer)
     done = quantize_fp8_linears(model, parse_dtype(dtype), quantized.block, set(plan))
-    params = dict(model.named_parameters())
     for key in sorted(plan.keys() - set(done.quantized) - done.kept.keys()):  # FP8 in the file, not a base linear here
-        done.kept[key] = ("stacked experts: FP8Weight holds 2-D linear weights" if params[key].ndim == 3 else
-                          "not one of the frozen base linears")
+        done.kept[key] = "not one of the frozen base linears"
     if not done.quantized:
         raise CheckpointError("quantize_base=fp8: none of the base's linear layers is held in block FP8 by the checkpoint")
     exact = [k for k in done.quantized if plan[k] is None]
@@ -128,6 +127,9 @@ def _fp8_plan(model: nn.Module, checkpointer) -> dict[str, str | None]:
             continue
         natives = [torch.empty(params[mapping[t]].shape, device="meta") for t in g.targets]
         shapes = [tuple(t.shape) for t in keep.op.inverse(natives)]
+        if len(g.targets) == 1 and stack_plan(keep.op, shapes):  # a MoE's experts, stacked whole: their bytes
+            plan[mapping[g.targets[0]]] = None
+            continue
         rows = row_plan(keep.op, shapes, block) or ["its conversion does not keep whole rows"] * len(g.targets)
         for target, native, how in zip(g.targets, natives, rows):
             if isinstance(how, tuple) and native.shape[-1] != shapes[how[0]][-1]:

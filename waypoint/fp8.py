@@ -98,10 +98,10 @@ FP8_SOURCE = "fp8_source"  # the attribute naming a dense tensor's FP8 origin (F
 
 @dataclass(frozen=True, eq=False)
 class FP8Source:
-    """Where a dense ``[R, C]`` tensor's values come from: ``weight`` (``float8_e4m3fn``, the file's bytes) with its
-    ``scale_inv`` in blocks of ``block``, dequantized into ``dtype``, row ``i`` being ``weight``'s row ``rows[i]``
-    (``rows`` None: in order). Set by ``FP8Blocks.forward`` on each 2-D tensor it makes; an op after it keeps it
-    only through ``KeepSource``; any other op's output (a cast or a copy included) has none."""
+    """Where a dense ``[..., R, C]`` tensor's values come from: ``weight`` (``float8_e4m3fn``, the file's bytes) with
+    its ``scale_inv`` in blocks of ``block``, dequantized into ``dtype``; for a 2-D one, row ``i`` is ``weight``'s row
+    ``rows[i]`` (``rows`` None: in order). Set by ``FP8Blocks.forward`` on each tensor it makes; an op after it keeps
+    it only through ``KeepSource``; any other op's output (a cast or a copy included) has none."""
 
     weight: torch.Tensor
     scale_inv: torch.Tensor
@@ -110,18 +110,63 @@ class FP8Source:
     rows: torch.Tensor | None = None
 
     def agrees_with(self, dense: torch.Tensor, samples: int = 3) -> bool:
-        """Whether a few rows of ``dense`` (first, middle, last) are these bytes dequantized (as ``FP8Blocks`` does,
-        then cast to ``dense``'s dtype): a cheap check that no op changed the values on the way."""
-        rows, cols = self.weight.shape
-        if tuple(dense.shape) != (rows, cols) or dense.is_meta:
-            return tuple(dense.shape) == (rows, cols)
-        for i in sorted({0, rows // 2, rows - 1})[:samples] if rows else ():
+        """Whether a few rows of ``dense`` (first, middle, last; of the first, middle and last expert) are these bytes
+        dequantized (as ``FP8Blocks`` does, then cast to ``dense``'s dtype): a cheap check that no op changed the
+        values on the way."""
+        if tuple(dense.shape) != tuple(self.weight.shape) or dense.is_meta:
+            return tuple(dense.shape) == tuple(self.weight.shape)
+        if self.weight.ndim > 2:
+            return all(FP8Source(self.weight[e], self.scale_inv[e], self.block, self.dtype).agrees_with(dense[e], samples)
+                       for e in _samples(self.weight.shape[0], samples))
+        cols = self.weight.shape[1]
+        for i in _samples(self.weight.shape[0], samples):
             held = int(self.rows[i]) if self.rows is not None else i
             scales = self.scale_inv[held // self.block[0]].float().repeat_interleave(self.block[1])[:cols]
             row = (self.weight[held].float() * scales).to(self.dtype).to(dense.dtype)
             if not torch.equal(row.to(dense.device), dense[i]):
                 return False
         return True
+
+    def held(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bytes and fp32 scales, copied onto ``device`` (the file's pages are not kept), in the file's row order."""
+        return self.weight.to(device, copy=True), self.scale_inv.to(device, torch.float32, copy=True)
+
+    def pages(self) -> tuple[torch.Tensor, ...]:
+        """The file's tensors these bytes are read from (``lazy.release_pages`` drops them once copied)."""
+        return self.weight, self.scale_inv
+
+
+@dataclass(frozen=True, eq=False)
+class StackedFP8Source:
+    """Where a MoE's stacked ``[E, R, C]`` experts come from: one :class:`FP8Source` per expert (each a weight of the
+    file, in order), stacked only when a holder asks for the bytes (``held``)."""
+
+    parts: tuple[FP8Source, ...]
+    rows = None
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.parts[0].block
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def agrees_with(self, dense: torch.Tensor, samples: int = 3) -> bool:
+        if dense.ndim != 3 or dense.shape[0] != len(self.parts):
+            return False
+        return all(self.parts[e].agrees_with(dense[e], samples) for e in _samples(len(self.parts), samples))
+
+    def held(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = torch.stack([p.weight.view(torch.uint8) for p in self.parts]).view(FP8)  # stack is a copy already
+        return weight.to(device), torch.stack([p.scale_inv.float() for p in self.parts]).to(device)
+
+    def pages(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for p in self.parts for t in p.pages())
+
+
+def _samples(n: int, samples: int) -> list[int]:
+    return sorted({0, n // 2, n - 1})[:samples] if n else []
 
 
 def carry_source(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
@@ -132,4 +177,5 @@ def carry_source(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     return after
 
 
-__all__ = ["FP8", "FP8_MAX", "FP8_SOURCE", "FP8Source", "carry_source", "dequantize_fp8", "quantize_fp8"]
+__all__ = ["FP8", "FP8_MAX", "FP8_SOURCE", "FP8Source", "StackedFP8Source", "carry_source", "dequantize_fp8",
+           "quantize_fp8"]
