@@ -19,11 +19,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from waypoint.errors import CheckpointError, first_line
 from waypoint.cli.command import DEBUG, OneLineParser
 from waypoint.cli.option_checks import COMMON, Check, check_options
+from waypoint.cli.shipped import find_config, shipped_asset
 
 
 def parse_config(argv: list[str] | None = None, description: str | None = None, example: str = "configs/tiny.yaml",
@@ -33,9 +34,10 @@ def parse_config(argv: list[str] | None = None, description: str | None = None, 
     parser.add_argument("--config", required=True, help=f"path to a YAML config, e.g. {example}")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides: key=value, group=option, +new_key=value")
     args = parser.parse_args(argv)
-    path = Path(args.config)
-    if not path.is_file():
-        parser.error(f"--config {path}: file not found")
+    try:
+        path = find_config(args.config)  # a file, or a shipped config by name (`waypoint ls`)
+    except LookupError as e:
+        parser.error(f"--config {e}")
     try:
         cfg = _compose(path, args.overrides)
         check_options(cfg, checks)  # before any download: a bad option (or output_dir=hf://...) costs nothing
@@ -59,6 +61,7 @@ def _compose(path: Path, overrides: list[str]) -> DictConfig:
         with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
             cfg = compose(config_name=path.stem, overrides=overrides)
         OmegaConf.resolve(cfg)
+        _use_shipped_assets(cfg)
         return cfg
     except MissingConfigException as e:
         found = re.search(r"Could not find '([^']+)'", str(e))
@@ -84,6 +87,16 @@ def _compose(path: Path, overrides: list[str]) -> DictConfig:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise CheckpointError(f"{path}: {key + ': ' if key else ''}{first_line(e)}") from None
+
+
+def _use_shipped_assets(node) -> None:
+    """Each ``assets/...`` value the current directory does not have, the shipped one (``cli.shipped``)."""
+    items = node.items() if isinstance(node, DictConfig) else enumerate(node)
+    for k, v in list(items):
+        if isinstance(v, (DictConfig, ListConfig)):
+            _use_shipped_assets(v)
+        elif isinstance(v, str) and shipped_asset(v) != v:
+            node[k] = shipped_asset(v)
 
 
 def _bad_override(overrides: list[str]) -> str:

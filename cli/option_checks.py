@@ -177,16 +177,25 @@ _MISSING = object()
 
 def check_options(cfg: DictConfig, table: Mapping[str, tuple[bool, Check]] = COMMON) -> None:
     """Raise a one-line CheckpointError for the first option that is missing or out of range."""
+    problems = option_problems(cfg, table)
+    if problems:
+        raise CheckpointError(problems[0])
+
+
+def option_problems(cfg: DictConfig, table: Mapping[str, tuple[bool, Check]] = COMMON) -> list[str]:
+    """One line for each option that is missing or out of range (``waypoint validate`` prints them all)."""
     config = OmegaConf.to_container(cfg, resolve=True)
+    problems = []
     for key, (required, check) in table.items():
         value = _lookup(config, key)
         if value is _MISSING:
             if required:
-                raise CheckpointError(f"the config lacks {key}: add it to the config file, or pass +{key}=VALUE")
+                problems.append(f"the config lacks {key}: add it to the config file, or pass +{key}=VALUE")
             continue
         expected = check(value)
         if expected is not None:
-            raise CheckpointError(f"{key}={_show(value)}: expected {expected}")
+            problems.append(f"{key}={_show(value)}: expected {expected}")
+    return problems
 
 
 def _lookup(config: Mapping, dotted: str) -> Any:

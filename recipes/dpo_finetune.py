@@ -251,9 +251,11 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     return 0
 
 
+CHECKS = COMMON | PREFERENCE  # the options this recipe's config must get right (`waypoint validate` checks them too)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_recipe(train, argv, description=__doc__.splitlines()[0], example="configs/tiny_dpo.yaml",
-                      checks=COMMON | PREFERENCE)
+    return run_recipe(train, argv, description=__doc__.splitlines()[0], example="configs/tiny_dpo.yaml", checks=CHECKS)
 
 
 if __name__ == "__main__":

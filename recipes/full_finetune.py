@@ -29,6 +29,7 @@ from tqdm import tqdm
 from waypoint.checkpointers import load_into
 from waypoint.checkpointers.load_model import load_sharded_into
 from waypoint.cli.entry import run_recipe
+from waypoint.cli.option_checks import COMMON
 from waypoint.cli.run_config import config_as_given
 from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
@@ -190,8 +191,11 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     return 0
 
 
+CHECKS = COMMON  # the options this recipe's config must get right (`waypoint validate` checks them too)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_recipe(train, argv, description=__doc__.splitlines()[0], example="configs/tiny.yaml")
+    return run_recipe(train, argv, description=__doc__.splitlines()[0], example="configs/tiny.yaml", checks=CHECKS)
 
 
 if __name__ == "__main__":

@@ -166,8 +166,11 @@ def fit(messages: Messages, tokens: Callable[[Messages], list[int]], positions: 
     return prompt, min(max_new_tokens, positions - len(prompt) + 1), messages
 
 
+CHECKS = GENERATE  # the options this recipe's config must get right (`waypoint validate` checks them too)
+
+
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(argv, description=__doc__.splitlines()[0], example="configs/generate.yaml", checks=GENERATE)
+    cfg = parse_config(argv, description=__doc__.splitlines()[0], example="configs/generate.yaml", checks=CHECKS)
 
     def run() -> int:
         if not cfg.get("prompt") and not cfg.chat:

@@ -230,9 +230,11 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     return 0
 
 
+CHECKS = COMMON | LORA  # the options this recipe's config must get right (`waypoint validate` checks them too)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_recipe(train, argv, description=__doc__.splitlines()[0], example="configs/tiny_lora.yaml",
-                      checks=COMMON | LORA)
+    return run_recipe(train, argv, description=__doc__.splitlines()[0], example="configs/tiny_lora.yaml", checks=CHECKS)
 
 
 if __name__ == "__main__":

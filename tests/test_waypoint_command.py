@@ -1,0 +1,121 @@
+"""The ``waypoint`` command: ``ls`` lists what ships, ``cp`` copies it out without overwriting, ``run`` runs a recipe
+by name or a copy of one (under torchrun's own launcher with ``--nproc-per-node``), ``validate`` prints every problem
+and writes nothing, the script subcommands are the scripts, bad input is one line; and a built wheel, installed
+apart from this checkout, runs ``waypoint run full_finetune --config tiny`` from an empty directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from waypoint.cli import shipped
+from waypoint.cli.main import main
+
+SHORT = ["epochs=1", "max_steps_per_epoch=1", "batch_size=2"]
+
+
+def test_ls_lists_every_recipe_and_every_config_under_the_recipe_its_header_names(capsys):
+    assert main(["ls"]) == 0
+    printed = capsys.readouterr().out
+    listed = {}
+    for line in printed.replace(",\n", ", ").splitlines():
+        recipe, _, names = line.partition(" ")
+        listed[recipe] = [n.strip() for n in names.split(",") if n.strip()]
+    assert sorted(listed) == sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
+    configs = sorted(p.stem for p in (ROOT / "configs").glob("*.yaml"))
+    assert sorted(n for names in listed.values() for n in names) == configs  # each once
+    assert "tiny" in listed["full_finetune"] and "tiny_lora" in listed["lora_finetune"] and "tiny_dpo" in listed["dpo_finetune"]
+    for recipe, names in listed.items():
+        for name in names:
+            assert shipped.recipe_of(ROOT / "configs" / f"{name}.yaml") == recipe, name
+
+
+def test_cp_copies_out_and_never_overwrites(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["cp", "tiny_lora", "mine.yaml"]) == 0 and main(["cp", "full_finetune", "."]) == 0
+    assert (tmp_path / "mine.yaml").read_bytes() == (ROOT / "configs/tiny_lora.yaml").read_bytes()
+    assert (tmp_path / "full_finetune.py").read_bytes() == (ROOT / "recipes/full_finetune.py").read_bytes()
+    (tmp_path / "mine.yaml").write_text("# edited\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["cp", "tiny", "mine.yaml"])
+    assert stop.value.code == 2 and (tmp_path / "mine.yaml").read_text() == "# edited\n"
+    assert "error: mine.yaml exists; choose another name (nothing was overwritten)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["cp", "tiyn", "x.yaml"])
+    assert "error: 'tiyn' is neither a shipped recipe nor a shipped config" in capsys.readouterr().err
+
+
+def test_run_a_copied_recipe_by_its_path_on_a_shipped_config_by_name(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no assets/ here: the config's assets/... are the shipped ones
+    assert main(["cp", "full_finetune", "my_recipe.py"]) == 0
+    assert main(["run", "my_recipe.py", "--config", "tiny", "output_dir=out", *SHORT]) == 0
+    assert (tmp_path / "out/step_1/model.safetensors.index.json").is_file()
+    record = json.loads((tmp_path / "out/metrics.jsonl").read_text().splitlines()[0])
+    assert record["step"] == 1
+    assert main(["run", "full_finetune", "--config", "tny"]) == 2
+    assert "error: --config config 'tny': no such file, nor a shipped config (did you mean tiny" in capsys.readouterr().err
+    assert main(["run", "full_finetun", "--config", "tiny"]) == 2
+    assert "error: recipe 'full_finetun': not a shipped recipe (dpo_finetune, " in capsys.readouterr().err
+
+
+def test_validate_prints_every_problem_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "tiny_lora", "lora.rank=0", "lr_scheduler.num_warmup_steps=-1",
+                 "dataset.source=missing.jsonl", "output_dir=out"]) == 1
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["error: lr_scheduler.num_warmup_steps=-1: expected an integer >= 0",
+                       "error: lora.rank=0: expected an integer >= 1",
+                       "error: dataset.source=missing.jsonl: no such file or folder"], printed
+    assert main(["validate", "tiny_dpo", "output_dir=out"]) == 0
+    assert capsys.readouterr().out.strip().endswith("tiny_dpo.yaml: ok for dpo_finetune")
+    assert main(["validate", "tiny", "epoch=2"]) == 1
+    assert capsys.readouterr().out.strip() == "error: unknown option epoch (did you mean epochs?); to add a new key, write +epoch=..."
+    assert list(tmp_path.iterdir()) == []  # nothing written, no checkpoint read
+
+
+def test_script_subcommands_are_the_scripts(capsys):
+    assert main(["inspect", str(ROOT / "assets/tiny_llama")]) == 0
+    assert "hf checkpoint, model type LLAMA2" in capsys.readouterr().out
+    assert main(["merge-lora", "--help"]) == 0
+    assert "usage: waypoint merge-lora" in capsys.readouterr().out
+    assert main(["convrt"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown command 'convrt': one of ls, cp, run, validate, generate, convert, ") and err.count("\n") == 1
+
+
+def test_run_with_nproc_per_node_goes_through_torchrun(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = subprocess.run([sys.executable, "-m", "waypoint.cli.main", "run", "--nproc-per-node", "2", "full_finetune",
+                           "--config", "tiny", "output_dir=out", "device=cpu", *SHORT], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert code.returncode == 0, code.stderr[-3000:]
+    assert (tmp_path / "out/step_1/model.safetensors.index.json").is_file()
+
+
+def test_a_built_wheel_runs_from_an_empty_directory(tmp_path):
+    """``pip wheel .`` then the wheel installed into its own folder (not this checkout's editable install), and
+    ``waypoint run full_finetune --config tiny`` in an empty directory: the recipes, configs and assets came along."""
+    wheels, target, empty = tmp_path / "wheels", tmp_path / "installed", tmp_path / "empty"
+    empty.mkdir()
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    built = subprocess.run([*pip, "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = wheels.glob("waypoint-*.whl")
+    installed = subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    where = subprocess.run([sys.executable, "-c", "import waypoint; print(waypoint.__file__)"], cwd=empty, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert Path(where.stdout.strip()).is_relative_to(target), where.stdout + where.stderr
+    run = subprocess.run([str(target / "bin" / "waypoint"), "run", "full_finetune", "--config", "tiny", "output_dir=out",
+                          *SHORT], cwd=empty, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (empty / "out/step_1/model.safetensors.index.json").is_file() and "done: the final model is out/step_1" in run.stdout
