@@ -20,9 +20,20 @@ from waypoint.errors import CheckpointError
 from waypoint.models.dtypes import DTYPE_NAMES
 from waypoint.models.nf4 import QUANTIZE_BASE
 from waypoint.run.object_store import url_scheme
+from waypoint.run.trackers import tracker_problem
 from waypoint.training.preference_loss import LOSS_TYPES
 
 Check = Callable[[Any], "str | None"]
+
+
+class Problem(str):
+    """What a check returns as the whole line, where it names a key below the table's own (a section of sections:
+    ``metric_loggers.wandb.projekt: no such option ...``)."""
+
+
+def metric_loggers(v) -> str | None:
+    problem = tracker_problem(v)
+    return None if problem is None else Problem(problem)
 
 
 def integer(minimum: int) -> Check:
@@ -138,6 +149,7 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "dataset.max_seq_len": (False, integer(1)),
     "packed": (False, boolean),
     "log_dir": (False, optional(local_directory("TensorBoard event files"))),
+    "metric_loggers": (False, metric_loggers),
     "quantize_base": (False, lambda v: None if v is None else "null (a 4-bit base is frozen: QLoRA is recipes/lora_finetune.py)"),
     "validation": (False, lambda v: None if v is None or isinstance(v, Mapping) else "a section {source or fraction, every_n_steps}"),
     **{key: (True, lambda v: None if isinstance(v, Mapping) and v.get("_target_") else "a section with a _target_")
@@ -194,7 +206,7 @@ def option_problems(cfg: DictConfig, table: Mapping[str, tuple[bool, Check]] = C
             continue
         expected = check(value)
         if expected is not None:
-            problems.append(f"{key}={_show(value)}: expected {expected}")
+            problems.append(expected if isinstance(expected, Problem) else f"{key}={_show(value)}: expected {expected}")
     return problems
 
 
@@ -244,6 +256,49 @@ GENERATE: dict[str, tuple[bool, Check]] = {
     "top_k": (True, integer(0)),
     "top_p": (True, number(0, inclusive=False, at_most=1)),
     "repetition_penalty": (True, number(0, inclusive=False)),
+    "seed": (True, integer(0)),
+    "device": (True, device),
+    "dtype": (True, DTYPES),
+}
+
+
+def task_names(v) -> str | None:
+    """recipes/eval.py's ``tasks``: a non-empty list of names (or one string of comma-separated names)."""
+    if isinstance(v, str) and v.strip(","):
+        return None
+    return strings(v) and "a non-empty list of task names or task YAML files, such as [hellaswag, arc_easy]"
+
+
+def folders(v) -> str | None:
+    if v is None or (isinstance(v, str) and v) or (isinstance(v, (list, tuple)) and all(isinstance(p, str) and p for p in v)):
+        return None
+    return "null, a folder of task YAML files, or a list of them"
+
+
+def document_limit(v) -> str | None:
+    if v is None or integer(1)(v) is None or (isinstance(v, float) and 0 < v < 1):
+        return None
+    return "null, an integer >= 1 (documents per task) or a fraction 0 < x < 1"
+
+
+def json_file(v) -> str | None:
+    return None if v is None or (isinstance(v, str) and v.endswith(".json")) else "null or the path of a new .json file"
+
+
+# recipes/eval.py
+EVAL: dict[str, tuple[bool, Check]] = {
+    "checkpoint_dir": (True, text),
+    "adapter_dir": (False, optional(text)),
+    "tasks": (True, task_names),
+    "include_path": (False, folders),
+    "num_fewshot": (False, optional(integer(0))),
+    "limit": (False, document_limit),
+    "batch_size": (True, integer(1)),
+    "max_length": (False, optional(integer(2))),
+    "max_gen_toks": (True, integer(1)),
+    "add_bos_token": (False, optional(boolean)),
+    "bootstrap_iters": (True, integer(0)),
+    "output": (False, json_file),
     "seed": (True, integer(0)),
     "device": (True, device),
     "dtype": (True, DTYPES),

@@ -51,6 +51,7 @@ from waypoint.run.resume import RunStart, refusing
 from waypoint.run.savers import SaveOptions, WholeStepSaver
 from waypoint.run.sharded_saver import ShardedSaver
 from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step, model_step
+from waypoint.run.trackers import kept_at, open_trackers
 from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.training.distributed import Distributed
 from waypoint.training.fsdp import shard_model
@@ -161,8 +162,11 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             return tables
         reference = obtain_reference(run_dir.path, start.path, start.state, fingerprint, compute, dist, say)
 
+    # rank 0 logs: metrics.jsonl, TensorBoard (log_dir) and the experiment trackers (metric_loggers), a resumed run's own
+    trackers = open_trackers(cfg.get("metric_loggers"), config, (start.state or {}).get("trackers"), run_dir.path,
+                             global_step, tqdm.write) if main else None
     metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
-                         tensorboard_dir=cfg.get("log_dir")) if main else None
+                         tensorboard_dir=cfg.get("log_dir"), trackers=trackers) if main else None
     saver = (ShardedSaver if dist.enabled and not lora else WholeStepSaver)(dist, run_dir, saving, report=tqdm.write)
     reload = ExportReload(build=lambda: instantiate(cfg.model), strict=cfg.strict, key_prefix_map=cfg.key_prefix_map,
                           read=lambda path: instantiate(cfg.checkpointer, checkpoint_dir=str(path)).load_checkpoint()["model"])
@@ -171,7 +175,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
     def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
-        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist)
+        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, trackers)
         if reference is not None:  # the table travels with every step, verified with it on resume
             recipe.reference_logps = reference.as_state()
         if lora:
@@ -233,6 +237,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             if preempted and global_step < plan.total_steps:
                 saver.close()
                 bar.close()
+                if metrics:
+                    metrics.close()  # the trackers' runs left stopped (preempted), for the resumed run to continue
                 say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
                     "rerun the same command to resume")
                 if cfg.requeue and main:
@@ -241,7 +247,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     saver.close()
     bar.close()
     if metrics:
-        metrics.close()
+        metrics.close(final_model=kept_at(run_dir, saved))
     if lora:
         merged = (f"; the merged model is {checkpointer.describe_output(saved / MERGED_DIR)}"
                   if (saved / MERGED_DIR).is_dir() else "")

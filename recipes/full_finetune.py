@@ -40,6 +40,7 @@ from waypoint.run.resume import RunStart
 from waypoint.run.savers import SaveOptions, WholeStepSaver
 from waypoint.run.sharded_saver import ShardedSaver
 from waypoint.run.step_content import ExportReload, model_step
+from waypoint.run.trackers import kept_at, open_trackers
 from waypoint.training.collate import padded_collate
 from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.training.distributed import Distributed
@@ -116,8 +117,11 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     if position is None:
         return 0
     global_step, start_epoch, start_step = position
+    # rank 0 logs: metrics.jsonl, TensorBoard (log_dir) and the experiment trackers (metric_loggers), a resumed run's own
+    trackers = open_trackers(cfg.get("metric_loggers"), config, (start.state or {}).get("trackers"), run_dir.path,
+                             global_step, tqdm.write) if main else None
     metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
-                         tensorboard_dir=cfg.get("log_dir")) if main else None
+                         tensorboard_dir=cfg.get("log_dir"), trackers=trackers) if main else None
     # torchrun: every rank writes its DCP shards; one process writes the model in the input's files
     saver = (ShardedSaver if dist.enabled else WholeStepSaver)(dist, run_dir, saving, report=tqdm.write)
     # the final model read back, before its commit, into a fresh model of the config's class through its checkpointer
@@ -127,7 +131,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
     def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
-        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist)
+        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, trackers)
         content = model_step(model, optimizer, checkpointer, recipe, final, dist, verify, tqdm.write)
         return saver.save(global_step, content, final=final or preempted)
 
@@ -176,6 +180,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             if preempted and global_step < plan.total_steps:
                 saver.close()
                 bar.close()
+                if metrics:
+                    metrics.close()  # the trackers' runs left stopped (preempted), for the resumed run to continue
                 say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
                     "rerun the same command to resume")
                 if cfg.requeue and main:
@@ -186,7 +192,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         say(f"checkpoint saves blocked training for {saver.blocked_s:.2f} s in all")
     bar.close()
     if metrics:
-        metrics.close()
+        metrics.close(final_model=kept_at(run_dir, saved))
     say(f"done: the final model is {run_dir.stored_at(saved)}{checkpointer.describe_output(saved)}")
     return 0
 

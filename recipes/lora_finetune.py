@@ -58,6 +58,7 @@ from waypoint.run.recipe_state import capture_recipe_state
 from waypoint.run.resume import RunStart, refusing
 from waypoint.run.savers import SaveOptions, WholeStepSaver
 from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step
+from waypoint.run.trackers import kept_at, open_trackers
 from waypoint.training.collate import padded_collate
 from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.training.distributed import Distributed
@@ -153,8 +154,11 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     if position is None:
         return 0
     global_step, start_epoch, start_step = position
+    # rank 0 logs: metrics.jsonl, TensorBoard (log_dir) and the experiment trackers (metric_loggers), a resumed run's own
+    trackers = open_trackers(cfg.get("metric_loggers"), config, (start.state or {}).get("trackers"), run_dir.path,
+                             global_step, tqdm.write) if main else None
     metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
-                         tensorboard_dir=cfg.get("log_dir")) if main else None
+                         tensorboard_dir=cfg.get("log_dir"), trackers=trackers) if main else None
     saver = WholeStepSaver(dist, run_dir, saving, report=tqdm.write)  # the adapters are small: gathered whole, written by rank 0
     # the merged model read back, before its commit, into a fresh model of the config's class through its checkpointer
     reload = ExportReload(build=lambda: instantiate(cfg.model), strict=cfg.strict, key_prefix_map=cfg.key_prefix_map,
@@ -163,7 +167,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
     def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
-        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist)
+        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, trackers)
         content = adapter_step(model, optimizer, recipe, checkpointer, converter=converter, base_name=base_name,
                                max_lora_rank=max_lora_rank, layout=own_layout, original=original, sources=sources,
                                merge=save_merged == "every" or (save_merged == "final" and final), dist=dist,
@@ -215,6 +219,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             if preempted and global_step < plan.total_steps:
                 saver.close()
                 bar.close()
+                if metrics:
+                    metrics.close()  # the trackers' runs left stopped (preempted), for the resumed run to continue
                 say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
                     "rerun the same command to resume")
                 if cfg.requeue and main:
@@ -223,7 +229,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     saver.close()
     bar.close()
     if metrics:
-        metrics.close()
+        metrics.close(final_model=kept_at(run_dir, saved))
     merged = (f"; the merged model is {checkpointer.describe_output(saved / MERGED_DIR)}"
               if (saved / MERGED_DIR).is_dir() else "")
     say(f"done: the adapter is {run_dir.stored_at(saved)}{saved} (PEFT format: PeftModel.from_pretrained(base, '{saved}') loads it){merged}")

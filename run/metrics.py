@@ -6,7 +6,9 @@ after the checkpoint the run continues from) are cut off with one ``truncate``, 
 an uninterrupted run's and no moment exists at which it is half written.
 
 With ``tensorboard_dir`` (the config's ``log_dir``; ``tensorboard`` installed) every number of a record also
-goes to TensorBoard as a scalar under its key at the record's step.
+goes to TensorBoard as a scalar under its key at the record's step. With ``trackers`` (the config's ``metric_loggers``,
+``waypoint.run.trackers``) every record also goes to each experiment tracker, which first gets the records the file
+holds that it lacks (a resumed run's, up to the resumed step); ``close(final_model)`` finishes their runs.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ METRICS_FILE = "metrics.jsonl"
 
 class MetricsLog:
     def __init__(self, output_dir: str | os.PathLike, name: str = METRICS_FILE, keep_through_step: int | None = None,
-                 report: Callable[[str], None] = print, tensorboard_dir: str | os.PathLike | None = None) -> None:
+                 report: Callable[[str], None] = print, tensorboard_dir: str | os.PathLike | None = None,
+                 trackers=None) -> None:
         self.path = Path(output_dir) / name
         self._tensorboard = _summary_writer(tensorboard_dir) if tensorboard_dir else None
+        self._trackers = trackers
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.exists():
@@ -33,6 +37,21 @@ class MetricsLog:
             self._file = open(self.path, "a", buffering=1)
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot write ({e.strerror or e}); output_dir must be writable") from None
+        if trackers is not None:
+            trackers.replay(self._records())
+
+    def _records(self) -> list[dict]:
+        """The records the file holds (after the cut at the start): what the trackers may lack."""
+        records = []
+        with open(self.path, "rb") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    records.append(record)
+        return records
 
     def _cut(self, keep_through_step: int | None, report: Callable[[str], None]) -> None:
         """Truncate after the last line to keep: before a torn last line, or the first past ``keep_through_step``."""
@@ -62,11 +81,16 @@ class MetricsLog:
             for key, value in record.items():
                 if key not in ("step", "epoch") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tensorboard.add_scalar(key, value, record["step"])
+        if self._trackers is not None:
+            self._trackers.write(record)
 
-    def close(self) -> None:
+    def close(self, final_model: str | None = None) -> None:
+        """``final_model``: the path the trackers record as the run's model (None: the run stopped before its end)."""
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._trackers is not None:
+            self._trackers.close(final_model)
 
 
 def _summary_writer(directory: str | os.PathLike):

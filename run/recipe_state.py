@@ -53,7 +53,8 @@ class RecipeState:
     rank's under torchrun. Saved as a plain dict (``as_dict``), so it loads with ``weights_only=True``; where the
     step's model files hold the weights in a narrower dtype than they trained in, the dict also holds them as they
     trained (``model``), so that a resume stays exact. A preference run's also holds its reference log-probs
-(``reference_logps``), verified with the step."""
+(``reference_logps``), verified with the step. ``trackers``: the experiment trackers' runs (name -> target and
+run id, ``waypoint.run.trackers``), which a resumed run continues."""
 
     global_step: int
     epoch: int
@@ -71,6 +72,7 @@ class RecipeState:
     rng_per_rank: list | None = None
     optimizer_param_groups: list | None = None
     reference_logps: dict | None = None  # a preference run's reference table (waypoint.run.reference_logps)
+    trackers: dict | None = None  # the metric_loggers' runs, to continue on resume (waypoint.run.trackers)
 
     def as_dict(self) -> dict[str, Any]:
         plain = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "global_batch"}
@@ -82,17 +84,19 @@ class RecipeState:
 
 
 def capture_recipe_state(plan, global_step: int, epoch: int, step_in_epoch: int, scheduler, config: dict,
-                         dist) -> RecipeState:
+                         dist, trackers=None) -> RecipeState:
     """The recipe state after ``global_step`` (the ``step_in_epoch``-th of ``epoch``), for the checkpoint saved
-    there: the next position, the scheduler, every rank's random states (a collective under torchrun). The
-    optimizer state is added by what writes the step (whole, or in a sharded checkpoint's files)."""
+    there: the next position, the scheduler, every rank's random states (a collective under torchrun), and with
+    ``trackers`` (rank 0's ``waypoint.run.trackers.Trackers``) their runs. The optimizer state is added by what writes
+    the step (whole, or in a sharded checkpoint's files)."""
     next_epoch, next_step = plan.next_position(epoch, step_in_epoch)
     rng = dist.gather(capture_rng())
     return RecipeState(global_step=global_step, epoch=next_epoch, step_in_epoch=next_step,
                        steps_per_epoch=plan.steps_per_epoch, total_steps=plan.total_steps, epochs=plan.epochs,
                        seed=plan.seed, global_batch=plan.global_batch, config=config,
                        lr_scheduler=scheduler.state_dict(), optimizer=None, rng=rng[0] if rng else None,
-                       world_size=dist.world_size, rng_per_rank=rng if dist.enabled else None)
+                       world_size=dist.world_size, rng_per_rank=rng if dist.enabled else None,
+                       trackers=trackers.runs if trackers is not None else None)
 
 
 def load_recipe_state(checkpoint_dir: str | Path) -> dict[str, Any]:

@@ -34,6 +34,7 @@ CASES = [
     ("output_dir=hf://org/name", "error: output_dir=hf://org/name: expected a local directory or an object-store URL"),
     ("output_dir=file:///tmp/x", "error: output_dir=file:///tmp/x: expected a local path without file://"),
     ("log_dir=S3://bucket/tb", "error: log_dir=S3://bucket/tb: expected null or a local directory for TensorBoard event files"),
+    ("metric_loggers=5", "error: metric_loggers=5: expected a map of name: tracker section"),  # more in test_trackers.py
     ("resume=", "error: resume=: expected auto, true, false or the path of a step_N checkpoint"),
     ("seed=-1", "error: seed=-1: expected an integer >= 0"),
     ("strict=maybe", "error: strict=maybe: expected true or false"),
