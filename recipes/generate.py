@@ -40,20 +40,13 @@ if importlib.util.find_spec("waypoint") is None:  # a checkout that is not insta
 
 import torch  # noqa: E402
 
-from waypoint.checkpointers import checkpointer_for, load_into  # noqa: E402
-from waypoint.checkpointers.commit import MANIFEST, verify  # noqa: E402
-from waypoint.checkpointers.peft_adapter import load_adapter, read_adapter_config, warn_other_base  # noqa: E402
-from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
 from waypoint.cli.command import run_command  # noqa: E402
 from waypoint.cli.config import parse_config  # noqa: E402
-from waypoint.cli.hub import base_model_name  # noqa: E402
+from waypoint.cli.inference_model import build, note, open_adapter, open_checkpoint  # noqa: E402
 from waypoint.cli.option_checks import GENERATE  # noqa: E402
 from waypoint.errors import CheckpointError  # noqa: E402
-from waypoint.models import Transformer, parse_dtype  # noqa: E402
+from waypoint.models import Transformer  # noqa: E402
 from waypoint.models.generate import Sampling, generate  # noqa: E402
-from waypoint.models.lora import merge_state_dict  # noqa: E402
-from waypoint.run.object_store import local_copy  # noqa: E402
-from waypoint.run.recipe_state import sharded_step_model  # noqa: E402
 from waypoint.text.chat_template import BUILTIN_TEMPLATES, ChatTemplate, ChatTemplateError, load_chat_template  # noqa: E402
 from waypoint.text.stop_tokens import end_of_turn, end_of_turn_text, stop_token_ids  # noqa: E402
 from waypoint.text.tokenizer import load_tokenizer  # noqa: E402
@@ -65,58 +58,11 @@ class PromptTooLong(CheckpointError):
     """A prompt longer than the model's positions."""
 
 
-def note(line: str) -> None:
-    print(line, file=sys.stderr)
-
-
-def verified(directory: Path, key: str) -> Path:
-    """``directory``, refused in one line when it has a MANIFEST.json that it fails (as resume refuses a step)."""
-    if (directory / MANIFEST).is_file():
-        checked = verify(directory)
-        if not checked.ok:
-            raise CheckpointError(f"{key}={directory}: fails its {MANIFEST} ({checked.problem}): damaged or incomplete; "
-                                  "use another step, or copy it again")
-    return directory
-
-
-def open_checkpoint(cfg) -> tuple[object, Path, Callable[[], dict]]:
-    """(the checkpointer, the directory of the tokenizer, what reads the native state dict): a torchrun step's
-    tokenizer is its run's input, and its weights are read from the shards here."""
-    directory = verified(local_copy(cfg.checkpoint_dir, say=note), "checkpoint_dir")  # s3://...: a local copy
-    if holds_sharded_model(directory):  # a torchrun step: the run's model class and input, the weights from the shards
-        checkpointer, loaded, _ = sharded_step_model(directory)
-        return checkpointer, Path(checkpointer.checkpoint_dir), lambda: loaded["model"]
-    checkpointer = checkpointer_for(directory, output_dir=directory.parent)
-    return checkpointer, directory, lambda: checkpointer.load_checkpoint()["model"]
-
-
-def adapter(cfg) -> Path | None:
-    """``adapter_dir``'s local directory, verified, with its adapter_config.json checked; None without one."""
-    if not cfg.get("adapter_dir"):
-        return None
-    directory = verified(local_copy(cfg.adapter_dir, say=note), "adapter_dir")
-    read_adapter_config(directory)  # a bad adapter fails before the weights are read
-    return directory
-
-
 def load(cfg) -> tuple[Transformer, Path]:
     """The checkpoint's model, with ``adapter_dir``'s LoRA merged in, for inference; and the directory holding its
     tokenizer."""
-    checkpointer, tokenizer_dir, read_state = open_checkpoint(cfg)
-    return load_model(cfg, checkpointer, read_state(), adapter(cfg)), tokenizer_dir
-
-
-def load_model(cfg, checkpointer, state: dict, adapter_dir: Path | None) -> Transformer:
-    """The checkpoint's model, with ``adapter_dir``'s LoRA merged in, in ``dtype`` on ``device``, for inference."""
-    if adapter_dir is not None:
-        tensors, config = load_adapter(adapter_dir, checkpointer.hf_converter(), state)  # each checked to fit
-        warn_other_base(adapter_dir, config, checkpointer.checkpoint_dir, checkpointer.family,
-                        base_model_name(checkpointer.checkpoint_dir))
-        state = merge_state_dict(state, tensors, float(config["lora_alpha"]) / int(config["r"]))
-    with torch.device("meta"):
-        model = Transformer(checkpointer.model_args())
-    load_into(model, state, parse_dtype(cfg.dtype))
-    return model.to(cfg.device).eval()
+    checkpointer, _, tokenizer_dir, read_state = open_checkpoint(cfg.checkpoint_dir)
+    return build(checkpointer, read_state(), open_adapter(cfg.get("adapter_dir")), cfg.device, cfg.dtype), tokenizer_dir
 
 
 def chat_template(cfg, tokenizer) -> ChatTemplate | None:
@@ -176,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.get("prompt") and not cfg.chat:
             print("error: nothing to do: give prompt=\"...\" or chat=true", file=sys.stderr)
             return 1
-        checkpointer, tokenizer_dir, read_state = open_checkpoint(cfg)
-        adapter_dir = adapter(cfg)
+        checkpointer, _, tokenizer_dir, read_state = open_checkpoint(cfg.checkpoint_dir)
+        adapter_dir = open_adapter(cfg.get("adapter_dir"))
         tokenizer = load_tokenizer(tokenizer_dir)
         template = chat_template(cfg, tokenizer)
         positions = checkpointer.model_args().max_seq_len
@@ -205,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 first = fitted(cfg.prompt)
             except PromptTooLong as e:
                 raise CheckpointError(f"prompt: {e}") from None
-        model = load_model(cfg, checkpointer, read_state(), adapter_dir)
+        model = build(checkpointer, read_state(), adapter_dir, cfg.device, cfg.dtype)
         stops = stop_token_ids(tokenizer, template)
         # the template's end of turn as text, where no single token of the tokenizer is it (a base tokenizer)
         turn_text = end_of_turn_text(template) if template is not None and end_of_turn(template, tokenizer) is None else None

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import (test_bad_input, test_chat_bad_input, test_config_errors, test_dpo_bad_input, test_generate_bad_input,
-                   test_script_bad_input)
+from tests import (test_bad_input, test_chat_bad_input, test_config_errors, test_dpo_bad_input, test_eval_bad_input,
+                   test_generate_bad_input, test_script_bad_input)
 from tests.conftest import ROOT
-from waypoint.cli.option_checks import COMMON, GENERATE, LORA, PREFERENCE
+from waypoint.cli.option_checks import COMMON, EVAL, GENERATE, LORA, PREFERENCE
 
 DEVELOPER_TOOLS = {
     "make_tiny_assets": "builds the checkout's own test assets",
@@ -32,6 +32,7 @@ COMMANDS = {
     "lora_finetune": [test_config_errors.LORA_CASES],
     "dpo_finetune": [test_dpo_bad_input.CASES],
     "generate": [test_generate_bad_input.CASES],
+    "eval": [test_eval_bad_input.CASES],
     **{name: None for name in test_script_bad_input.SCRIPTS},
 }
 
@@ -76,21 +77,27 @@ def option_of(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+")
 
 
-def generate_rows(tmp: Path) -> list[tuple[str, list[str]]]:
-    """Each row's overrides, built in a folder of its own (as its test would)."""
-    folders = [tmp / str(i) for i in range(len(test_generate_bad_input.CASES))]
-    for folder in folders:
-        folder.mkdir()
-    return [(case_id, make(folder)) for (case_id, make, _), folder in zip(test_generate_bad_input.CASES, folders)]
+def rows_of(cases):
+    def rows(tmp: Path) -> list[tuple[str, list[str]]]:
+        """Each row's overrides, built in a folder of its own (as its test would)."""
+        folders = [tmp / str(i) for i in range(len(cases))]
+        for folder in folders:
+            folder.mkdir()
+        return [(case_id, make(folder)) for (case_id, make, _), folder in zip(cases, folders)]
+    return rows
+
+
+generate_rows = rows_of(test_generate_bad_input.CASES)
 
 
 @pytest.mark.parametrize("options,rows", [
     (COMMON, lambda tmp: [(option_of(o), [o]) for o, _ in test_config_errors.CASES]),
     (LORA, lambda tmp: [(option_of(o), [o]) for o, _ in test_config_errors.LORA_CASES]),
     (GENERATE, generate_rows),
+    (EVAL, rows_of(test_eval_bad_input.CASES)),
     (PREFERENCE, lambda tmp: [(case_id, test_dpo_bad_input.overrides_of(case_id, tmp, tmp / "d.jsonl"))
                               for case_id, _ in test_dpo_bad_input.CASES]),
-], ids=["common", "lora", "generate", "preference"])
+], ids=["common", "lora", "generate", "eval", "preference"])
 def test_every_recipe_option_has_a_bad_value_row(options, rows, tmp_path):
     """An option is covered by a row whose id starts with it and whose overrides set it."""
     rows = rows(tmp_path)

@@ -11,7 +11,7 @@ from tests.conftest import ROOT
 from waypoint.cli.config import parse_config
 from waypoint.cli.option_checks import COMMON, LORA, PREFERENCE
 
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem != "generate")  # training configs
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem not in ("generate", "eval"))  # training configs
 
 
 def targets(node):

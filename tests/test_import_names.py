@@ -46,6 +46,9 @@ BELOW = {
     "run": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers"},
     "training": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text"},
     "cli": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run", "training"},
+    # lm-evaluation-harness over a loaded checkpoint (recipes/eval.py): the top, above cli (an adapter's base name)
+    "evaluation": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run",
+                   "training", "cli"},
 }
 PACKAGES = [p for p in BELOW if p not in ("errors", "lazy", "mxfp4", "fp8")]
 
