@@ -36,6 +36,25 @@ def metric_loggers(v) -> str | None:
     return None if problem is None else Problem(problem)
 
 
+TRAINING_EVAL_KEYS = {"tasks", "every_n_steps", "include_path", "limit", "max_length", "max_gen_toks"}
+
+
+def training_eval(v) -> str | None:
+    """``eval``: null, or lm-eval tasks scored while training (``waypoint.evaluation.during_training``)."""
+    expected = "null or a section {tasks: [...], every_n_steps: N} (limit, include_path, max_length, max_gen_toks optional)"
+    if v is None:
+        return None
+    if not isinstance(v, Mapping) or not v.get("tasks") or not isinstance(v.get("tasks"), (str, list)):
+        return expected
+    unknown = sorted(set(v) - TRAINING_EVAL_KEYS)
+    if unknown:
+        return Problem(f"eval.{unknown[0]}: no such option of eval (its options: {', '.join(sorted(TRAINING_EVAL_KEYS))})")
+    steps = v.get("every_n_steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        return Problem(f"eval.every_n_steps={steps}: expected an integer >= 1")
+    return None
+
+
 def integer(minimum: int) -> Check:
     def check(v):
         return None if isinstance(v, int) and not isinstance(v, bool) and v >= minimum else f"an integer >= {minimum}"
@@ -150,6 +169,7 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "packed": (False, boolean),
     "log_dir": (False, optional(local_directory("TensorBoard event files"))),
     "metric_loggers": (False, metric_loggers),
+    "eval": (False, training_eval),
     "quantize_base": (False, lambda v: None if v is None else "null (a 4-bit base is frozen: QLoRA is recipes/lora_finetune.py)"),
     "validation": (False, lambda v: None if v is None or isinstance(v, Mapping) else "a section {source or fraction, every_n_steps}"),
     **{key: (True, lambda v: None if isinstance(v, Mapping) and v.get("_target_") else "a section with a _target_")

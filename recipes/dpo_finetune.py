@@ -40,6 +40,7 @@ from waypoint.cli.entry import run_recipe
 from waypoint.cli.hub import base_model_name
 from waypoint.cli.option_checks import COMMON, LORA, PREFERENCE, check_options
 from waypoint.cli.run_config import config_as_given
+from waypoint.evaluation.during_training import TrainingEval
 from waypoint.models.lora import adapter_state_keys, adapters_disabled, apply_lora, init_adapters, load_adapter_state
 from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
@@ -86,6 +87,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
     start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist, check=refusing(LORA_BREAKING))
     seed_everything(cfg.seed)
+    # lm-eval tasks scored as it trains (eval: {tasks, every_n_steps}); resolved now, so a bad task fails here
+    training_eval = TrainingEval.from_config(cfg.get("eval"), dist.world_size)
 
     # Model, on the meta device, sharded (FSDP2) under torchrun, then given its tensors. Full: the input's, or a
     # resumed step's. LoRA: always the input's base (4-bit with quantize_base: nf4), the adapters fresh or resumed.
@@ -224,6 +227,10 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 record.update({f"val_{key}": value for key, value in val.items()})
                 if main:
                     metrics.write(step=global_step, **{f"val_{key}": value for key, value in val.items()})
+            if training_eval and training_eval.due(global_step, plan.total_steps):
+                scores = training_eval.run(model, tokenizer)  # the model and the random states as they were
+                if main:
+                    metrics.write(step=global_step, **scores)
             bar.set_postfix(loss=f"{loss_value:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
                             margin=f"{record['rewards/margins']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             **({"val_acc": f"{record['val_rewards/accuracies']:.2f}"} if "val_loss" in record else {}))

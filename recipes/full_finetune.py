@@ -31,6 +31,7 @@ from waypoint.checkpointers.load_model import load_sharded_into
 from waypoint.cli.entry import run_recipe
 from waypoint.cli.option_checks import COMMON
 from waypoint.cli.run_config import config_as_given
+from waypoint.evaluation.during_training import TrainingEval
 from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
@@ -68,6 +69,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # Rank 0 decides about output_dir; every rank learns the decision.
     start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist)
     seed_everything(cfg.seed)
+    # lm-eval tasks scored as it trains (eval: {tasks, every_n_steps}); resolved now, so a bad task fails here
+    training_eval = TrainingEval.from_config(cfg.get("eval"), dist.world_size)
 
     # Model: built on the meta device, sharded (FSDP2) under torchrun, then given the checkpoint's
     # tensors, each rank reading only its own piece. The checkpointer reads the input (its files, key ->
@@ -168,6 +171,10 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 record["val_loss"] = evaluate(model, validation.dataset, cfg.batch_size, collate, device, dist)
                 if main:
                     metrics.write(step=global_step, val_loss=record["val_loss"])
+            if training_eval and training_eval.due(global_step, plan.total_steps):
+                scores = training_eval.run(model, tokenizer)  # the model and the random states as they were
+                if main:
+                    metrics.write(step=global_step, **scores)
             bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
                             **({"val": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
             bar.update()

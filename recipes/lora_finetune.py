@@ -49,6 +49,7 @@ from waypoint.cli.entry import run_recipe
 from waypoint.cli.hub import base_model_name
 from waypoint.cli.option_checks import COMMON, LORA
 from waypoint.cli.run_config import config_as_given
+from waypoint.evaluation.during_training import TrainingEval
 from waypoint.models.lora import adapter_state_keys, apply_lora, init_adapters, load_adapter_state
 from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
@@ -91,6 +92,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
     start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist, check=refusing(LORA_BREAKING))
     seed_everything(cfg.seed)
+    # lm-eval tasks scored as it trains (eval: {tasks, every_n_steps}); resolved now, so a bad task fails here
+    training_eval = TrainingEval.from_config(cfg.get("eval"), dist.world_size)
 
     # Model: the base (always the input checkpoint) on the meta device with the adapters added, sharded
     # (FSDP2) under torchrun, given the base's tensors (each rank its piece) and fresh adapter weights.
@@ -207,6 +210,10 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 record["val_loss"] = evaluate(model, validation.dataset, cfg.batch_size, collate, device, dist)
                 if main:
                     metrics.write(step=global_step, val_loss=record["val_loss"])
+            if training_eval and training_eval.due(global_step, plan.total_steps):
+                scores = training_eval.run(model, tokenizer)  # the model and the random states as they were
+                if main:
+                    metrics.write(step=global_step, **scores)
             bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
                             **({"val": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
             bar.update()

@@ -35,6 +35,9 @@ CASES = [
     ("output_dir=file:///tmp/x", "error: output_dir=file:///tmp/x: expected a local path without file://"),
     ("log_dir=S3://bucket/tb", "error: log_dir=S3://bucket/tb: expected null or a local directory for TensorBoard event files"),
     ("metric_loggers=5", "error: metric_loggers=5: expected a map of name: tracker section"),  # more in test_trackers.py
+    ("+eval=5", "error: eval=5: expected null or a section {tasks: [...], every_n_steps: N}"),
+    ("+eval={tasks:[tiny_choice],every_n_steps:0}", "error: eval.every_n_steps=0: expected an integer >= 1"),
+    ("+eval={tasks:[tiny_choice],every_n_steps:2,limt:3}", "error: eval.limt: no such option of eval"),
     ("resume=", "error: resume=: expected auto, true, false or the path of a step_N checkpoint"),
     ("seed=-1", "error: seed=-1: expected an integer >= 0"),
     ("strict=maybe", "error: strict=maybe: expected true or false"),

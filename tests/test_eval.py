@@ -13,8 +13,10 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT
+from waypoint.errors import CheckpointError
 from tests.test_generate import lora_adapter_of
 
 pytest.importorskip("lm_eval")
@@ -242,3 +244,53 @@ def test_the_model_class_is_registered_for_lm_eval_by_name(manager):
     results = evaluate("waypoint", manager, ["tiny_choice"], model_args=f"checkpoint_dir={TINY},max_length={MAX_LENGTH}",
                        limit=2)
     assert results["config"]["checkpoint_dir"] == str(TINY) and results["results"]["tiny_choice"]["sample_len"] == 2
+
+
+def test_eval_while_training_logs_the_scores_eval_py_gives_and_changes_no_step(tmp_path, manager):
+    """``eval: {tasks, every_n_steps}`` in the full recipe: scores at steps 2 and 3 (the last) in metrics.jsonl, the
+    last equal to WaypointLM's on the final checkpoint; every training record and the final weights bitwise those of
+    the same run without evaluation (the random states are put back)."""
+    from recipes import full_finetune
+    from waypoint.evaluation.harness_lm import WaypointLM
+
+    def run(out, *extra):
+        assert full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", "epochs=1",
+                                   "max_steps_per_epoch=3", "batch_size=2", *extra]) == 0
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    with_eval = run(tmp_path / "eval", f"+eval={{tasks:[tiny_choice],every_n_steps:2,include_path:[{TASKS}],limit:4}}")
+    plain = run(tmp_path / "plain")
+    scores = [r for r in with_eval if any(k.startswith("eval/") for k in r)]
+    assert [r["step"] for r in scores] == [2, 3] and set(scores[0]) == {"step", "eval/tiny_choice/acc", "eval/tiny_choice/acc_norm"}
+    drop = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs if "loss" in r]  # noqa: E731
+    assert drop(with_eval) == drop(plain)
+    for name in ("model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors"):
+        assert (tmp_path / "eval/step_3" / name).read_bytes() == (tmp_path / "plain/step_3" / name).read_bytes()
+    results = evaluate(WaypointLM.from_checkpoint(str(tmp_path / "plain/step_3")), manager, ["tiny_choice"], limit=4)
+    assert scores[-1]["eval/tiny_choice/acc"] == results["results"]["tiny_choice"]["acc,none"]
+
+
+def test_eval_while_training_puts_the_random_states_and_the_mode_back(manager):
+    import random
+
+    from lm_eval import simple_evaluate
+
+    from waypoint.checkpointers import load_model
+    from waypoint.evaluation.during_training import TrainingEval
+    from waypoint.evaluation.harness_lm import WaypointLM
+    from waypoint.text.tokenizer import load_tokenizer
+
+    model, tokenizer = load_model(TINY, dtype=torch.float32).train(), load_tokenizer(TINY)
+    training_eval = TrainingEval.from_config({"tasks": ["tiny_choice"], "every_n_steps": 5, "include_path": [str(TASKS)],
+                                              "limit": 2}, world_size=1)
+    assert [training_eval.due(s, 12) for s in (4, 5, 10, 11, 12)] == [False, True, True, False, True]
+    torch.manual_seed(7)
+    random.seed(7)
+    before = torch.get_rng_state(), random.getstate()
+    assert set(training_eval.run(model, tokenizer)) == {"eval/tiny_choice/acc", "eval/tiny_choice/acc_norm"}
+    assert model.training and torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    # the negative control: lm-eval seeds the global generators itself
+    simple_evaluate(model=WaypointLM(model, tokenizer), tasks=["tiny_choice"], task_manager=manager, limit=2, bootstrap_iters=0)
+    assert not torch.equal(torch.get_rng_state(), before[0])
+    with pytest.raises(CheckpointError, match=r"^eval: evaluating while training is single-process; under torchrun"):
+        TrainingEval.from_config({"tasks": ["tiny_choice"], "every_n_steps": 5}, world_size=2)
