@@ -14,7 +14,13 @@ DEBUG = "WAYPOINT_DEBUG"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, without the usage block."""
+    """argparse whose errors are one line, without the usage block; ``OneLineParser.for_script(__doc__)`` takes the
+    description from a script's docstring and shows its first ``python ...`` usage line as the example."""
+
+    @classmethod
+    def for_script(cls, doc: str, **kwargs) -> "OneLineParser":
+        usage = next((line.strip() for line in doc.splitlines() if line.strip().startswith("python ")), None)
+        return cls(description=doc.splitlines()[0], epilog=f"example: {usage}" if usage else None, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")

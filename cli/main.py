@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2
+    except SystemExit as e:  # argparse's --help and usage errors, as an exit status
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
 
 
 def ls(argv: list[str]) -> int:

@@ -133,7 +133,7 @@ def model_type(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser.for_script(__doc__)
     parser.add_argument("input", help="a checkpoint directory, or its object-store URL (s3://bucket/run/step_400)")
     parser.add_argument("output", metavar="OUT_DIR", help="a local directory (not a URL)")
     parser.add_argument("--to", required=True, choices=["hf", "meta", "native"])

@@ -165,7 +165,7 @@ def describe(directory: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0 when the checkpoint reads (and its manifest, if any, verifies), 1 otherwise."""
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser.for_script(__doc__)
     parser.add_argument("directory", help="a checkpoint directory, or its object-store URL (s3://bucket/run/step_400)")
     args = parser.parse_args(argv)
 

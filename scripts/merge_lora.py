@@ -50,7 +50,7 @@ def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser.for_script(__doc__)
     parser.add_argument("base_dir")
     parser.add_argument("adapter_dir")
     parser.add_argument("out_dir")

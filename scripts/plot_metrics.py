@@ -287,7 +287,7 @@ def smoothing(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser.for_script(__doc__)
     parser.add_argument("runs", nargs="+", metavar="OUTPUT_DIR", help="a training run's output_dir (or its metrics.jsonl)")
     parser.add_argument("--out", type=Path, help="the PNG to write (default: OUTPUT_DIR/metrics.png; required for several)")
     parser.add_argument("--smooth", type=smoothing, default=0.9,
