@@ -39,7 +39,7 @@ def parse_config(argv: list[str] | None = None, description: str | None = None, 
     except LookupError as e:
         parser.error(f"--config {e}")
     try:
-        cfg = _compose(path, args.overrides)
+        cfg = compose_config(path, args.overrides)
         check_options(cfg, checks)  # before any download: a bad option (or output_dir=hf://...) costs nothing
         if _has_hf_uri(cfg):
             from waypoint.cli.hub import resolve_hf_uris  # imports huggingface_hub only when needed
@@ -52,7 +52,7 @@ def parse_config(argv: list[str] | None = None, description: str | None = None, 
     return cfg
 
 
-def _compose(path: Path, overrides: list[str]) -> DictConfig:
+def compose_config(path: Path, overrides: list[str]) -> DictConfig:
     """Hydra's compose and OmegaConf's resolve, their errors as one line naming the option."""
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from waypoint.cli.config import _compose
+from waypoint.cli.config import compose_config
 from waypoint.cli.option_checks import COMMON, option_problems
 from waypoint.errors import CheckpointError, first_line
 
@@ -22,7 +22,7 @@ INPUTS = ("checkpointer.checkpoint_dir", "dataset.source", "checkpoint_dir", "ad
 def problems(config: Path, overrides: list[str], recipe: Path | None) -> list[str]:
     """One line per problem of ``config`` with ``overrides`` for ``recipe`` (None: the common options)."""
     try:
-        cfg = _compose(config, overrides)
+        cfg = compose_config(config, overrides)
     except (CheckpointError, FileNotFoundError) as e:
         return [first_line(e)]
     checks = runpy.run_path(str(recipe), run_name="waypoint_validate").get("CHECKS", COMMON) if recipe else COMMON
