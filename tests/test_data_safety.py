@@ -18,6 +18,7 @@ import pytest
 
 from recipes.full_finetune import main as full_finetune
 from scripts import convert
+from tests.recipe_runs import run_recipe
 from tests.conftest import ROOT
 from waypoint.run.step_dirs import settle_overwritten
 from waypoint.run.metrics import MetricsLog
@@ -126,8 +127,7 @@ def test_killed_overwrite_run_gives_the_earlier_checkpoints_back_to_the_rerun(tm
                             start_new_session=True)
     assert killed.returncode == -signal.SIGKILL
     assert list(run.glob(".overwritten-*")) and not list(run.glob("step_*")), "set aside while the new run had no checkpoint"
-    resumed = subprocess.run([sys.executable, str(ROOT / "recipes/full_finetune.py"), *cmd[cmd.index("--config"):]],
-                             capture_output=True, text=True, timeout=300)
+    resumed = run_recipe("full", cmd[cmd.index("--config"):])  # in this process
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "run already finished" in resumed.stdout
     assert snapshot(run) == before

@@ -16,6 +16,7 @@ import torch
 
 from waypoint.checkpointers.commit import verify
 from waypoint.checkpointers.file_formats import read_tensors
+from tests.recipe_runs import Finished, run_recipe, run_script
 from tests.test_resume import tiny_in_format
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,18 +30,22 @@ WEIGHT_TOLERANCE = 2e-5  # after 8 AdamW steps at lr 3e-3 (measured: 3e-6)
 
 
 def run(out: Path, *overrides: str, processes: int = 1, fault: list[str] | None = None,
-        source: Path | None = None, recipe: str = "full", env: dict | None = None) -> subprocess.CompletedProcess:
-    """A recipe (``full`` or ``lora``) on ``processes`` CPU processes (torchrun when more than one), global batch 8."""
-    script = ([str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault
-              else [str(ROOT / f"recipes/{recipe}_finetune.py")])
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-                if processes > 1 else [sys.executable])
+        source: Path | None = None, recipe: str = "full", env: dict | None = None) -> Finished:
+    """A recipe (``full`` or ``lora``) on ``processes`` CPU processes (torchrun when more than one, else in this
+    process unless the fault kills it: ``tests/recipe_runs.py``), global batch 8."""
     overrides = (f"checkpointer.checkpoint_dir={source or ROOT / 'assets/tiny_llama'}",
                  f"batch_size={GLOBAL_BATCH // processes}", *overrides)
     config = ROOT / ("configs/tiny.yaml" if recipe == "full" else "configs/tiny_lora.yaml")
-    cmd = [*launcher, *script, "--config", str(config), f"output_dir={out}", *BASE, *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True,
+    args = ["--config", str(config), f"output_dir={out}", *BASE, *overrides]
+    if processes == 1:
+        return run_recipe(recipe, args, fault=fault, env=env)
+    script = ([str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault
+              else [str(ROOT / f"recipes/{recipe}_finetune.py")])
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    done = subprocess.run([*launcher, *script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          start_new_session=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_RECIPE": recipe, **(env or {})})
+    return Finished(done.returncode, done.stdout, done.stderr)
 
 
 def losses(out: Path) -> list[float]:
@@ -157,8 +162,7 @@ def test_checkpoint_resumes_on_more_processes(tmp_path, one_process, two_process
 def test_sharded_step_converts_to_the_input_format(tmp_path, one_process, two_processes):
     """scripts/convert.py reads a sharded intermediate checkpoint into the run's input format and files."""
     out = tmp_path / "step_6_hf"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts/convert.py"), str(two_processes / "step_6"), str(out), "--to", "hf"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = run_script("convert", [str(two_processes / "step_6"), str(out), "--to", "hf"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert verify(out).ok
     source = ROOT / "assets/tiny_llama"
@@ -297,14 +301,9 @@ def test_lora_on_two_processes_matches_one_and_resumes_on_one(tmp_path):
 def test_qlora_on_two_processes_matches_one(tmp_path):
     """NF4 base weights shard with FSDP2 (torchao's NF4Tensor all-gathers its 4-bit data and scales over Gloo too):
     each rank holds its rows of the whole tensor's quantization, so 2 processes compute what 1 does."""
-    from recipes import lora_finetune
-
     qlora = ("+quantize_base=nf4", "+nf4.scaler_block_size=8", "save_merged=final")
     one, two = tmp_path / "one", tmp_path / "two"
-    # one process: in this one (no interpreter start-up), as run() would start it
-    assert lora_finetune.main(["--config", str(ROOT / "configs/tiny_lora.yaml"), f"output_dir={one}", *BASE,
-                               f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"batch_size={GLOBAL_BATCH}",
-                               *qlora]) == 0
+    assert run(one, *qlora, recipe="lora").returncode == 0
     result = run(two, *qlora, processes=2, recipe="lora")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "quantized to NF4 as loaded: 28 tensors" in result.stdout  # sharded: each rank holds NF4 rows

@@ -1,22 +1,21 @@
-"""The tiny recipe end to end, in a subprocess, as a user runs it."""
+"""The tiny recipe end to end: once in a subprocess, as a user runs it, the rest in this process."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from waypoint.checkpointers import load_model
+from tests import recipe_runs
 from tests.conftest import ROOT
 
 
-def run_recipe(*overrides, cwd=ROOT):
-    return subprocess.run([sys.executable, str(ROOT / "recipes/full_finetune.py"), "--config", str(ROOT / "configs/tiny.yaml"), *overrides],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+def run_recipe(*overrides, cwd=None):
+    """recipes/full_finetune.py on configs/tiny.yaml; with ``cwd``: ``python recipes/full_finetune.py`` there."""
+    return recipe_runs.run_recipe("full", ["--config", str(ROOT / "configs/tiny.yaml"), *overrides], cwd=cwd)
 
 
 @pytest.mark.slow
@@ -24,8 +23,8 @@ def test_tiny_recipe_loss_falls_and_output_is_a_drop_in_replacement(tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    result = run_recipe(f"output_dir={out}", "epochs=1", "checkpointer=hf",
-                        f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}")
+    result = run_recipe(f"output_dir={out}", "epochs=1", "checkpointer=hf", f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}",
+                        f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", cwd=tmp_path)  # a subprocess, as a user runs it
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))

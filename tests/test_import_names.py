@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from tests.conftest import ROOT
 
@@ -53,7 +54,7 @@ BELOW = {
 PACKAGES = [p for p in BELOW if p not in ("errors", "lazy", "mxfp4", "fp8")]
 
 
-def library_modules() -> dict[str, "Path"]:
+def library_modules() -> dict[str, Path]:
     """Import name -> file of every library module."""
     modules = {f"waypoint.{p.stem}": p for p in (ROOT / "waypoint").glob("*.py") if p.stem != "__init__"}
     for package in PACKAGES:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -19,6 +17,7 @@ from waypoint.checkpointers.peft_adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS
                                                  vllm_problems, warn_vllm)
 from waypoint.models.lora import apply_lora, load_adapter_state, merged_state
 from tests.conftest import ROOT, save_adapter, tiny_family_config, write_family_checkpoint
+from tests.recipe_runs import run_recipe, run_script
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output"]
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -174,26 +173,19 @@ def test_vllm_readiness_warns(tmp_path):
     assert len(problems) == 2 and "modules_to_save" in problems[0] and "embed_tokens" in problems[1]
 
 
-# -- the recipe, in subprocesses ------------------------------------------------------------------------
+# -- the recipe --------------------------------------------------------------------------------------------
 
 STEPS_PER_EPOCH, EPOCHS = 8, 2
 FINAL = f"step_{STEPS_PER_EPOCH * EPOCHS}"
 BASE = [f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}",
         f"epochs={EPOCHS}", f"max_steps_per_epoch={STEPS_PER_EPOCH}", "model.attn_dropout=0.1", "lora.dropout=0.1",
         "lora.targets=[q_proj,k_proj,v_proj,w2]", "keep_last_n_checkpoints=null", "save_every_n_steps=4"]
-# tests/interrupt.py's signal-at-step fault, around the LoRA recipe instead of the full one
-SIGNAL_AT_STEP = ("import sys; sys.path.insert(0, {root!r}); from tests.interrupt import signal_at_step; "
-                  "from recipes import lora_finetune; signal_at_step({step}, {sig!r}); sys.exit(lora_finetune.main(sys.argv[1:]))")
 
 
 def run_lora(out, *overrides, signal_at=None):
-    cmd = [sys.executable]
-    if signal_at:
-        cmd += ["-c", SIGNAL_AT_STEP.format(root=str(ROOT), step=signal_at[0], sig=signal_at[1])]
-    else:
-        cmd += [str(ROOT / "recipes/lora_finetune.py")]
-    cmd += ["--config", str(ROOT / "configs/tiny_lora.yaml"), f"output_dir={out}", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ})
+    """The LoRA recipe on the tiny config, in this process (``tests/recipe_runs.py``)."""
+    fault = ["signal-at-step", str(signal_at[0]), signal_at[1]] if signal_at else None
+    return run_recipe("lora", ["--config", str(ROOT / "configs/tiny_lora.yaml"), f"output_dir={out}", *overrides], fault=fault)
 
 
 def losses(out):
@@ -258,8 +250,7 @@ def test_recipe_output_is_peft_and_transformers_ready(reference, tokens):
 
     # scripts/merge_lora.py gives the recipe's merged model, bitwise, in the same files
     out = reference / "offline_merge"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts/merge_lora.py"), str(source), str(final), str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = run_script("merge_lora", [str(source), str(final), str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(os.listdir(out)) == sorted(os.listdir(merged))
     mine, theirs = hf_weights(out), hf_weights(merged)
@@ -342,8 +333,7 @@ def test_meta_and_native_inputs_give_hf_named_adapters(tmp_path, fmt):
     from waypoint.checkpointers import load_model
 
     source, base = ROOT / "assets/tiny_llama", tmp_path / "base"
-    converted = subprocess.run([sys.executable, str(ROOT / "scripts/convert.py"), str(source), str(base), "--to", fmt,
-                                *(["--num-shards", "1"] if fmt == "meta" else [])], cwd=ROOT, capture_output=True, text=True)
+    converted = run_script("convert", [str(source), str(base), "--to", fmt, *(["--num-shards", "1"] if fmt == "meta" else [])])
     assert converted.returncode == 0, converted.stderr[-3000:]
     out = tmp_path / "run"
     result = run_lora(out, f"checkpointer={fmt}", f"checkpointer.checkpoint_dir={base}", *BASE[1:2], "epochs=1",

@@ -20,6 +20,7 @@ import torch
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.errors import CheckpointError
 from tests.conftest import ROOT
+from tests.recipe_runs import run_recipe
 from tests.test_resume import weights
 from tests.s3_server import new_bucket, s3_server
 
@@ -191,12 +192,11 @@ def test_a_rerun_repairs_its_step_broken_in_the_store_and_S3_in_upper_case_is_th
 
 
 def run(out, *overrides, fault=None, cache=None):
-    cmd = [sys.executable, str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [sys.executable, str(ROOT / "recipes/full_finetune.py")]
-    cmd += ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides]
+    """The full recipe with ``cache`` as this machine's local mirror; in this process unless the fault kills it."""
     if not any(o.startswith("checkpointer.checkpoint_dir=") for o in overrides):
-        cmd.append(f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}")
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "WAYPOINT_CACHE": str(cache)})
+        overrides = (*overrides, f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}")
+    return run_recipe("full", ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides],
+                      fault=fault, env={"WAYPOINT_CACHE": str(cache)})
 
 
 BASE = [f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", "epochs=1", "max_steps_per_epoch=8",

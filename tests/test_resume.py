@@ -8,8 +8,6 @@ import re
 import resource
 import shutil
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ import torch
 from waypoint.checkpointers.commit import verify
 from waypoint.checkpointers.file_formats import read_tensors
 from tests.conftest import ROOT, sigterm_at_step
+from tests.recipe_runs import run_recipe
 
 STEPS_PER_EPOCH, EPOCHS = 8, 2
 BASE = [f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}",
@@ -26,13 +25,11 @@ FINAL = f"step_{STEPS_PER_EPOCH * EPOCHS}"
 
 
 def run(out, *overrides, fault=None, preexec_fn=None, env=None):
-    cmd = [sys.executable]
-    cmd += [str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [str(ROOT / "recipes/full_finetune.py")]
+    """The full recipe on the tiny checkpoint, in this process unless the fault kills it (``tests/recipe_runs.py``)."""
     if not any(o.startswith("checkpointer.checkpoint_dir=") for o in overrides):
         overrides = (f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", *overrides)
-    cmd += ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=preexec_fn,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})  # PYTHONPATH: targets in tests/
+    return run_recipe("full", ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", *BASE, *overrides],
+                      fault=fault, preexec_fn=preexec_fn, env=env)
 
 
 def losses(out):
