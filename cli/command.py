@@ -4,6 +4,8 @@ or option, and exit status 1 (2 for a malformed command line). ``WAYPOINT_DEBUG=
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -52,9 +54,20 @@ def report(e: BaseException) -> int:
     return 1
 
 
+def _collect_then_freeze() -> None:
+    """At exit: collect the garbage there is (finalizing whatever still holds a file), then freeze every object, so
+    that the interpreter's own final collection skips them. Left to it, it spends about a second tearing down the
+    object graphs of torch's, sympy's and hydra's modules, memory the OS takes back anyway (measured on 2 cores: 0.9 s
+    between a tiny run's last line and its exit, 0.3 s so)."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_command(fn: Callable[[], int], also: tuple[type[BaseException], ...] = ()) -> int:
     """``fn()``, with bad input (and Ctrl-C) reported in one line; ``also``: further error types that only the
     command's input raises (recipes/generate.py: ValueError, which the training recipes' datasets raise through Hydra)."""
+    atexit.unregister(_collect_then_freeze)  # once per process, however many commands run in it
+    atexit.register(_collect_then_freeze)
     try:
         return fn()
     except (*user_errors(), *also) as e:
