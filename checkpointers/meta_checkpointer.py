@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from waypoint import console
 from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tensors
@@ -57,7 +57,7 @@ def write_model_parallel(stage: StagedDir, names: Sequence[str], converter: Conv
     """``native`` as Meta's model-parallel files ``names``, file after file, converting as it goes: the tensors of one
     file are held at a time (each file takes its slice, along ``split(key)``, of every tensor; None: replicated)."""
     n = len(names)
-    for index, name in enumerate(tqdm(names, desc="save", leave=False)):
+    for index, name in enumerate(console.bar(names, desc="save", leave=False)):
         shard = {}
         for group in groups:
             for key, tensor in converter.apply_groups([group], native, forward=False, where=None).items():
@@ -119,8 +119,7 @@ class MetaCheckpointer(Checkpointer):
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
         shards = []
-        with tqdm(total=sum((self.checkpoint_dir / f).stat().st_size for f in self.files), unit="B", unit_scale=True,
-                  desc="load", leave=False) as bar:
+        with console.byte_bar(sum((self.checkpoint_dir / f).stat().st_size for f in self.files), "load", leave=False) as bar:
             for name in self.files:
                 shards.append(read_tensors(self.checkpoint_dir / name, self.unmapped))
                 bar.update((self.checkpoint_dir / name).stat().st_size)

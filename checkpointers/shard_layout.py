@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from waypoint import console
 from waypoint.checkpointers.file_formats import (SAFETENSORS, TORCH, format_of, json_bytes, read_metadata, read_tensors,
                                                 write_tensors)
 from waypoint.errors import CheckpointError
@@ -147,8 +147,7 @@ def read_files(directory: Path, layout: ShardLayout, unmapped: list[str] | None 
     """Every tensor of the layout's files; a key in two files, or missing from the file the index puts it in, is a
     one-line error naming the file."""
     read = ReadFiles({}, {}, {})
-    with tqdm(total=sum((directory / f).stat().st_size for f in layout.files), unit="B", unit_scale=True, desc="load",
-              leave=False) as bar:
+    with console.byte_bar(sum((directory / f).stat().st_size for f in layout.files), "load", leave=False) as bar:
         for name in layout.files:
             path = directory / name
             tensors = read_tensors(path, unmapped, packed)
@@ -175,7 +174,7 @@ def write_files(stage, layout: ShardLayout, tensors_of: Callable[[str], Mapping[
     dtypes written."""
     dtypes: set[torch.dtype] = set()
     weight_map, total_size, total_params = {}, 0, 0
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="save", leave=False) as bar:
+    with console.byte_bar(total_bytes, "save", leave=False) as bar:
         for name in layout.files:
             tensors = tensors_of(name)
             metadata = metadata_of(name, tensors) if layout.file_format == SAFETENSORS else None

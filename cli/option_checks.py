@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from waypoint.checkpointers.quantization import OUTPUT_QUANTIZATION
+from waypoint.console import STYLES as PROGRESS_STYLES
 from waypoint.errors import CheckpointError
 from waypoint.models.dtypes import DTYPE_NAMES
 from waypoint.models.nf4 import QUANTIZE_BASE
@@ -168,6 +169,8 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "dataset.max_seq_len": (False, integer(1)),
     "packed": (False, boolean),
     "log_dir": (False, optional(local_directory("TensorBoard event files"))),
+    "progress": (False, one_of(*PROGRESS_STYLES)),
+    "progress_every_n_steps": (False, integer(1)),
     "metric_loggers": (False, metric_loggers),
     "eval": (False, training_eval),
     "quantize_base": (False, lambda v: None if v is None else "null (a 4-bit base is frozen: QLoRA is recipes/lora_finetune.py)"),

@@ -25,8 +25,8 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from tqdm import tqdm
 
+from waypoint import console
 from waypoint.errors import CheckpointError
 from waypoint.evaluation.harness_tokens import HarnessTokens
 from waypoint.models.generate import Sampling, generate
@@ -139,7 +139,7 @@ class WaypointLM(TemplateLM):
 
         order = Collator(requests, sort_fn=longest_first)
         results = []
-        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="Running loglikelihood requests")
+        progress = console.bar(total=len(requests), disable=disable_tqdm, desc="Running loglikelihood requests")
         for chunk in order.get_batched(n=override_bs or self.batch_size):
             inputs, continuations = [], []
             for _, context, continuation in chunk:
@@ -182,7 +182,7 @@ class WaypointLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         answers = []
         eos = self.tokens.text_of("eos_token")
-        for request in tqdm(requests, disable=disable_tqdm, desc="Running generate_until requests"):
+        for request in console.bar(requests, disable=disable_tqdm, desc="Running generate_until requests"):
             context, gen_kwargs = request.args
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)

@@ -33,6 +33,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from waypoint import console
 from waypoint.checkpointers import CheckpointError, load_into
 from waypoint.checkpointers.load_model import load_sharded_into
 from waypoint.checkpointers.peft_adapter import check_targets, load_adapter
@@ -46,6 +47,7 @@ from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
 from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.run.progress import TrainingProgress
 from waypoint.run.recipe_state import capture_recipe_state
 from waypoint.run.reference_logps import input_digest, obtain_reference, reference_fingerprint
 from waypoint.run.resume import RunStart, refusing
@@ -156,7 +158,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                                              str(cfg.get("quantize_base") if lora else None)])
 
         def compute():
-            bar = tqdm(total=len(pairs) + (len(held_out) if held_out else 0), desc="reference", disable=not main)
+            bar = console.bar(total=len(pairs) + (len(held_out) if held_out else 0), desc="reference", disable=not main)
             batch = cfg.get("reference_batch_size") or cfg.batch_size
             with adapters_disabled(model):  # LoRA: the base; full: the input model, not yet trained
                 tables = [reference_pass(model, data, batch, collate, device, dist, loss_chunk, progress=bar.update)
@@ -192,7 +194,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         return saver.save(global_step, content, final=final or preempted)
 
     preemption = PreemptionWatch(cfg.preemption_signals)
-    bar = tqdm(total=plan.total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)
+    # a bar on a terminal, a plain line every progress_every_n_steps in a log (progress: auto | bar | lines | off)
+    progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main)
     first_step, saved = global_step + 1, None
     train_reference = reference.train if reference is not None else None
     for epoch in range(start_epoch, cfg.epochs):
@@ -231,10 +234,9 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 scores = training_eval.run(model, tokenizer)  # the model and the random states as they were
                 if main:
                     metrics.write(step=global_step, **scores)
-            bar.set_postfix(loss=f"{loss_value:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
+            progress.update(global_step, loss=f"{loss_value:.4f}", acc=f"{record['rewards/accuracies']:.2f}",
                             margin=f"{record['rewards/margins']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             **({"val_acc": f"{record['val_rewards/accuracies']:.2f}"} if "val_loss" in record else {}))
-            bar.update()
 
             # Checkpoints at optimizer-step boundaries only; a signal on any rank stops every rank here.
             saver.check()  # a background save that failed stops the run here
@@ -243,7 +245,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 saved = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted)
             if preempted and global_step < plan.total_steps:
                 saver.close()
-                bar.close()
+                progress.close()
                 if metrics:
                     metrics.close()  # the trackers' runs left stopped (preempted), for the resumed run to continue
                 say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
@@ -252,7 +254,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                     requeue_slurm_job()
                 return PREEMPTED_EXIT_CODE
     saver.close()
-    bar.close()
+    progress.close()
     if metrics:
         metrics.close(final_model=kept_at(run_dir, saved))
     if lora:

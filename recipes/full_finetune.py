@@ -36,6 +36,7 @@ from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
 from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.run.progress import TrainingProgress
 from waypoint.run.recipe_state import capture_recipe_state
 from waypoint.run.resume import RunStart
 from waypoint.run.savers import SaveOptions, WholeStepSaver
@@ -140,7 +141,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
     loss_chunk = None if cfg.get("fused_loss", True) else 0  # None: chunks sized by the vocabulary; 0: full logits
     preemption = PreemptionWatch(cfg.preemption_signals)
-    bar = tqdm(total=plan.total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)
+    # a bar on a terminal, a plain line every progress_every_n_steps in a log (progress: auto | bar | lines | off)
+    progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main)
     first_step, saved = global_step + 1, None
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
@@ -175,9 +177,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 scores = training_eval.run(model, tokenizer)  # the model and the random states as they were
                 if main:
                     metrics.write(step=global_step, **scores)
-            bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
+            progress.update(global_step, loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
                             **({"val": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
-            bar.update()
 
             # Checkpoints at optimizer-step boundaries only; a signal on any rank stops every rank here.
             saver.check()  # a background save that failed stops the run here
@@ -186,7 +187,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 saved = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted)
             if preempted and global_step < plan.total_steps:
                 saver.close()
-                bar.close()
+                progress.close()
                 if metrics:
                     metrics.close()  # the trackers' runs left stopped (preempted), for the resumed run to continue
                 say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
@@ -197,7 +198,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     saver.close()
     if cfg.get("async_checkpoint"):
         say(f"checkpoint saves blocked training for {saver.blocked_s:.2f} s in all")
-    bar.close()
+    progress.close()
     if metrics:
         metrics.close(final_model=kept_at(run_dir, saved))
     say(f"done: the final model is {run_dir.stored_at(saved)}{checkpointer.describe_output(saved)}")

@@ -55,6 +55,7 @@ from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
 from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.run.progress import TrainingProgress
 from waypoint.run.recipe_state import capture_recipe_state
 from waypoint.run.resume import RunStart, refusing
 from waypoint.run.savers import SaveOptions, WholeStepSaver
@@ -179,7 +180,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
     loss_chunk = None if cfg.get("fused_loss", True) else 0  # None: chunks sized by the vocabulary; 0: full logits
     preemption = PreemptionWatch(cfg.preemption_signals)
-    bar = tqdm(total=plan.total_steps, initial=global_step, desc="train", dynamic_ncols=True, disable=not main)
+    # a bar on a terminal, a plain line every progress_every_n_steps in a log (progress: auto | bar | lines | off)
+    progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main)
     first_step, saved = global_step + 1, None
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
@@ -214,9 +216,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 scores = training_eval.run(model, tokenizer)  # the model and the random states as they were
                 if main:
                     metrics.write(step=global_step, **scores)
-            bar.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
+            progress.update(global_step, loss=f"{loss_sum:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}",
                             **({"val": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
-            bar.update()
 
             # Checkpoints at optimizer-step boundaries only; a signal on any rank stops every rank here.
             saver.check()  # a background save that failed stops the run here
@@ -225,7 +226,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 saved = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted)
             if preempted and global_step < plan.total_steps:
                 saver.close()
-                bar.close()
+                progress.close()
                 if metrics:
                     metrics.close()  # the trackers' runs left stopped (preempted), for the resumed run to continue
                 say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
@@ -234,7 +235,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                     requeue_slurm_job()
                 return PREEMPTED_EXIT_CODE
     saver.close()
-    bar.close()
+    progress.close()
     if metrics:
         metrics.close(final_model=kept_at(run_dir, saved))
     merged = (f"; the merged model is {checkpointer.describe_output(saved / MERGED_DIR)}"

@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from tqdm import tqdm
 
+from waypoint import console
 from waypoint.checkpointers.commit import MANIFEST, MANIFEST_VERSION, Verification, fsync_dir, safe_relative, verify
 from waypoint.errors import CheckpointError, first_line
 from waypoint.run.step_dirs import step_number
@@ -225,7 +225,7 @@ class ObjectStore:
         """Upload ``files`` (relative to the directory ``local``) under ``name``, the largest first,
         ``PARALLEL_FILES`` at a time, with a progress bar; the bytes sent."""
         sizes = {f: (local / f).stat().st_size for f in files}
-        with tqdm(total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"upload {name}", leave=False) as bar:
+        with console.byte_bar(sum(sizes.values()), f"upload {name}", leave=False) as bar:
             def put(file: str) -> None:
                 self.fs.put_file(str(local / file), self.path(f"{name}/{file}"))
                 bar.update(sizes[file])
@@ -286,7 +286,7 @@ class ObjectStore:
     def _get_all(self, items: list[tuple[str, Path, int]], desc: str) -> None:
         """Download (object, local file, size) items, ``PARALLEL_FILES`` at a time, with a progress bar; each file
         under a hidden name renamed into place, so a kill never leaves a short file under the real name."""
-        with tqdm(total=sum(size for *_, size in items), unit="B", unit_scale=True, desc=desc, leave=False) as bar:
+        with console.byte_bar(sum(size for *_, size in items), desc, leave=False) as bar:
             def get(item: tuple[str, Path, int]) -> None:
                 source, target, size = item
                 target.parent.mkdir(parents=True, exist_ok=True)

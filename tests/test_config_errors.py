@@ -34,6 +34,8 @@ CASES = [
     ("output_dir=hf://org/name", "error: output_dir=hf://org/name: expected a local directory or an object-store URL"),
     ("output_dir=file:///tmp/x", "error: output_dir=file:///tmp/x: expected a local path without file://"),
     ("log_dir=S3://bucket/tb", "error: log_dir=S3://bucket/tb: expected null or a local directory for TensorBoard event files"),
+    ("progress=bars", "error: progress=bars: expected one of auto, bar, lines, off"),
+    ("progress_every_n_steps=0", "error: progress_every_n_steps=0: expected an integer >= 1"),
     ("metric_loggers=5", "error: metric_loggers=5: expected a map of name: tracker section"),  # more in test_trackers.py
     ("+eval=5", "error: eval=5: expected null or a section {tasks: [...], every_n_steps: N}"),
     ("+eval={tasks:[tiny_choice],every_n_steps:0}", "error: eval.every_n_steps=0: expected an integer >= 1"),

@@ -38,20 +38,20 @@ def test_imports_and_a_recipe_work_beside_llama_models_outside_the_repository(tm
 # output_dir) and `training` (what a step is made of) stand side by side above `checkpointers`: neither imports the
 # other; the recipes and `cli` put them together.
 BELOW = {
-    "errors": set(), "lazy": set(), "mxfp4": set(), "fp8": set(),
+    "errors": set(), "lazy": set(), "mxfp4": set(), "fp8": set(), "console": set(),
     "models": {"errors", "lazy", "mxfp4", "fp8"},
     "converters": {"errors", "lazy", "mxfp4", "fp8"},
     "families": {"errors", "lazy", "models", "converters", "mxfp4", "fp8"},
-    "checkpointers": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families"},
+    "checkpointers": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families"},
     "text": {"errors"},
-    "run": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers"},
-    "training": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text"},
-    "cli": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run", "training"},
+    "run": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers"},
+    "training": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text"},
+    "cli": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run", "training"},
     # lm-evaluation-harness over a loaded checkpoint (recipes/eval.py): the top, above cli (an adapter's base name)
-    "evaluation": {"errors", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run",
+    "evaluation": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run",
                    "training", "cli"},
 }
-PACKAGES = [p for p in BELOW if p not in ("errors", "lazy", "mxfp4", "fp8")]
+PACKAGES = [p for p in BELOW if p not in ("errors", "lazy", "mxfp4", "fp8", "console")]
 
 
 def library_modules() -> dict[str, Path]:
