@@ -34,7 +34,9 @@ def test_tiny_recipe_loss_falls_and_output_is_a_drop_in_replacement(tmp_path):
 
     step_dir = out / f"step_{len(records)}"
     source = ROOT / "assets/tiny_llama"
-    assert sorted(set(os.listdir(step_dir)) - {"MANIFEST.json", "recipe_state.pt"}) == sorted(os.listdir(source))
+    # the input's files, and the prompt it trained on as its chat template (the input has none): prompted as trained
+    assert sorted(set(os.listdir(step_dir)) - {"MANIFEST.json", "recipe_state.pt"}) == sorted(os.listdir(source) + ["chat_template.jinja"])
+    assert "note: chat_template.jinja: the built-in template 'alpaca' the run trains with, for the output" in result.stdout
     assert json.loads((step_dir / "model.safetensors.index.json").read_text())["weight_map"] == \
         json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -44,12 +46,31 @@ def test_tiny_recipe_loss_falls_and_output_is_a_drop_in_replacement(tmp_path):
         before = load_model(source).eval()(tokens)
     assert (ours - theirs).abs().max().item() <= 1e-5
     assert not torch.allclose(ours, before), "the output must hold the fine-tuned weights"
+    assert_prompted_as_trained(step_dir)
 
     common = [f"output_dir={out}", "epochs=1", f"checkpointer.checkpoint_dir={source}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}"]
     again = run_recipe(*common)
     assert again.returncode == 0 and "run already finished" in again.stdout, again.stdout + again.stderr
     fresh = run_recipe(*common, "resume=false")
     assert fresh.returncode == 1 and "already holds checkpoints" in fresh.stderr
+
+
+def assert_prompted_as_trained(step_dir):
+    """transformers' apply_chat_template on the output renders each instruction as the tokens it was trained on."""
+    from transformers import AutoTokenizer
+
+    from waypoint.text.instruction_templates import TEMPLATES
+    from waypoint.text.tokenizer import load_tokenizer
+    from waypoint.training.instruct_dataset import read_records
+
+    theirs, ours = AutoTokenizer.from_pretrained(step_dir), load_tokenizer(step_dir)
+    records = [r for r in read_records(ROOT / "assets/tiny_alpaca.jsonl") if not r["input"]]
+    assert records
+    for r in records:
+        trained = ours.encode(TEMPLATES["alpaca"].format(r["instruction"]), add_bos=True, add_eos=False)
+        prompt = theirs.apply_chat_template([{"role": "user", "content": r["instruction"]}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        assert list(prompt) == trained, r["instruction"]
 
 
 def test_gradient_accumulation_equals_the_large_batch(tmp_path):

@@ -42,9 +42,10 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from waypoint.text.instruction_templates import TEMPLATES as INSTRUCTION_TEMPLATES
 from waypoint.text.template_sandbox import TemplateLimitError, render_limited, sandboxed_environment
 
-# Templates for checkpoints without their own (base models), by name: chat.template = "chatml" | "llama3".
+# Templates for checkpoints without their own (base models), by name: chat.template = "chatml" | "llama3" | "alpaca".
 BUILTIN_TEMPLATES: dict[str, str] = {
     # ChatML (Qwen, many fine-tunes), without a default system prompt.
     "chatml": (
@@ -60,6 +61,8 @@ BUILTIN_TEMPLATES: dict[str, str] = {
         " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
     ),
+    # Alpaca's instruction prompt (waypoint.text.instruction_templates): what an instruction run trains on.
+    **{name: template.as_chat_template() for name, template in INSTRUCTION_TEMPLATES.items()},
 }
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")

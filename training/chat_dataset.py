@@ -110,6 +110,11 @@ class ChatDataset(Dataset):
             raise ValueError(f"{where}: no assistant message (nothing to train on)")
         return messages
 
+    @property
+    def prompt_format(self) -> ChatTemplate:
+        """The template conversations were rendered with: the output's, so it is prompted as it trained."""
+        return self.template
+
     def __len__(self) -> int:
         return len(self.items)
 

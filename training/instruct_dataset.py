@@ -14,40 +14,14 @@ bad input stops a run before it starts and the data can be checked against the m
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
 
 from torch.utils.data import Dataset
 
+from waypoint.text.chat_template import ChatTemplate, load_chat_template
+from waypoint.text.instruction_templates import TEMPLATES, PromptTemplate
 from waypoint.training.records import read_records as read_record_file
 from waypoint.training.tokenized import TokenizedRecords
 
-
-class PromptTemplate(NamedTuple):
-    """A prompt with ``{instruction}`` and ``{input}`` fields, and one for records without input."""
-
-    with_input: str
-    without_input: str
-
-    def format(self, instruction: str, input: str = "") -> str:
-        if input:
-            return self.with_input.format(instruction=instruction, input=input)
-        return self.without_input.format(instruction=instruction)
-
-
-TEMPLATES: dict[str, PromptTemplate] = {
-    "alpaca": PromptTemplate(
-        with_input=(
-            "Below is an instruction that describes a task, paired with an input that provides further context. "
-            "Write a response that appropriately completes the request.\n\n"
-            "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-        ),
-        without_input=(
-            "Below is an instruction that describes a task. "
-            "Write a response that appropriately completes the request.\n\n"
-            "### Instruction:\n{instruction}\n\n### Response:\n"
-        ),
-    ),
-}
 
 REQUIRED_KEYS = ("instruction", "output")
 
@@ -69,7 +43,9 @@ class InstructDataset(Dataset):
             raise ValueError(f"unknown template {template!r}; known: {', '.join(sorted(TEMPLATES))}")
         self.source = Path(source)
         self.tokenizer = tokenizer
-        self.template = TEMPLATES[template]
+        self.template: PromptTemplate = TEMPLATES[template]
+        # the format as a chat template: written beside every checkpoint, so the output is prompted as it was trained
+        self.prompt_format: ChatTemplate = load_chat_template(tokenizer, template)
         self.items = TokenizedRecords(max_seq_len, train_on_input)
         self.records = []
         for read in read_record_file(self.source):

@@ -1,6 +1,6 @@
 """A run's data, as both recipes set it up: the config's dataset, a validation split held out of it (or read from
-another file), packed on request; and for conversations, the files that make every checkpoint an inference
-bundle (``inference_bundle``)."""
+another file), packed on request; and the files that make every checkpoint an inference bundle, prompted as the
+run trained (``inference_bundle``: the chat template of conversations, or the instruction prompt written as one)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def run_data(make_dataset: Callable[..., Dataset], tokenizer, checkpointer, vali
     config's section (``{fraction | source, every_n_steps}``); ``packed_to``: the length samples are packed up to
     (None: not packed)."""
     dataset = make_dataset()
-    template = getattr(dataset, "template", None)
-    if isinstance(template, ChatTemplate):  # conversations: the output renders and stops as the run trained
+    template = getattr(dataset, "prompt_format", None)  # conversations' chat template, instructions' prompt as one
+    if isinstance(template, ChatTemplate):  # the output renders prompts and stops as the run trained
         for name, bundle in ((GENERATION_CONFIG, generation_config(checkpointer.checkpoint_dir, tokenizer, template)),
                              (TEMPLATE_FILE, template_file(tokenizer, template))):
             if bundle is not None:
