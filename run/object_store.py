@@ -87,7 +87,11 @@ def access_problem(e: BaseException) -> tuple[str, str] | None:
     except ImportError:
         return None
     while e is not None:
-        if isinstance(e, (boto.NoCredentialsError, boto.PartialCredentialsError, boto.CredentialRetrievalError, boto.ProfileNotFound)):
+        if isinstance(e, boto.ProfileNotFound):  # AWS_PROFILE (or a config's profile) names none that exists
+            profile = e.kwargs.get("profile", "")
+            return (f"no usable credentials (AWS profile {profile!r} not found; ProfileNotFound)",
+                    "set AWS_PROFILE to a profile of ~/.aws/config or ~/.aws/credentials, or unset it")
+        if isinstance(e, (boto.NoCredentialsError, boto.PartialCredentialsError, boto.CredentialRetrievalError)):
             return f"no usable credentials ({e}; {e.__class__.__name__})", CREDENTIALS
         if isinstance(e, boto.ConnectionError):  # EndpointConnectionError, ConnectTimeoutError, ...
             endpoint = urlsplit(str(e.kwargs.get("endpoint_url", "")))

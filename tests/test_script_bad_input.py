@@ -25,6 +25,8 @@ UNREADABLE = rf"in/{re.escape(SHARD)}: unreadable safetensors header \(Error whi
 NOT_READ = rf"in/{re.escape(SHARD)}: unreadable weight file \(Error while deserializing header: "
 NO_CREDENTIALS = (r"no usable credentials \(Unable to locate credentials; NoCredentialsError\); set AWS_ACCESS_KEY_ID and "
                   r"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE to a profile of ~/\.aws/credentials$")
+NO_PROFILE = (r"no usable credentials \(AWS profile 'no-such-profile' not found; ProfileNotFound\); set AWS_PROFILE to a "
+              r"profile of ~/\.aws/config or ~/\.aws/credentials, or unset it$")
 NO_ENDPOINT = (r"cannot connect to http://127\.0\.0\.1:\d+ \(EndpointConnectionError\); set AWS_ENDPOINT_URL to the "
                r"store's endpoint \(unset for AWS S3\) and check that it is reachable$")
 A_URL = r"this command writes a local directory, not a URL; give a local path \(and copy the result to the store afterwards\)$"
@@ -47,8 +49,8 @@ NO_ACCESS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", 
 
 
 def cut_off_from_the_store(request, monkeypatch, tmp_path, how: str) -> None:
-    """For this test: a machine with no AWS credentials (``how="credentials"``), or with credentials and an endpoint
-    that is a closed port on 127.0.0.1, tried once (``"endpoint"``). s3fs keeps a client per set of options, made
+    """For this test: a machine with no AWS credentials (``how="credentials"``), with credentials and an endpoint
+    that is a closed port on 127.0.0.1, tried once (``"endpoint"``), or with AWS_PROFILE naming no profile (``"profile"``). s3fs keeps a client per set of options, made
     with the environment of its time: none is kept across the change, either way."""
     S3FileSystem = pytest.importorskip("s3fs").S3FileSystem
     for key in NO_ACCESS:
@@ -59,6 +61,9 @@ def cut_off_from_the_store(request, monkeypatch, tmp_path, how: str) -> None:
     if how == "endpoint":
         for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}.items():
+            monkeypatch.setenv(key, value)
+    if how == "profile":  # a profile that none of the (empty) AWS files holds, keys or not
+        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_PROFILE": "no-such-profile"}.items():
             monkeypatch.setenv(key, value)
     S3FileSystem.clear_instance_cache()
     request.addfinalizer(S3FileSystem.clear_instance_cache)
@@ -125,6 +130,8 @@ CASES = [
     ("inspect_store_without_credentials", lambda s: ["inspect", s.cut_off("credentials")],
      rf"s3://bucket/in: could not read it: {NO_CREDENTIALS}"),
     ("inspect_store_unreachable", lambda s: ["inspect", s.cut_off("endpoint")], rf"s3://bucket/in: could not read it: {NO_ENDPOINT}"),
+    ("inspect_store_with_a_missing_profile", lambda s: ["inspect", s.cut_off("profile")],
+     rf"s3://bucket/in: could not read it: {NO_PROFILE}"),
     ("convert_garbage_shard", lambda s: ["convert", s.local(garbage), "out", "--to", "native"], NOT_READ + "header too large"),
     ("convert_truncated_shard", lambda s: ["convert", s.local(truncated), "out", "--to", "native"], NOT_READ + "incomplete"),
     ("convert_pickle_as_safetensors", lambda s: ["convert", s.local(pickled), "out", "--to", "hf"], NOT_READ),
@@ -209,7 +216,7 @@ def test_bad_input_is_one_error_line_and_writes_nothing(setup, expected, tmp_pat
     assert sorted(p for p in os.listdir(tmp_path) if p != "cache") == [p for p in before if p != "cache"], "something was written"
 
 
-@pytest.mark.parametrize("how", ["credentials", "endpoint"])
+@pytest.mark.parametrize("how", ["credentials", "endpoint", "profile"])
 @pytest.mark.parametrize("key", ["output_dir", "checkpointer.checkpoint_dir"])
 def test_no_credentials_or_no_endpoint_is_one_line_naming_the_url(key, how, request, tmp_path, monkeypatch, capsys):
     """A run whose output_dir or input is in a store this machine cannot use: no botocore traceback."""
@@ -222,7 +229,7 @@ def test_no_credentials_or_no_endpoint_is_one_line_naming_the_url(key, how, requ
                  *(f"{k}={v}" for k, v in given.items())]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     doing = "take the run's lock object" if key == "output_dir" else "read it"
-    problem = NO_CREDENTIALS if how == "credentials" else NO_ENDPOINT
+    problem = {"credentials": NO_CREDENTIALS, "endpoint": NO_ENDPOINT, "profile": NO_PROFILE}[how]
     assert len(errors) == 1 and re.match(rf"error: s3://bucket/run: could not {doing}: {problem}", errors[0]), errors
     assert not (tmp_path / "out").exists()
 
