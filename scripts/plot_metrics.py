@@ -246,7 +246,8 @@ def plot(runs: list[Run], out: Path, smooth: float) -> Path:
     loss_ax.set_title("loss" + (f" (smoothed: debiased EMA, weight {smooth:g})" if smooth > 0 else ""))
     loss_ax.set_ylabel("loss")
     loss_ax.set_xlabel("step")
-    grey = "0.3"
+    # the line styles' swatches: in the run's colour for one run; for several (a colour each, named above), neutral
+    grey = "0.3" if several else colours[0]
     handles = [Line2D([], [], color=colours[i % len(colours)], linewidth=2.5, label=run.name)
                for i, run in enumerate(runs)] if several else []
     if smooth > 0:

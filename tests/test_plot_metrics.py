@@ -110,6 +110,27 @@ def test_one_run_writes_a_png_next_to_the_log(tmp_path, capsys):
     assert out.stat().st_size > 20_000
 
 
+def drawn_figure(monkeypatch, argv):
+    """The figure ``main(argv)`` draws, kept open for the test."""
+    plt = plot_metrics.load_pyplot()
+    kept = []
+    monkeypatch.setattr(plt, "close", kept.append)
+    assert plot_metrics.main(argv) == 0
+    return kept[0]
+
+
+@pytest.mark.parametrize("smooth", ["0.6", "0"])
+def test_one_runs_legend_swatches_have_the_colour_of_its_lines(tmp_path, monkeypatch, capsys, smooth):
+    from matplotlib.colors import to_rgb
+
+    resumed_log(tmp_path)
+    write_log(tmp_path / "run", [record(s, 5.0 / s, **({"val_loss": 4.0 / s} if s % 3 == 0 else {})) for s in range(1, 9)])
+    loss_ax = drawn_figure(monkeypatch, [str(tmp_path / "run"), "--smooth", smooth]).axes[0]
+    drawn = {to_rgb(line.get_color()) for line in loss_ax.get_lines() if line.get_xdata() is not None and len(line.get_xdata())}
+    swatches = [to_rgb(h.get_color()) for h in loss_ax.get_legend().legend_handles]
+    assert len(drawn) == 1 and len(swatches) >= 2 and set(swatches) == drawn, (drawn, swatches)
+
+
 def test_two_runs_are_compared_in_one_png(tmp_path, capsys):
     resumed_log(tmp_path, "first")
     write_log(tmp_path / "second", [record(s, 5.0 / s, aux_loss=0.01) for s in range(1, 12)])
