@@ -56,8 +56,12 @@ class ExportCheck:
 
     def __init__(self, model: nn.Module, shape: tuple[int, int] = PROBE_SHAPE,
                  report: Callable[[str], None] | None = None, reload: Callable[[Path], nn.Module] | None = None,
-                 written: Callable[[nn.Module], AbstractContextManager] | None = None) -> None:
+                 written: Callable[[nn.Module], AbstractContextManager] | None = None, merged: bool = False) -> None:
         self.report = report
+        # ``merged``: ``model`` computes with its LoRA adapters beside the weights, the export holds W + s * B @ A,
+        # each weight rounded once more; with large adapters on every linear the fp32 logits then differ by about 1e-5
+        # of their scale (measured 1.4e-5: tiny model, 7 targets at rank 16, lr 3e-2), so fp32 gets 1e-4
+        self.merged = merged
         self.reload = reload  # directory -> a fresh model holding its weights (default: load_model, from its own files)
         self.tokens = probe_tokens(model.args.vocab_size, (shape[0], min(shape[1], model.args.max_seq_len)))
         # ``written(model)``: within it the model holds what the files will (a re-quantized output: the checkpointer's
@@ -93,7 +97,7 @@ class ExportCheck:
         diff = (got - self.expected).abs().max().item()
         scale = max(1.0, self.expected.abs().max().item())
         # the coarser of the two dtypes: an export in bf16 of an fp32 model differs by bf16's rounding
-        tolerance = max(TOLERANCE.get(self.dtype, 2e-2), TOLERANCE.get(written, 2e-2)) * scale
+        tolerance = max(TOLERANCE.get(self.dtype, 2e-2), TOLERANCE.get(written, 2e-2), 1e-4 if self.merged else 0) * scale
         batch, length = self.tokens.shape
         if not diff <= tolerance:  # nan fails too
             raise CheckpointError(f"the export does not compute what was written: reloaded, its logits differ by up to "

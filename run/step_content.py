@@ -107,7 +107,8 @@ def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, convert
     if merge and verify:
         quantized = any(is_quantized_base(p) for p in model.parameters())
         if not quantized and not checkpointer.rounds:
-            check = ExportCheck(model, report=report, reload=verify)  # the model as it trains computes what merged/ must
+            # the model as it trains computes what merged/ must, to the merge's rounding
+            check = ExportCheck(model, report=report, reload=verify, merged=True)
         elif not dist.enabled:  # a 4-bit base computes something else, a re-quantized output holds something else:
             # the reference is the merge itself, in memory (as the output's format rounds it)
             check = _merged_reference_check(model, model_state, scalings, original, sources, verify, report,
