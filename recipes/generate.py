@@ -1,6 +1,6 @@
 """Talk to a model: generate from a prompt, or chat on stdin, streaming tokens as they come.
 
-    python recipes/generate.py --config configs/generate.yaml checkpoint_dir=outputs/tiny_chat/step_150 prompt="Hi"
+    python recipes/generate.py --config configs/generate.yaml checkpoint_dir=outputs/tiny_chat/step_300 prompt="Hi"
     python recipes/generate.py --config configs/generate.yaml checkpoint_dir=... chat=true      # a conversation on stdin
     python recipes/generate.py --config configs/generate.yaml checkpoint_dir=BASE adapter_dir=outputs/run/step_N
 
