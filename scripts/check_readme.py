@@ -1,0 +1,131 @@
+"""Run the README's examples as a new user would: every ```bash block, in order, in a fresh copy of the checkout.
+
+    python scripts/check_readme.py [--readme README.md] [--keep]
+
+A ```bash block holds examples that run as written on a CPU machine without the network; a ```sh block needs a GPU,
+the network or your own data, and is shown, not run. In a bash block each line is a command (a trailing backslash
+continues it). The set-up's ``python3 -m venv``, ``. .venv/bin/activate`` and ``pip install`` are what the install
+has done already, and are skipped (said so); so is ``python -m pytest``, the suite itself.
+
+A command fails the check when it exits with a non-zero status, when a training command trains nothing ("nothing to
+do") unless the very same command ran before it (a rerun resumes, by design), or when its output lacks what
+``EXPECT`` says it prints. The copy holds the checkout's files (tracked and untracked, none that git ignores, so no
+``outputs/``); commands run there with this Python's environment first on PATH (``python``, ``waypoint``,
+``torchrun``). Exit status 1 on any failure, each named with the end of its output; ``--keep`` keeps the copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUP = re.compile(r"^(python3? -m venv\b|\. \.venv/bin/activate$|source \.venv/bin/activate$|pip install\b)")
+SUITE = re.compile(r"^python3? -m pytest\b")
+NOTHING_DONE = ("nothing to do",)
+# command (a substring of it) -> what its output must contain: the demos' promises in the README's text
+EXPECT = {
+    'checkpoint_dir=outputs/tiny_chat/step_300 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.",
+    "waypoint validate tiny_lora lora.rank=0": "lora.rank=0",
+}
+TIMEOUT_S = 900
+
+
+def commands(readme: str) -> list[str]:
+    """The commands of the ```bash blocks, in order."""
+    found, block, pending = [], False, ""
+    for line in readme.splitlines():
+        if line.startswith("```"):
+            block = line.strip() == "```bash"
+            continue
+        if not block:
+            continue
+        line = pending + line.strip()
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        if line and not line.startswith("#"):
+            found.append(line)
+    return found
+
+
+def steps(command: str) -> tuple[list[str], str | None]:
+    """(the set-up steps skipped, what remains to run) of a ``a && b && c`` line."""
+    parts = [p.strip() for p in command.split(" && ")]
+    skipped = [p for p in parts if SETUP.match(p)]
+    rest = [p for p in parts if not SETUP.match(p)]
+    return skipped, (" && ".join(rest) if rest else None)
+
+
+def bare(command: str) -> str:
+    """The command without its trailing comment: the same command, however the README annotates it."""
+    return re.sub(r"\s+#\s.*$", "", command)
+
+
+def fresh_copy(target: Path) -> Path:
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    parser.add_argument("--keep", action="store_true", help="keep the copy the commands ran in")
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="readme_check_"))
+    copy = fresh_copy(work / "checkout")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONUNBUFFERED": "1"}
+    ran, failures, started = set(), [], time.perf_counter()
+    for command in commands(args.readme.read_text(encoding="utf-8")):
+        skipped, rest = steps(command)
+        for step in skipped:
+            print(f"skip (the install did it): {step}")
+        if rest is None:
+            continue
+        if SUITE.match(rest):
+            print(f"skip (the test suite): {rest}")
+            continue
+        began = time.perf_counter()
+        try:
+            done = subprocess.run(["bash", "-c", rest], cwd=copy, env=env, stdin=subprocess.DEVNULL,
+                                  capture_output=True, text=True, timeout=TIMEOUT_S)
+            status, output = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as e:
+            status, output = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+        problem = None
+        if status != 0:
+            problem = f"exit status {status}"
+        elif any(n in output for n in NOTHING_DONE) and bare(rest) not in ran:
+            problem = "it trained nothing (an earlier example left its output_dir finished)"
+        else:
+            missing = [want for key, want in EXPECT.items() if key in rest and want not in output]
+            problem = f"its output lacks {missing[0]!r}" if missing else None
+        ran.add(bare(rest))
+        print(f"{'FAIL' if problem else 'ok  '} {time.perf_counter() - began:6.1f} s  {rest}")
+        if problem:
+            failures.append(rest)
+            print(f"     {problem}; the end of its output:\n" + "\n".join("     | " + line for line in output.splitlines()[-15:]))
+    print(f"{len(ran)} README commands in {time.perf_counter() - started:.0f} s, {len(failures)} failed"
+          + (f"; kept {copy}" if args.keep else ""))
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
