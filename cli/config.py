@@ -24,7 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from waypoint.errors import CheckpointError, first_line
 from waypoint.cli.command import DEBUG, OneLineParser
 from waypoint.cli.option_checks import COMMON, Check, check_options
-from waypoint.cli.shipped import find_config, shipped_asset
+from waypoint.cli.shipped import data_root, find_config, shipped_asset
 
 
 def parse_config(argv: list[str] | None = None, description: str | None = None, example: str = "configs/tiny.yaml",
@@ -52,6 +52,13 @@ def parse_config(argv: list[str] | None = None, description: str | None = None, 
     return cfg
 
 
+def shipped_groups(path: Path) -> list[str]:
+    """A config outside the shipped ``configs/`` (one ``waypoint cp`` copied out to edit) still finds the shipped config
+    groups (``checkpointer: hf``, ``+metric_logger=wandb``): Hydra searches its own folder first, then those."""
+    shipped = (data_root() / "configs").resolve()
+    return [] if path.parent.resolve() == shipped else [f"hydra.searchpath=[file://{shipped}]"]
+
+
 def compose_config(path: Path, overrides: list[str]) -> DictConfig:
     """Hydra's compose and OmegaConf's resolve, their errors as one line naming the option."""
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
@@ -59,7 +66,7 @@ def compose_config(path: Path, overrides: list[str]) -> DictConfig:
 
     try:
         with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
-            cfg = compose(config_name=path.stem, overrides=overrides)
+            cfg = compose(config_name=path.stem, overrides=[*shipped_groups(path), *overrides])
         OmegaConf.resolve(cfg)
         _use_shipped_assets(cfg)
         return cfg
@@ -115,7 +122,7 @@ def _bad_override(overrides: list[str]) -> str:
 def _known_keys(path: Path) -> list[str]:
     """Every dotted key of a value in the config file as it is, for suggestions."""
     with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
-        cfg = OmegaConf.to_container(compose(config_name=path.stem), resolve=False)
+        cfg = OmegaConf.to_container(compose(config_name=path.stem, overrides=shipped_groups(path)), resolve=False)
     keys: list[str] = []
 
     def walk(node: Mapping, prefix: str) -> None:

@@ -47,6 +47,17 @@ def test_cp_copies_out_and_never_overwrites(tmp_path, capsys, monkeypatch):
     assert "error: 'tiyn' is neither a shipped recipe nor a shipped config" in capsys.readouterr().err
 
 
+def test_a_copied_config_finds_the_shipped_groups_and_runs(tmp_path, monkeypatch, capsys):
+    """``waypoint cp tiny_lora my_lora.yaml`` then running it: its ``checkpointer: hf`` default (and +metric_logger)
+    come from the shipped config groups, which are not beside the copy."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["cp", "tiny_lora", "my_lora.yaml"]) == 0
+    assert main(["validate", "my_lora.yaml", "+metric_logger=mlflow"]) == 0, capsys.readouterr().err
+    assert main(["run", "lora_finetune", "--config", "my_lora.yaml", "epochs=1", "max_steps_per_epoch=2",
+                 "output_dir=outputs/my_lora"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "outputs/my_lora/step_2/adapter_model.safetensors").is_file()
+
+
 def test_run_a_copied_recipe_by_its_path_on_a_shipped_config_by_name(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no assets/ here: the config's assets/... are the shipped ones
     assert main(["cp", "full_finetune", "my_recipe.py"]) == 0
