@@ -5,7 +5,7 @@
 A ```bash block holds examples that run as written on a CPU machine without the network; a ```sh block needs a GPU,
 the network or your own data, and is shown, not run. In a bash block each line is a command (a trailing backslash
 continues it). The set-up's ``python3 -m venv``, ``. .venv/bin/activate`` and ``pip install`` are what the install
-has done already, and are skipped (said so); so is ``python -m pytest``, the suite itself.
+has done already, and are skipped (said so); so are ``python -m pytest`` and this script, the tests themselves.
 
 A command fails the check when it exits with a non-zero status, when a training command trains nothing ("nothing to
 do") unless the very same command ran before it (a rerun resumes, by design), or when its output lacks what
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = re.compile(r"^(python3? -m venv\b|\. \.venv/bin/activate$|source \.venv/bin/activate$|pip install\b)")
-SUITE = re.compile(r"^python3? -m pytest\b")
+SUITE = re.compile(r"^python3? (-m pytest\b|scripts/check_readme\.py\b)")  # the tests, and this check itself
 NOTHING_DONE = ("nothing to do",)
 # command (a substring of it) -> what its output must contain: the demos' promises in the README's text
 EXPECT = {
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest is None:
             continue
         if SUITE.match(rest):
-            print(f"skip (the test suite): {rest}")
+            print(f"skip (the tests themselves): {rest}")
             continue
         began = time.perf_counter()
         try:

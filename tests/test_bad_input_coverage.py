@@ -21,6 +21,7 @@ from tests.conftest import ROOT
 from waypoint.cli.option_checks import COMMON, EVAL, GENERATE, LORA, PREFERENCE
 
 DEVELOPER_TOOLS = {
+    "check_readme": "runs the README's examples for CI",
     "make_tiny_assets": "builds the checkout's own test assets",
     "make_tiny_dpo": "builds the checkout's own preference pairs (assets/tiny_dpo.jsonl)",
     "trace_modules": "a developer's look at a model's module tree",
