@@ -430,7 +430,7 @@ def test_template_sources(tmp_path):
     tiny = load_tokenizer(ROOT / "assets" / "tiny_llama")
     with pytest.raises(ValueError, match=r"tiny_llama: the checkpoint has no chat template.*chatml, llama3"):
         load_chat_template(tiny)
-    with pytest.raises(ValueError, match=r"template: unknown chat template 'vicuna'; known: chatml, llama3"):
+    with pytest.raises(ValueError, match=r"template: unknown chat template 'vicuna'; known: alpaca, chatml, llama3"):
         load_chat_template(tiny, "vicuna")
 
 

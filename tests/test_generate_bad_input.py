@@ -89,9 +89,9 @@ CASES = [
     ("prompt_too_long_with_a_template", lambda t: [f"prompt={PROMPT_TOO_LONG}", "chat_template=chatml", "max_new_tokens=600"],
      r"prompt: 15\d\d tokens, more than the model's 512 positions; shorten it to at most 512 tokens$"),
     ("chat_template_unknown", lambda t: ["prompt=Hi", "chat_template=bogus"],
-     r"chat_template=bogus: expected null \(the checkpoint's own\), chatml, llama3 or a \.jinja file$"),
+     r"chat_template=bogus: expected null \(the checkpoint's own\), alpaca, chatml, llama3 or a \.jinja file$"),
     ("template_file_does_not_compile", lambda t: ["prompt=Hi", f"chat_template={template_file(t, BROKEN)}"],
-     r"template\.jinja: chat template does not compile \(line 1\): .*; choose another chat_template \(chatml, llama3 or "
+     r"template\.jinja: chat template does not compile \(line 1\): .*; choose another chat_template \(alpaca, chatml, llama3 or "
      r"a \.jinja file\), or plain_text=true for plain text$"),
     ("template_file_refused_by_the_sandbox", lambda t: ["prompt=Hi", f"chat_template={template_file(t, UNSAFE)}"],
      r"template\.jinja: chat template refused \(line 1\): SecurityError: access to attribute '__class__' of 'str' "
