@@ -129,10 +129,12 @@ def test_validation_fraction_is_held_out_deterministically_and_evaluated(tmp_pat
     out = tmp_path / "run"
     code = full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={TINY}",
                                f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", f"output_dir={out}", "epochs=1",
-                               "max_steps_per_epoch=4", "batch_size=4", "validation={fraction: 0.1, every_n_steps: 2}"])
+                               "max_steps_per_epoch=4", "batch_size=4", "validation={fraction: 0.1, every_n_steps: 2}",
+                               "progress_every_n_steps=2"])
     assert code == 0, capsys.readouterr().err
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 4] and val[1]["val_loss"] < val[0]["val_loss"]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
-    assert "val=" in capsys.readouterr().err
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train step ")]  # not a terminal: lines
+    assert [line.split()[2] for line in shown] == ["2/4", "4/4"] and all(", val " in line for line in shown), shown
