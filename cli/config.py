@@ -56,7 +56,8 @@ def shipped_groups(path: Path) -> list[str]:
     """A config outside the shipped ``configs/`` (one ``waypoint cp`` copied out to edit) still finds the shipped config
     groups (``checkpointer: hf``, ``+metric_logger=wandb``): Hydra searches its own folder first, then those."""
     shipped = (data_root() / "configs").resolve()
-    return [] if path.parent.resolve() == shipped else [f"hydra.searchpath=[file://{shipped}]"]
+    quoted = str(shipped).replace("\\", "\\\\").replace("'", "\\'")  # a path with spaces or commas stays one path
+    return [] if path.parent.resolve() == shipped else [f"hydra.searchpath=['file://{quoted}']"]
 
 
 def compose_config(path: Path, overrides: list[str]) -> DictConfig:
