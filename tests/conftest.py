@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import signal
 import sys
 from pathlib import Path
 
@@ -53,24 +51,12 @@ def write_hf_checkpoint(path: Path, config, fmt: str = "safetensors", max_shard_
     return model
 
 
-@contextlib.contextmanager
-def sigterm_at_step(step: int | None):
+def sigterm_at_step(step: int | None) -> contextlib.AbstractContextManager:
     """Within the block, this process gets SIGTERM right after optimizer step ``step`` is logged: a preemption
-    arriving mid-run, for recipes run in process (``main([...])``). None: no signal."""
-    from waypoint.run.metrics import MetricsLog
+    arriving mid-run, for recipes run in process (``main([...])``). None: no signal. (``tests/faults.py``)"""
+    from tests.faults import injected
 
-    write = MetricsLog.write
-
-    def signal_at(self, **record):
-        write(self, **record)
-        if record.get("step") == step and "loss" in record:
-            os.kill(os.getpid(), signal.SIGTERM)
-    if step is not None:
-        MetricsLog.write = signal_at
-    try:
-        yield
-    finally:
-        MetricsLog.write = write
+    return injected(None if step is None else ["signal-at-step", str(step), "SIGTERM"])
 
 
 def save_adapter(directory: Path, model, converter, base_model_name_or_path: str, max_lora_rank: int = 16) -> Path:
