@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from waypoint.errors import CheckpointError, first_line
+from waypoint.lazy import on_host
 
 SAFETENSORS = "safetensors"
 TORCH = "torch"
@@ -116,7 +117,7 @@ def write_tensors(f, tensors: Mapping[str, torch.Tensor], file_format: str, meta
     if file_format == SAFETENSORS:
         write_safetensors(f, tensors, metadata)
     else:
-        torch.save({k: v.contiguous() for k, v in tensors.items()}, f)
+        torch.save({k: on_host(v, k).contiguous() for k, v in tensors.items()}, f)
 
 
 # The library's header order: tensors sorted by dtype (this rank, highest first), then by name.
@@ -130,8 +131,8 @@ _NAMES = {
 }
 
 
-def _raw_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous().cpu()
+def _raw_bytes(name: str, t: torch.Tensor) -> memoryview:
+    t = on_host(t, name).contiguous()  # one tensor at a time off its device
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -156,4 +157,4 @@ def write_safetensors(f, tensors: Mapping[str, torch.Tensor], metadata: Mapping[
     f.write(encoded)
     write_payload = getattr(f, "write_stable", f.write)  # tensors do not change while they are saved
     for name in order:
-        write_payload(_raw_bytes(tensors[name]))
+        write_payload(_raw_bytes(name, tensors[name]))

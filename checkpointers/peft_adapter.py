@@ -30,7 +30,7 @@ from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tens
 from waypoint.checkpointers.peft_parameters import (check_shapes, is_parameter_target, native_module_of, native_targets,
                                                     parameter_names, peft_module, targeted)
 from waypoint.errors import CheckpointError, first_line
-from waypoint.lazy import spec_of
+from waypoint.lazy import on_host, spec_of
 from waypoint.converters.ops import Identity, RopePermute
 from waypoint.converters.table import Converter, Rule
 
@@ -211,7 +211,7 @@ def write_adapter(stage: StagedDir, model: torch.nn.Module, converter: Converter
     modules = lora_modules(model)
     if not modules:
         raise CheckpointError("the model has no LoRA layers (apply_lora first)")
-    adapter = adapter_state(model) if adapter is None else adapter
+    adapter = {k: on_host(v, k) for k, v in (adapter_state(model) if adapter is None else adapter).items()}
     tensors = to_peft(adapter, converter)  # validates every target before anything is written
     first = next(iter(modules.values()))
     config = adapter_config(converter, list(modules), first.rank, first.alpha, first.dropout_p, base_model_name_or_path)

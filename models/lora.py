@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from waypoint.errors import CheckpointError
-from waypoint.lazy import spec_of
+from waypoint.lazy import on_host, spec_of
 from waypoint.models.lora_factors import LoRAFactors, initial_lora_weights
 from waypoint.models.lora_experts import EXPERT_TARGETS, LoRAExperts, add_expert_lora, adapted_rows, merge_expert_weight
 
@@ -232,21 +232,25 @@ class MergedState(Mapping):
     def _is_adapter(self, key: str) -> bool:
         return ".lora_A." in f".{key}" or ".lora_B." in f".{key}"
 
+    def _model(self, key: str) -> torch.Tensor:
+        """The model's tensor on the host, wherever the model lives (its adapters on CUDA, the input on the CPU)."""
+        return on_host(self._state[key], key)
+
     def _base(self, key: str) -> torch.Tensor:
-        return self._original[self._sources[key]] if key in self._sources else self._state[key]
+        return on_host(self._original[self._sources[key]], key) if key in self._sources else self._model(key)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if self._is_adapter(key):
             raise KeyError(key)
         owner, _, leaf = key.rpartition(".")
         if leaf == "weight" and owner in self._scalings:
-            return merge_weight(self._base(key), self._state[f"{owner}.lora_A.weight"],
-                                self._state[f"{owner}.lora_B.weight"], self._scalings[owner])
+            return merge_weight(self._base(key), self._model(f"{owner}.lora_A.weight"),
+                                self._model(f"{owner}.lora_B.weight"), self._scalings[owner])
         rows = adapted_rows(key)
         if rows is not None and rows[0] in self._scalings:
             module, first, step = rows
-            return merge_expert_weight(self._base(key), self._state[f"{module}.lora_A.weight"],
-                                       self._state[f"{module}.lora_B.weight"], self._scalings[module], first, step)
+            return merge_expert_weight(self._base(key), self._model(f"{module}.lora_A.weight"),
+                                       self._model(f"{module}.lora_B.weight"), self._scalings[module], first, step)
         return self._base(key)
 
     def __iter__(self):

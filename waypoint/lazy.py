@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from waypoint.errors import CheckpointError
+
 
 class LazyState(MutableMapping):
     """``state[key]`` runs ``thunks[key]()``; ``state.spec(key)`` is ``(shape, dtype)`` without running it.
@@ -68,6 +70,16 @@ class LazyState(MutableMapping):
     def alias(self, key: str, target: str) -> None:
         """``state[key]`` reads ``state[target]`` (a tied head reads the embedding)."""
         self.put(key, lambda: self[target], self.spec(target))
+
+
+def on_host(t: torch.Tensor, key: str) -> torch.Tensor:
+    """``t`` (detached) on the CPU, where checkpoints are written and the input's tensors are read: a model on CUDA
+    is saved from there. A tensor that holds no values (the meta device: never loaded) is a one-line error."""
+    t = t.detach()
+    if t.device.type == "meta":
+        raise CheckpointError(f"cannot write {key}: it is on the meta device (never loaded or initialised), so there is "
+                              "nothing to save; load the model's weights (and init_adapters for LoRA) before saving")
+    return t if t.device.type == "cpu" else t.to("cpu")
 
 
 def spec_of(state, key: str) -> tuple[torch.Size, torch.dtype]:
