@@ -87,6 +87,9 @@ class Checkpointer:
         # files every checkpoint gets in place of the input's of the same name (name -> bytes), e.g. a
         # generation_config.json that stops at a chat template's end of turn
         self.output_files: dict[str, bytes] = {}
+        # what the run's last line must say about what was written (an export check found the output's format far
+        # from the model that trained: a re-quantized output), each once
+        self.output_warnings: list[str] = []
 
     # -- what each format implements ---------------------------------------------------
     @classmethod
@@ -97,7 +100,8 @@ class Checkpointer:
     def _load_model(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def _model_writer(self, native: Mapping[str, torch.Tensor]) -> Callable[[StagedDir], None]:
+    def _model_writer(self, native: Mapping[str, torch.Tensor], adapted: frozenset[str] = frozenset()
+                      ) -> Callable[[StagedDir], None]:
         raise NotImplementedError
 
     @classmethod
@@ -182,24 +186,27 @@ class Checkpointer:
         """Whether the output's format rounds what it is given (a re-quantized output), beyond its dtype."""
         return False
 
-    def as_written(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    def as_written(self, model: torch.nn.Module, adapted: frozenset[str] = frozenset()) -> contextlib.AbstractContextManager:
         """A context within which ``model`` holds the values its files will load as, where the format rounds them
-        (a quantized output: ``quantization.QuantizedOutput.as_written``); the identity for the others."""
+        (a quantized output: ``quantization.QuantizedOutput.as_written``; ``adapted`` as for ``writer``); the identity
+        for the others."""
         return contextlib.nullcontext()
 
     def describe_output(self, path: str | os.PathLike) -> str:
         """What a checkpoint written at ``path`` is and how to use it, for the last line of a run."""
         dtypes = "/".join(sorted(dtype_name(d) for d in self.output_dtypes()))
-        return (f"{path} ({self.label} format{', ' + dtypes if dtypes else ''}): {self.loads_with.format(path=path)} "
+        line = (f"{path} ({self.label} format{', ' + dtypes if dtypes else ''}): {self.loads_with.format(path=path)} "
                 f"loads it; python scripts/convert.py {path} OUT --to hf|meta|native converts it")
+        return line + "".join(f"; WARNING: {warning}" for warning in dict.fromkeys(self.output_warnings))
 
-    def writer(self, state_dict: Mapping[str, Any]) -> Callable[[StagedDir], None]:
+    def writer(self, state_dict: Mapping[str, Any], adapted: frozenset[str] = frozenset()) -> Callable[[StagedDir], None]:
         """Check everything about ``state_dict["model"]`` now; return what writes it into a staged directory: the
         model in the input's files, the input's side files (``output_files`` in place of theirs) and the modules'
         extra state. The model may be lazy (a sharded model's ``dtensor_state.GatheredState``): its tensors are read
-        file by file, as each output file is written."""
+        file by file, as each output file is written. ``adapted``: the native keys a LoRA merge changed, which a
+        quantized format writes unquantized (re-quantizing would erase most of the adapter's update)."""
         native, extra = split_extra_state(state_dict["model"])
-        write_model = self._model_writer(native)
+        write_model = self._model_writer(native, adapted)
         files = dict(self.output_files)
 
         def write(stage: StagedDir) -> None:
@@ -213,11 +220,11 @@ class Checkpointer:
         return write
 
     def save_to(self, state_dict: Mapping[str, Any], target: str | os.PathLike,
-                check: Callable[[Path], Any] | None = None) -> Path:
+                check: Callable[[Path], Any] | None = None, adapted: frozenset[str] = frozenset()) -> Path:
         """``state_dict["model"]`` as a new directory ``target`` (it must not exist yet) in the input's format and
         files, committed atomically with a manifest. ``check(staged_dir)`` runs on the written files before they are
-        committed (an ``ExportCheck``); if it raises, nothing is committed."""
-        return write_directory(target, self.writer(state_dict), check)
+        committed (an ``ExportCheck``); if it raises, nothing is committed. ``adapted``: as for ``writer``."""
+        return write_directory(target, self.writer(state_dict, adapted), check)
 
     def save_checkpoint(self, state_dict: Mapping[str, Any], step: int) -> Path:
         """``save_to(state_dict, output_dir/step_{step})``; an existing ``step_{step}`` is never touched."""

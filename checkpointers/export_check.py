@@ -29,6 +29,9 @@ PROBE_SHAPE = (2, 64)  # batch x tokens
 # in another layout compute the same logits to rounding; fp32 is exact to 1e-5, half precisions to a few
 # units of their rounding (bf16: 8 bits of mantissa) over a model's layers
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+# past this (relative to max |logit|, at least 1) a quantized output's own rounding is more than a bf16 model's: the
+# run's last line says so
+QUANTIZATION_BOUND = 2e-2
 
 
 def probe_tokens(vocab_size: int, shape: tuple[int, int] = PROBE_SHAPE, seed: int = 0) -> torch.Tensor:
@@ -56,7 +59,8 @@ class ExportCheck:
 
     def __init__(self, model: nn.Module, shape: tuple[int, int] = PROBE_SHAPE,
                  report: Callable[[str], None] | None = None, reload: Callable[[Path], nn.Module] | None = None,
-                 written: Callable[[nn.Module], AbstractContextManager] | None = None, merged: bool = False) -> None:
+                 written: Callable[[nn.Module], AbstractContextManager] | None = None, merged: bool = False,
+                 warn: Callable[[str], None] | None = None) -> None:
         self.report = report
         # ``merged``: ``model`` computes with its LoRA adapters beside the weights, the export holds W + s * B @ A,
         # each weight rounded once more; with large adapters on every linear the fp32 logits then differ by about 1e-5
@@ -65,10 +69,14 @@ class ExportCheck:
         self.reload = reload  # directory -> a fresh model holding its weights (default: load_model, from its own files)
         self.tokens = probe_tokens(model.args.vocab_size, (shape[0], min(shape[1], model.args.max_seq_len)))
         # ``written(model)``: within it the model holds what the files will (a re-quantized output: the checkpointer's
-        # ``as_written``), so the check compares the layout, not the format's rounding
+        # ``as_written``), so the check compares the layout, not the format's rounding; the rounding itself is measured
+        # against the model as it trained (``trained``), reported, and past the bound handed to ``warn``
         # the experts each MoE layer chose, replayed in the reloaded model (``models.moe.same_routing``)
+        self.trained = probe_logits(model, self.tokens) if written is not None else None
+        self.warn = warn
         with (written or nullcontext)(model), same_routing(model) as self.routes:
             self.expected = probe_logits(model, self.tokens)
+        self.rounding: float | None = None  # max |dlogit| between the files as written and the model that trained
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.line = ""
         self.max_diff: float | None = None
@@ -105,6 +113,13 @@ class ExportCheck:
                                   "committed (this is a bug in the format's converter: please report it)")
         self.max_diff = diff
         self.line = f"export verified: max |dlogit| {diff:.3g} over {batch}x{length} tokens ({time.perf_counter() - started:.2f} s)"
+        if self.trained is not None:
+            self.rounding = (self.expected - self.trained).abs().max().item()
+            self.line += f"; the output's quantization moves the logits up to {self.rounding:.3g} from the model that trained"
+            if not self.rounding <= QUANTIZATION_BOUND * scale and self.warn is not None:
+                self.warn(f"the quantized output differs from the model that trained by up to {self.rounding:.3g} in the "
+                          "logits (its changed tensors re-quantized to the input's format); output_quantization: none "
+                          "writes the trained weights unquantized")
         log.info(self.line)
         if self.report is not None:
             self.report(self.line)

@@ -45,8 +45,9 @@ class HFCheckpointer(Checkpointer):
         output_dtype: ``None`` writes each tensor in the dtype its input twin had (config.json and the index
             say so); ``fp32``/``bf16``/``fp16`` writes every floating-point tensor in that dtype.
         output_quantization: for a quantized input (``quantization_config``, e.g. gpt-oss's MXFP4), ``input`` (the
-            default) writes it back quantized the same way, untouched tensors byte for byte; ``none`` writes the
-            dequantized model (``checkpointers.quantization``).
+            default) writes it back quantized the same way, untouched tensors byte for byte and a LoRA merge's
+            changed ones unquantized; ``requantize`` re-quantizes those too; ``none`` writes the dequantized model
+            (``checkpointers.quantization``).
     """
 
     name, label = "hf", "Hugging Face"
@@ -142,31 +143,36 @@ class HFCheckpointer(Checkpointer):
         return self._disk_prefix + key[len(self._added_prefix):]
 
     # -- save like the input ------------------------------------------------------------
-    def _model_writer(self, native: Mapping[str, torch.Tensor]):
+    def _model_writer(self, native: Mapping[str, torch.Tensor], adapted: frozenset[str] = frozenset()):
         if self.layout.weight_map is None:
             raise CheckpointError("save_checkpoint needs load_checkpoint first: the input's key -> file map is unknown")
         fmt = {None: self.layout.file_format, True: SAFETENSORS, False: TORCH}[self.safe_serialization]
-        converter = self.quantized.output_converter()
-        layout = self.quantized.output_layout(self.layout, self.converter.native_keys_to_save(native)).in_format(fmt)
+        keys = self.converter.native_keys_to_save(native)
+        unquantized = self.quantized.unquantized(keys, frozenset(adapted))  # a LoRA merge's changes, kept
+        converter = self.quantized.output_converter(unquantized)
+        layout = self.quantized.output_layout(self.layout, keys, unquantized).in_format(fmt)
         plan = plan_files(converter, native, layout)
         source_of = dict(zip(layout.files, self.layout.files))
+        dense = converter.dense_targets(keys) if unquantized else set()
+        modules = sorted({self._disk_key(k).rsplit(".", 1)[0] for k in dense})  # modules_to_not_convert
 
         def tensors_of(name: str) -> dict[str, torch.Tensor]:
             converted = converter.apply_groups(plan[name], native, forward=False, where=None)
             converted = self.quantized.keep_unchanged(plan[name], converted, native, self._source)
-            tensors = {self._disk_key(k): self._cast(k, converted[k]) for k in layout.keys_in(name)}
+            tensors = {self._disk_key(k): self._cast(k, converted[k], k in dense) for k in layout.keys_in(name)}
             return tensors | {k: t for k, (t, f) in self._passthrough.items() if f == source_of[name]}
 
         def write(stage: StagedDir) -> None:
             written = write_files(stage, layout, tensors_of, lambda name, _: self._file_metadata.get(source_of[name]) or {"format": "pt"},
                                   total_bytes=sum(nbytes(native, k) for k in native), is_parameter=converter.is_parameter)
-            stage.write_bytes(CONFIG_FILE, json_bytes(config_with_dtype(self.quantized.output_config(self.config), written)))
+            config = self.quantized.output_config(self.config, modules)
+            stage.write_bytes(CONFIG_FILE, json_bytes(config_with_dtype(config, written)))
         return write
 
-    def _cast(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``cast_for_output``; a dequantized output's weights (new keys, or FP8 ones) take the dtype of the input's
-        other weights."""
-        if self.quantized.dequantize and tensor.is_floating_point() and not self.output_dtype \
+    def _cast(self, key: str, tensor: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        """``cast_for_output``; a dequantized output's weights (new keys, or FP8 ones; ``dense``: one written
+        unquantized in a quantized output) take the dtype of the input's other weights."""
+        if (self.quantized.dequantize or dense) and tensor.is_floating_point() and not self.output_dtype \
                 and self.input_dtypes.get(key) not in HF_DTYPES:
             floats = [d for d in self.input_dtypes.values() if d in HF_DTYPES]
             return tensor.to(max(set(floats), key=floats.count)) if floats else tensor
@@ -184,8 +190,8 @@ class HFCheckpointer(Checkpointer):
         line = super().describe_output(path)
         return line.replace(" format", f" format, {self.quantized.method} like the input", 1) if self.rounds else line
 
-    def as_written(self, model: torch.nn.Module):
-        return self.quantized.as_written(model, self._source)
+    def as_written(self, model: torch.nn.Module, adapted: frozenset[str] = frozenset()):
+        return self.quantized.as_written(model, self._source, frozenset(adapted))
 
     # -- a new HF checkpoint ------------------------------------------------------------
     @classmethod

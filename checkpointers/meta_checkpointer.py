@@ -198,7 +198,7 @@ class MetaCheckpointer(Checkpointer):
                          max_seq_len=8192 if vocab >= 128000 else 4096, **scaling)
 
     # -- save like the input -----------------------------------------------------------
-    def _model_writer(self, native: Mapping[str, torch.Tensor]):
+    def _model_writer(self, native: Mapping[str, torch.Tensor], adapted: frozenset[str] = frozenset()):  # nothing quantized
         if self.split_dims is None:
             raise CheckpointError("save_checkpoint needs load_checkpoint first: the input's model-parallel split is unknown")
         groups = self.converter.plan(self.converter.native_keys_to_save(native), "native")

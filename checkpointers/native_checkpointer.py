@@ -102,7 +102,7 @@ class NativeCheckpointer(Checkpointer):
         return self.converter.to_native(read.tensors, read.where)
 
     # -- save like the input ------------------------------------------------------------
-    def _model_writer(self, native: Mapping[str, torch.Tensor]):
+    def _model_writer(self, native: Mapping[str, torch.Tensor], adapted: frozenset[str] = frozenset()):  # nothing quantized
         if self.layout.weight_map is None:
             raise CheckpointError("save_checkpoint needs load_checkpoint first: the input's key -> file map is unknown")
         layout = self.layout.in_format({None: self.layout.file_format, True: SAFETENSORS, False: TORCH}[self.safe_serialization])

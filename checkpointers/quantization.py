@@ -9,11 +9,17 @@ Writing (``QuantizedOutput``), by ``output_quantization``:
 
 - ``input`` (the default): the input's format, keys, shapes, files and ``quantization_config``. A tensor the run
   did not change is written with its original bytes (its dequantized values equal the native tensor's: a LoRA run's
-  ``merged/`` that leaves the experts alone reproduces them bitwise); a changed one is re-quantized with the format's
-  published rounding. Such files hold less than the model that trained, so a resume takes the model from the recipe
-  state (``narrows``), and an export check compares with the model as written (``as_written``).
+  ``merged/`` that leaves the experts alone reproduces them bitwise); one a full fine-tune changed is re-quantized
+  with the format's published rounding. A tensor a LoRA merge changed (``adapted``) is written unquantized, in the
+  dtype of the input's other weights, its module named in ``quantization_config.modules_to_not_convert`` (as
+  transformers and vLLM read it): re-quantizing would erase most of the adapter's small update.
+- ``requantize``: as ``input``, a LoRA merge's changed tensors re-quantized too (the input's format throughout).
 - ``none``: the dense layout in the input's files, the dtype of the input's other weights, and no
   ``quantization_config``: what transformers' ``save_pretrained`` writes for a dequantized model.
+
+Re-quantized files hold less than the model that trained, so a resume takes the model from the recipe state
+(``narrows``); an export check compares the files with the model as written (``as_written``, the layout's check) and
+reports how far that is from the model that trained (the re-quantization's own change).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from waypoint.errors import CheckpointError
 PACKED_KEYS = {"mxfp4": re.compile(r"_(blocks|scales)$"), "fp8": None}  # quant_method -> keys holding integer bytes
 FORMATS = {"mxfp4": "MXFP4: FP4 E2M1 values in blocks of 32 along the input features, one E8M0 scale a block",
            "fp8": "block FP8: float8_e4m3fn weights, one weight_scale_inv per block of {block}"}
-OUTPUT_QUANTIZATION = ("input", "none")
+OUTPUT_QUANTIZATION = ("input", "requantize", "none")
 DENSE = "dense"  # the family layout of a dequantized model
 
 
@@ -110,11 +116,17 @@ class QuantizedOutput:
             if self.method == "fp8" else None
         self.source, self.dtype = source, config_dtype(config)
         self.dequantize = self.method is not None and choice == "none"
+        self.keeps_adapted = choice == "input"  # a LoRA merge's changed tensors written unquantized
+        self.input_unquantized: frozenset[str] = frozenset()  # native keys the input itself holds unquantized
         self.converter = self.dense = converter
 
     def adopt(self, hf_keys: list[str]) -> Converter:
         """The converter for a checkpoint with these keys: for block FP8, the family's rules reading the weights the
-        checkpoint holds in FP8 with their scales (``converters.fp8``); the family's own otherwise."""
+        checkpoint holds in FP8 with their scales (``converters.fp8``); for MXFP4, the family's quantized layout, which
+        also reads the tensors a LoRA merge wrote unquantized beside the packed ones (``unquantized``); the family's
+        own otherwise."""
+        if self.method == "mxfp4":
+            return self._adopt_mxfp4(hf_keys)
         if self.method != "fp8":
             return self.converter
         from waypoint.converters.fp8 import FP8Blocks, fp8_rules, is_scale_key
@@ -124,6 +136,18 @@ class QuantizedOutput:
         rules = lambda rs: [replace_op(r, FP8Blocks, dtype=self.dtype) for r in fp8_rules(rs, hf_keys, self.block)]  # noqa: E731
         self.converter = replace(self.dense, rules=rules(self.dense.rules),
                                  variants={name: rules(rs) for name, rs in self.dense.variants.items()})
+        return self.converter
+
+    def _adopt_mxfp4(self, hf_keys: list[str]) -> Converter:
+        quantized, dense = replace(self.converter, variant=self.method), replace(self.converter, variant=DENSE)
+        plain = [k for k in hf_keys if not quantized.matches(k, "hf") and dense.matches(k, "hf")]
+        if not plain:
+            self.converter = quantized
+            return self.converter
+        # some of the layout's tensors unquantized (modules_to_not_convert, a LoRA's merge): both layouts' rules read
+        both = self.converter.variants[self.method] + self.converter.variants[DENSE]
+        self.input_unquantized = frozenset(t for g in dense.plan(plain, "hf") for t in g.targets)
+        self.converter = replace(self.converter, variants={**self.converter.variants, self.method: both}, variant=self.method)
         return self.converter
 
     def packed(self, key: str) -> bool:
@@ -137,19 +161,35 @@ class QuantizedOutput:
         return self.method is not None and not self.dequantize
 
     # -- the output's converter, layout and config ---------------------------------------------------------
-    def output_converter(self) -> Converter:
-        if not self.dequantize:
-            return self.converter
-        return replace(self.converter, variant=DENSE) if self.method == "mxfp4" else self.dense
+    def unquantized(self, native_keys: list[str], adapted: frozenset[str]) -> frozenset[str]:
+        """The native keys written unquantized: every key of a quantized group a LoRA merge changed (``adapted``),
+        where ``output_quantization: input`` keeps those."""
+        if not self.lossy:
+            return frozenset()
+        adapted = adapted if self.keeps_adapted else frozenset()
+        keep = adapted | self.input_unquantized
+        return frozenset(k for g in self.converter.plan(native_keys, "native")
+                         if is_lossy(g.rule.op) and keep.intersection(g.sources) for k in g.sources)
 
-    def output_layout(self, layout: ShardLayout, native_keys: list[str]) -> ShardLayout:
-        """The input's layout, or for a dequantized output the dense keys, each in the file its quantized twin was in."""
-        if not self.dequantize:
+    def _dense_converter(self) -> Converter:
+        if self.method == "mxfp4":
+            return replace(self.converter, variants=self.dense.variants, variant=DENSE)
+        return self.dense
+
+    def output_converter(self, unquantized: frozenset[str] = frozenset()):
+        if self.dequantize:
+            return self._dense_converter()
+        return PartlyDense(self.converter, self._dense_converter(), unquantized) if unquantized else self.converter
+
+    def output_layout(self, layout: ShardLayout, native_keys: list[str], unquantized: frozenset[str] = frozenset()) -> ShardLayout:
+        """The input's layout, or for a dequantized output (or its ``unquantized`` keys) the dense keys, each in the
+        file its quantized twin was in."""
+        if not self.dequantize and not unquantized:
             return layout
         quantized = {frozenset(g.sources): g.targets for g in self.converter.plan(native_keys, "native")}
         weight_map = dict(layout.weight_map)
         renamed: dict[str, list[str]] = {}
-        for g in self.output_converter().plan(native_keys, "native"):
+        for g in self.output_converter(unquantized).plan(native_keys, "native"):
             before = quantized[frozenset(g.sources)]
             if set(before) != set(g.targets):
                 file = layout.weight_map[before[0]]
@@ -161,8 +201,15 @@ class QuantizedOutput:
                         for f in layout.files}
         return ShardLayout(layout.files, weight_map, layout.index_name, dict(layout.index_metadata)).with_keys(keys_by_file)
 
-    def output_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in config.items() if not (self.dequantize and k == "quantization_config")}
+    def output_config(self, config: Mapping[str, Any], unquantized_modules: list[str] = ()) -> dict[str, Any]:
+        """config.json: without ``quantization_config`` when dequantized; with the modules written unquantized added
+        to its ``modules_to_not_convert``."""
+        config = {k: v for k, v in config.items() if not (self.dequantize and k == "quantization_config")}
+        if unquantized_modules and "quantization_config" in config:
+            q = dict(config["quantization_config"])
+            q["modules_to_not_convert"] = list(dict.fromkeys([*(q.get("modules_to_not_convert") or []), *unquantized_modules]))
+            config["quantization_config"] = q
+        return config
 
     # -- what a load report and scripts/inspect.py say --------------------------------------------------------
     def notes(self, hf_keys: list[str], native: Mapping[str, torch.Tensor]) -> list[str]:
@@ -197,16 +244,19 @@ class QuantizedOutput:
         return converted
 
     @contextlib.contextmanager
-    def as_written(self, model: torch.nn.Module, source: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    def as_written(self, model: torch.nn.Module, source: Mapping[str, torch.Tensor],
+                   adapted: frozenset[str] = frozenset()) -> Iterator[None]:
         """Within: ``model``'s parameters that the output re-quantizes hold the values the files will load as (each
         round-tripped through the format; those still equal to what the input's bytes (``source``) load as are kept
-        with those bytes, so they stay), the trained values restored on exit."""
+        with those bytes, so they stay; those written unquantized (``adapted``: see ``unquantized``) keep their
+        values), the trained values restored on exit."""
         if not self.lossy:
             yield
             return
         params = dict(model.named_parameters())
-        groups = [g for g in self.converter.plan([k for k in params if not k.endswith("_extra_state")], "native")
-                  if is_lossy(g.rule.op)]
+        keys = [k for k in params if not k.endswith("_extra_state")]
+        dense = self.unquantized(keys, adapted)
+        groups = [g for g in self.converter.plan(keys, "native") if is_lossy(g.rule.op) and not dense.intersection(g.sources)]
         kept: dict[str, torch.Tensor] = {}
         try:
             with torch.no_grad():
@@ -223,6 +273,26 @@ class QuantizedOutput:
             with torch.no_grad():
                 for key, value in kept.items():
                     _local(params[key]).copy_(value)
+
+
+class PartlyDense:
+    """The output converter of a quantized input some of whose tensors are written unquantized: ``dense``'s rules for
+    the groups of those native keys (``unquantized``), ``quantized``'s for the rest."""
+
+    def __init__(self, quantized: Converter, dense: Converter, unquantized: frozenset[str]) -> None:
+        self.quantized, self.dense, self.unquantized = quantized, dense, unquantized
+
+    def plan(self, keys, side: str, where=None) -> list[Group]:
+        keys = list(keys)
+        return (self.quantized.plan([k for k in keys if k not in self.unquantized], side, where)
+                + self.dense.plan([k for k in keys if k in self.unquantized], side, where))
+
+    def dense_targets(self, keys) -> set[str]:
+        """The output keys written unquantized."""
+        return {t for g in self.dense.plan([k for k in keys if k in self.unquantized], "native") for t in g.targets}
+
+    def __getattr__(self, name: str):  # native_keys_to_save, apply_groups, is_parameter: the quantized converter's
+        return getattr(self.quantized, name)
 
 
 def _unchanged(group: Group, values: list[torch.Tensor], source: Mapping[str, torch.Tensor]) -> bool:

@@ -109,6 +109,10 @@ class Converter:
         """Whether an HF key holds a parameter (what ``num_parameters()`` counts), not a buffer."""
         return not any(re.search(p, hf_key) for p in self.buffers)
 
+    def matches(self, key: str, side: str) -> bool:
+        """Whether a rule of the layout in use names ``key`` (of ``side``: 'hf' or 'native')."""
+        return any(regex.match(key) for _, _, regex in self._patterns(side))
+
     def is_ignored(self, hf_key: str) -> bool:
         return any(re.search(p, hf_key) for p in self.ignore)
 

@@ -256,6 +256,14 @@ class MergedState(Mapping):
     def __iter__(self):
         return (k for k in self._state if not self._is_adapter(k))
 
+    def adapted_keys(self) -> frozenset[str]:
+        """The keys an adapter's update is folded into (a quantized output keeps them unquantized)."""
+        def adapted(key: str) -> bool:
+            owner, _, leaf = key.rpartition(".")
+            rows = adapted_rows(key)
+            return (leaf == "weight" and owner in self._scalings) or (rows is not None and rows[0] in self._scalings)
+        return frozenset(k for k in self if adapted(k))
+
     def __len__(self) -> int:
         return sum(1 for _ in self)
 

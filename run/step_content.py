@@ -59,7 +59,8 @@ def model_step(model, optimizer, checkpointer, recipe: RecipeState, final: bool,
     """The full fine-tune's step ``recipe.global_step``; ``final``: the run's last."""
     optim = optimizer_state(model, optimizer)
     model_state = model.state_dict()
-    check = ExportCheck(model, report=report, reload=verify, written=checkpointer.as_written) if verify and final else None
+    check = ExportCheck(model, report=report, reload=verify, written=checkpointer.as_written if checkpointer.rounds else None,
+                        warn=checkpointer.output_warnings.append) if verify and final else None
     if not dist.enabled:  # one process: whole tensors, in the input's format, and the recipe state beside them
         recipe.optimizer = optim
 
@@ -103,6 +104,8 @@ def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, convert
     recipe.optimizer = optimizer_state(model, optimizer, whole=True)
     scalings = {name: m.scaling for name, m in lora_modules(model).items()}
     model_state = model.state_dict() if merge else None
+    # the keys an adapter changes: a quantized output keeps them unquantized (output_quantization: input)
+    adapted = MergedState(model_state, scalings).adapted_keys() if merge else frozenset()
     check = None
     if merge and verify:
         quantized = any(is_quantized_base(p) for p in model.parameters())
@@ -111,8 +114,9 @@ def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, convert
             check = ExportCheck(model, report=report, reload=verify, merged=True)
         elif not dist.enabled:  # a 4-bit base computes something else, a re-quantized output holds something else:
             # the reference is the merge itself, in memory (as the output's format rounds it)
+            written = (lambda m: checkpointer.as_written(m, adapted)) if checkpointer.rounds else None
             check = _merged_reference_check(model, model_state, scalings, original, sources, verify, report,
-                                            checkpointer.as_written if checkpointer.rounds else None)
+                                            written, checkpointer.output_warnings.append)
         else:
             report("note: the merged model is not read back under torchrun with quantize_base (its full-precision "
                    "reference would have to be gathered); scripts/convert.py --verify checks it afterwards")
@@ -124,7 +128,7 @@ def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, convert
             if merge:
                 with GatheredState(model_state) if dist.enabled else nullcontext({**model_state, **state["adapter"]}) as whole:
                     checkpointer.save_to({"model": MergedState(whole, scalings, original, sources)},
-                                         stage.path / MERGED_DIR, check=check)
+                                         stage.path / MERGED_DIR, check=check, adapted=adapted)
         return write
     return StepContent({"adapter": adapter, "recipe_state": recipe.as_dict()}, writer,
                        serve=(lambda: serve_gathers(model_state)) if merge else None)
@@ -138,14 +142,14 @@ def write_gathered(stage: StagedDir, checkpointer, model_state: Mapping[str, Any
 
 
 def _merged_reference_check(model, model_state, scalings, original, sources, verify: ExportReload, report,
-                            written=None) -> ExportCheck:
+                            written=None, warn=None) -> ExportCheck:
     # in the model's dtype; where the output rounds (re-quantizes) the merge, in the dtypes the writer is given,
     # so the reference is rounded from the very values the files are
     dtype = None if written is not None else next(p.dtype for p in model.parameters()
                                                   if p.is_floating_point() and not is_quantized_base(p))
     reference = verify.fresh_model()
     load_into(reference, MergedState(model_state, scalings, original, sources), dtype=dtype, device="cpu")
-    check = ExportCheck(reference, report=report, reload=verify, written=written)
+    check = ExportCheck(reference, report=report, reload=verify, written=written, warn=warn)
     del reference
     return check
 

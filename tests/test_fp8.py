@@ -122,8 +122,15 @@ def test_output_quantization_none_writes_the_dense_model(qwen3, tmp_path):
         assert (theirs(TOKENS).logits - hf_model(TOKENS).logits).abs().max().item() <= 1e-5
 
 
-def test_a_lora_run_over_fp8_writes_fp8_with_the_untouched_weights_as_they_were(tmp_path):
+@pytest.mark.parametrize("quantization", ["input", "requantize"])
+def test_a_lora_run_over_fp8_writes_fp8_with_the_untouched_weights_as_they_were(tmp_path, quantization):
+    """merged/ is FP8 with every untouched weight and scale as it was; the adapted projections are written unquantized
+    by default (their modules in modules_to_not_convert, which transformers reads as our merge computes), re-quantized
+    with output_quantization=requantize."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
     from recipes import lora_finetune
+    from waypoint.checkpointers import build_model, load_into
 
     base = tmp_path / "base"
     write_fp8_checkpoint(base, tiny_family_config("qwen3", vocab_size=512, max_position_embeddings=256), block=BLOCK)
@@ -132,12 +139,29 @@ def test_a_lora_run_over_fp8_writes_fp8_with_the_untouched_weights_as_they_were(
     out = tmp_path / "out"
     assert lora_finetune.main(["--config", str(ROOT / "configs/tiny_lora.yaml"), f"checkpointer.checkpoint_dir={base}",
                                f"output_dir={out}", "epochs=1", "max_steps_per_epoch=2", "batch_size=4",
-                               "lora.targets=[q_proj,v_proj]", "lr_scheduler.num_warmup_steps=1"]) == 0
+                               "lora.targets=[q_proj,v_proj]", "lr_scheduler.num_warmup_steps=1",
+                               f"checkpointer.output_quantization={quantization}"]) == 0
     merged = out / "step_2" / "merged"
-    assert json.loads((merged / "config.json").read_text()) == json.loads((base / "config.json").read_text())
+    config, input_config = json.loads((merged / "config.json").read_text()), json.loads((base / "config.json").read_text())
     before, after = files_of(base), files_of(merged)
-    differs = {k for name in before for k in before[name] if not torch.equal(as_bytes(before[name][k]), as_bytes(after[name][k]))}
-    assert differs and all(".q_proj." in k or ".v_proj." in k for k in differs)  # the adapted ones, re-quantized
+    if quantization == "requantize":
+        assert config == input_config
+        differs = {k for name in before for k in before[name] if not torch.equal(as_bytes(before[name][k]), as_bytes(after[name][k]))}
+        assert differs and all(".q_proj." in k or ".v_proj." in k for k in differs)  # the adapted ones, re-quantized
+        return
+    adapted = [f"model.layers.{i}.self_attn.{p}" for i in range(3) for p in ("q_proj", "v_proj")]
+    assert config["quantization_config"].pop("modules_to_not_convert") == sorted(adapted)
+    assert config == input_config
+    untouched = {k for name in before for k in before[name] if not any(k.startswith(m + ".") for m in adapted)}
+    assert all(torch.equal(as_bytes(before[n][k]), as_bytes(after[n][k])) for n in before for k in before[n] if k in untouched)
+    written = {k: t for name in after for k, t in after[name].items()}
+    assert all(written[f"{m}.weight"].dtype == torch.float32 and f"{m}.weight_scale_inv" not in written for m in adapted)
+    theirs = AutoModelForCausalLM.from_pretrained(merged, quantization_config=FineGrainedFP8Config(dequantize=True),
+                                                  dtype=torch.float32).eval()
+    ours = build_model(merged)
+    load_into(ours, HFCheckpointer(merged, output_dir=tmp_path / "unused").load_checkpoint()["model"], dtype=torch.float32)
+    with torch.no_grad():
+        assert (theirs(TOKENS).logits - ours.eval()(TOKENS)).abs().max().item() <= 1e-5
 
 
 def test_fp8_config_without_scales_is_one_line(qwen3, tmp_path):

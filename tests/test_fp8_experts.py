@@ -180,7 +180,7 @@ def test_the_lora_recipe_over_fp8_experts_writes_their_bytes_back(tmp_path, caps
     code = lora_finetune.main(["--config", str(ROOT / "configs/tiny_qlora.yaml"), f"checkpointer.checkpoint_dir={base}",
                                f"output_dir={out}", "epochs=1", "max_steps_per_epoch=2", "batch_size=2",
                                "lora.targets=[q_b_proj,output_proj]", "lr_scheduler.num_warmup_steps=1",
-                               "quantize_base=fp8"])
+                               "quantize_base=fp8", "checkpointer.output_quantization=requantize"])  # (default: test_fp8)
     printed = capsys.readouterr().out
     assert code == 0, printed
     held = sum(1 for line in printed.splitlines() if line.startswith("fp8: ") and ", 0 re-quantized" in line)

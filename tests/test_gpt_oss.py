@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from waypoint.checkpointers import CheckpointError, HFCheckpointer, load_model
+from waypoint.checkpointers import CheckpointError, HFCheckpointer, build_model, load_into, load_model
 from waypoint.checkpointers.file_formats import read_tensors
 from waypoint.checkpointers.peft_adapter import load_adapter
 from waypoint.converters.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -104,7 +104,7 @@ def test_output_quantization_none_writes_the_dense_model_transformers_reads(mxfp
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():  # the dequantized values are exact: the same logits as the quantized input's
         assert (theirs(TOKENS).logits - hf_model(TOKENS).logits).abs().max().item() <= 1e-5
-    with pytest.raises(CheckpointError, match="output_quantization='bf16' is not one of input, none"):
+    with pytest.raises(CheckpointError, match="output_quantization='bf16' is not one of input, requantize, none"):
         HFCheckpointer(path, output_dir=tmp_path, output_quantization="bf16")
 
 
@@ -218,13 +218,18 @@ def test_the_load_report_and_inspect_show_the_quantized_tensors(mxfp4, tmp_path,
     assert total == [line for line in capsys.readouterr().out.splitlines() if line.startswith("total:")]  # the same parameters
 
 
-@pytest.mark.parametrize("targets,dtype", [("[q_proj,v_proj]", "fp32"), ("[q_proj,experts_gate_up,experts_down]", "fp32"),
-                                          ("[q_proj,experts_gate_up,experts_down]", "bf16")],
-                         ids=["attention", "experts", "experts-bf16"])
-def test_lora_run_on_mxfp4_merges_into_mxfp4(tmp_path, targets, dtype):
-    """The LoRA recipe on the MXFP4 release shape: merged/ is MXFP4 again; experts the adapters did not touch are
-    the input's bytes, adapted ones the merge re-quantized (the export check compared the merge as written)."""
+@pytest.mark.parametrize("targets,dtype,quantization", [
+    ("[q_proj,v_proj]", "fp32", "input"), ("[q_proj,experts_gate_up,experts_down]", "fp32", "input"),
+    ("[q_proj,experts_gate_up,experts_down]", "bf16", "input"), ("[q_proj,experts_gate_up,experts_down]", "fp32", "requantize")],
+    ids=["attention", "experts", "experts-bf16", "experts-requantized"])
+def test_lora_run_on_mxfp4_merges_into_mxfp4(tmp_path, capsys, targets, dtype, quantization):
+    """The LoRA recipe on the MXFP4 release shape: merged/ is MXFP4 again and experts the adapters did not touch are
+    the input's bytes. Adapted experts are written unquantized by default (re-quantizing erases most of the update),
+    their modules in modules_to_not_convert, and transformers reads the mix as our adapted model computes; with
+    output_quantization=requantize they are re-quantized, and the run says how far that moved the logits."""
     import shutil
+
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
     from recipes import lora_finetune
     from waypoint.models.lora import merge_state_dict
@@ -236,30 +241,63 @@ def test_lora_run_on_mxfp4_merges_into_mxfp4(tmp_path, targets, dtype):
     out = tmp_path / "out"
     assert lora_finetune.main(["--config", str(ROOT / "configs/tiny_lora.yaml"), f"checkpointer.checkpoint_dir={base}",
                                f"output_dir={out}", "epochs=1", "max_steps_per_epoch=3", "batch_size=4",
-                               f"lora.targets={targets}", "lr_scheduler.num_warmup_steps=1", f"dtype={dtype}"]) == 0
+                               f"lora.targets={targets}", "lr_scheduler.num_warmup_steps=1", f"dtype={dtype}",
+                               f"checkpointer.output_quantization={quantization}"]) == 0
+    printed = capsys.readouterr().out
     final = out / "step_3"
     merged = final / "merged"
-    assert json.loads((merged / "config.json").read_text()) == json.loads((base / "config.json").read_text())
+    experts_adapted = "experts" in targets
+    config, input_config = json.loads((merged / "config.json").read_text()), json.loads((base / "config.json").read_text())
+    kept_dense = experts_adapted and quantization == "input"
+    if kept_dense:  # the adapted experts' modules, each layer's, not converted
+        skipped = config["quantization_config"].pop("modules_to_not_convert")
+        assert skipped == input_config["quantization_config"]["modules_to_not_convert"] + \
+            ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+        input_config["quantization_config"].pop("modules_to_not_convert")
+    assert config == input_config
     before, after = files_of(base), files_of(merged)
     experts = {k for name in before for k in before[name] if k.endswith(("_blocks", "_scales"))}
-    same = {k for name in before for k in before[name] if torch.equal(before[name][k], after[name][k])}
-    if "experts" in targets:  # gate_up and down adapted in every layer: all re-quantized
+    same = {k for name in before for k in before[name] if k in after[name] and torch.equal(before[name][k], after[name][k])}
+    if kept_dense:
+        written = {k for name in after for k in after[name]}
+        assert not experts & written and {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"} <= written
+        others = {before[name][k].dtype for name in before for k in before[name] if k.endswith("q_proj.weight")}
+        assert {after[name][k].dtype for name in after for k in after[name] if k.endswith(("gate_up_proj", "down_proj"))} == \
+            others, "written in the dtype of the input's other weights"
+    elif experts_adapted:  # gate_up and down adapted in every layer: all re-quantized
         assert not experts & same
-        assert json.loads((final / "adapter_config.json").read_text())["target_parameters"] == \
-            ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     else:
         assert experts <= same
-    # merged/ holds the merge of the input's values, as the format rounds it
+    if experts_adapted:
+        assert json.loads((final / "adapter_config.json").read_text())["target_parameters"] == \
+            ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    (verified,) = [line for line in printed.splitlines() if line.startswith("export verified")]
+    (done,) = [line for line in printed.splitlines() if line.startswith("done:")]
+    if quantization == "requantize":  # the check says what the re-quantization cost, and the last line warns
+        moved = float(verified.rsplit("up to ", 1)[1].split()[0])
+        assert moved > 0.05 and "WARNING: the quantized output differs from the model that trained" in done \
+            and "output_quantization: none" in done
+    else:
+        assert "WARNING" not in done
+    # merged/ holds the merge of the input's values (as the format rounds it where it re-quantizes)
     ckpt = HFCheckpointer(base, output_dir=tmp_path / "unused")
-    adapter, config = load_adapter(final, ckpt.hf_converter())
-    expected = merge_state_dict(dict(ckpt.load_checkpoint()["model"]), adapter, config["lora_alpha"] / config["r"])
+    adapter, adapter_config = load_adapter(final, ckpt.hf_converter())
+    expected = merge_state_dict(dict(ckpt.load_checkpoint()["model"]), adapter, adapter_config["lora_alpha"] / adapter_config["r"])
     reread = HFCheckpointer(merged, output_dir=tmp_path / "unused").load_checkpoint()["model"]
     if dtype == "bf16":  # the export check passed (routing replayed, the fp32 files read back in bf16); merged in bf16
         return
     for key in ("layers.0.moe.w1", "layers.1.moe.w2"):
         values = expected[key].float()
-        rounded = dequantize_mxfp4(*quantize_mxfp4(values), torch.float32) if "experts" in targets else values
-        assert torch.equal(reread[key].float(), rounded), key
+        if experts_adapted and not kept_dense:
+            values = dequantize_mxfp4(*quantize_mxfp4(values), torch.float32)
+        assert torch.equal(reread[key].float(), values), key
+    if kept_dense:  # transformers reads the mix of packed and unquantized experts as we do
+        theirs = AutoModelForCausalLM.from_pretrained(merged, quantization_config=Mxfp4Config(dequantize=True),
+                                                      dtype=torch.float32).eval()
+        model = build_model(merged)
+        load_into(model, reread, dtype=torch.float32)
+        with torch.no_grad():
+            assert (theirs(TOKENS).logits - model.eval()(TOKENS)).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("targets,expected", [
@@ -274,3 +312,35 @@ def test_expert_targets_on_a_dense_model_are_one_line(tmp_path, capsys, targets,
                                f"output_dir={out}", f"lora.targets={targets}"])
     err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error" in line]
     assert code == 1 and err == [expected]
+
+
+def test_a_full_fine_tune_written_back_in_mxfp4_says_how_far_the_files_are_from_the_trained_model(tmp_path, capsys):
+    """The export check compares the files with the model as the format rounds it (the layout) and measures that
+    rounding against the model that trained: the figure it prints is the logit distance between the MXFP4 output and
+    the same run written unquantized, and the run's last line warns and names output_quantization: none."""
+    import shutil
+
+    from recipes import full_finetune
+    from waypoint.checkpointers.export_check import probe_logits, probe_tokens
+
+    base = tmp_path / "base"
+    write_mxfp4_checkpoint(base, tiny_family_config("gpt_oss", vocab_size=512, max_position_embeddings=256))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / f, base / f)
+    printed = {}
+    for quantization in ("input", "none"):
+        assert full_finetune.main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={base}",
+                                   f"output_dir={tmp_path / quantization}", "epochs=1", "max_steps_per_epoch=3",
+                                   "batch_size=4", "lr_scheduler.num_warmup_steps=1", "optimizer.lr=3e-3",
+                                   f"checkpointer.output_quantization={quantization}"]) == 0
+        printed[quantization] = capsys.readouterr().out.splitlines()
+    (verified,) = [line for line in printed["input"] if line.startswith("export verified")]
+    moved = float(verified.split("moves the logits up to ")[1].split()[0])
+    tokens = probe_tokens(512, (2, 64))
+    written, trained = (probe_logits(load_model(tmp_path / q / "step_3"), tokens) for q in ("input", "none"))
+    measured = (written - trained).abs().max().item()
+    assert measured > 0.05 and abs(moved - measured) <= 5e-3 * measured, (moved, measured)  # printed to 3 digits
+    (done,) = [line for line in printed["input"] if line.startswith("done:")]
+    assert f"WARNING: the quantized output differs from the model that trained by up to {moved:.3g}" in done
+    assert "output_quantization: none writes the trained weights unquantized" in done
+    assert not any("quantization moves" in line or "WARNING" in line for line in printed["none"])
