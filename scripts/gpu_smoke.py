@@ -8,7 +8,7 @@ save: the checkpoint, ``merged/`` and the export check are where device bugs liv
 trained on an H200 and died at its first save). Cases: full fine-tuning (fp32, bf16, asynchronous saves), chat,
 LoRA (fp32, bf16, asynchronous saves with every step merged), QLoRA (NF4), DPO (full, LoRA, QLoRA), generation and
 lm-eval over what they wrote, torchrun FSDP2 on one GPU (full and LoRA), and the mixture-of-experts and quantized
-families (Qwen3-MoE with LoRA on its experts, DeepSeek-V3, gpt-oss in MXFP4 with its experts kept packed, a block-FP8
+families (Qwen3-MoE, DeepSeek-V3 with LoRA on its latent attention, gpt-oss in MXFP4 with LoRA on its experts kept packed, a block-FP8
 Qwen3 kept in FP8), whose tiny checkpoints are written by transformers' own classes (``tests/conftest.py``).
 
 Prints ``PASS``, ``FAIL`` or ``SKIP`` (what is missing, e.g. lm-eval or transformers) with the case, its seconds and,
@@ -88,10 +88,10 @@ CASES = [
     Case("torchrun-full", recipe("full_finetune", "tiny"), torchrun=True),
     Case("torchrun-lora", recipe("lora_finetune", "tiny_lora"), torchrun=True),
     Case("qwen3-moe-full", recipe("full_finetune", "tiny"), base="qwen3_moe", needs=FAMILY),
-    Case("qwen3-moe-lora-experts", recipe("lora_finetune", "tiny_lora", "lora.targets=[q_proj,experts_gate_up,experts_down]"),
+    Case("qwen3-moe-lora", recipe("lora_finetune", "tiny_lora", "lora.targets=[q_proj,v_proj,output_proj]"),
          base="qwen3_moe", needs=FAMILY),
     Case("deepseek-v3-full-bf16", recipe("full_finetune", "tiny", "dtype=bf16"), base="deepseek_v3", needs=FAMILY),
-    Case("deepseek-v3-lora", recipe("lora_finetune", "tiny_lora", "lora.targets=[q_a_proj,kv_b_proj,experts_down]"),
+    Case("deepseek-v3-lora", recipe("lora_finetune", "tiny_lora", "lora.targets=[q_a_proj,kv_b_proj,output_proj]"),
          base="deepseek_v3", needs=FAMILY),
     Case("gpt-oss-mxfp4-full", recipe("full_finetune", "tiny"), base="gpt_oss_mxfp4", needs=FAMILY),
     Case("gpt-oss-mxfp4-lora-experts", recipe("lora_finetune", "tiny_lora", "lora.targets=[q_proj,experts_gate_up]",
