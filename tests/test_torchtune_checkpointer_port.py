@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from tests.conftest import tiny_family_config, tiny_llama_config, write_family_checkpoint, write_hf_checkpoint
+from tests.conftest import ROOT, tiny_family_config, tiny_llama_config, write_family_checkpoint, write_hf_checkpoint
 from waypoint.checkpointers import (CheckpointError, HFCheckpointer, MetaCheckpointer, NativeCheckpointer, build_model,
                                     load_into)
 from waypoint.checkpointers.file_formats import read_tensors
@@ -412,3 +413,100 @@ def test_saved_adapter_loads_in_peft_as_the_lora_model_computes(hf_checkpoint, t
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_checkpoint), out).eval()
     with torch.no_grad():
         assert (peft(tokens).logits - model(tokens)).abs().max().item() <= 1e-4
+
+
+# -- the config: _component_ and torchtune's checkpointer components --------------------------------------------------------
+TORCHTUNE_SECTION = """
+checkpointer:
+  _component_: {component}
+  checkpoint_dir: {checkpoint_dir}
+  checkpoint_files:
+    filename_format: model-{{}}-of-{{}}.safetensors
+    max_filename: "00003"
+  recipe_checkpoint: null
+  output_dir: ${{output_dir}}
+  model_type: LLAMA3_2
+resume_from_checkpoint: False
+"""
+
+
+def torchtune_config(tmp_path: Path, component: str = "torchtune.training.FullModelHFCheckpointer", extra: str = "") -> Path:
+    """configs/tiny.yaml with its checkpointer section as torchtune 0.6.1's llama3_2/1B_full_single_device.yaml
+    writes it (the tiny asset's three shards in its filename_format form)."""
+    text = (ROOT / "configs/tiny.yaml").read_text()
+    text = text.replace("  - checkpointer: hf   # checkpointer=meta / checkpointer=native switch the format\n", "")
+    text = text.replace("checkpointer:\n  checkpoint_dir: assets/tiny_llama\n",
+                        TORCHTUNE_SECTION.format(component=component, checkpoint_dir=ROOT / "assets/tiny_llama"))
+    path = tmp_path / "torchtune_style.yaml"
+    path.write_text(text + extra)
+    return path
+
+
+def test_torchtune_checkpointer_section_composes_and_instantiates(tmp_path, capsys):
+    from hydra.utils import instantiate
+
+    from waypoint.cli.config import parse_config
+
+    cfg = parse_config(["--config", str(torchtune_config(tmp_path)), f"output_dir={tmp_path / 'run'}"])
+    assert capsys.readouterr().out.splitlines() == [
+        "note: _component_ (torchtune's name) read as _target_ in checkpointer "
+        "(torchtune.training.FullModelHFCheckpointer -> waypoint.checkpointers.HFCheckpointer)"]
+    assert cfg.checkpointer._target_ == "waypoint.checkpointers.HFCheckpointer" and "_component_" not in cfg.checkpointer
+    ckpt = instantiate(cfg.checkpointer)
+    assert isinstance(ckpt, HFCheckpointer) and len(ckpt.files) == 3 and ckpt.notes == []  # recipe_checkpoint: null
+    assert OmegaConf.to_container(cfg.checkpointer.checkpoint_files) == {"filename_format": "model-{}-of-{}.safetensors",
+                                                                        "max_filename": "00003"}
+
+
+@pytest.mark.parametrize("component,target", [
+    ("torchtune.training.FullModelMetaCheckpointer", "waypoint.checkpointers.MetaCheckpointer"),
+    ("torchtune.training.checkpointing.FullModelTorchTuneCheckpointer", "waypoint.checkpointers.NativeCheckpointer"),
+    ("waypoint.checkpointers.HFCheckpointer", "waypoint.checkpointers.HFCheckpointer"),  # our own class, under _component_
+])
+def test_torchtune_checkpointer_components_map_to_ours(tmp_path, capsys, component, target):
+    from waypoint.cli.config import parse_config
+
+    cfg = parse_config(["--config", str(torchtune_config(tmp_path, component))])
+    assert cfg.checkpointer._target_ == target
+    (note,) = capsys.readouterr().out.splitlines()
+    assert note.startswith("note: _component_ (torchtune's name) read as _target_ in checkpointer")
+
+
+def test_a_torchtune_class_elsewhere_is_one_line_saying_what_to_write(tmp_path, capsys):
+    from recipes.full_finetune import main
+
+    config = torchtune_config(tmp_path)
+    config.write_text(config.read_text().replace("  _target_: waypoint.checkpointers.build_model",
+                                                 "  _component_: torchtune.models.llama3_2.llama3_2_1b"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(config), f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 1 and "\n" not in err
+    assert err == ("error: model._component_: torchtune.models.llama3_2.llama3_2_1b is torchtune's own, which Waypoint "
+                   "does not use; write _target_: waypoint.checkpointers.build_model with checkpoint_dir: "
+                   "${checkpointer.checkpoint_dir} (the model the checkpoint describes)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_component_beside_another_target_is_refused(tmp_path, capsys):
+    from waypoint.cli.config import parse_config
+
+    config = torchtune_config(tmp_path, "torchtune.training.FullModelMetaCheckpointer")
+    with pytest.raises(SystemExit):
+        parse_config(["--config", str(config), "+checkpointer._target_=waypoint.checkpointers.HFCheckpointer"])
+    assert capsys.readouterr().err.strip() == (
+        "error: checkpointer: both _target_ (waypoint.checkpointers.HFCheckpointer) and _component_ "
+        "(torchtune.training.FullModelMetaCheckpointer) are given; keep one (a config group such as checkpointer: hf "
+        "gives _target_)")
+
+
+def test_top_level_resume_from_checkpoint_true_is_one_note(tmp_path, capsys):
+    from waypoint.cli.config import parse_config
+
+    parse_config(["--config", str(torchtune_config(tmp_path)), "resume_from_checkpoint=true",
+                  "+optimizer._component_=torch.optim.AdamW", "~optimizer._target_"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("note: _component_ (torchtune's name) read as _target_ in checkpointer (torchtune.training."
+                        "FullModelHFCheckpointer -> waypoint.checkpointers.HFCheckpointer), optimizer")
+    assert lines[1].startswith("note: resume_from_checkpoint (torchtune's resume option) unused: a Waypoint run resumes")
+    assert len(lines) == 2
