@@ -25,6 +25,8 @@ import torch
 from waypoint.checkpointers.commit import MANIFEST, StagedDir
 from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, load_extra_state, split_extra_state
 from waypoint.checkpointers.shard_layout import INDEX_NAMES, WEIGHT_SUFFIXES
+from waypoint.checkpointers.torchtune_compat import (ADAPTER_CONFIG_KEY, ADAPTER_KEY, MODEL_KEY, adapter_writer,
+                                                     recipe_state_writer, resume_options_note, step_number)
 from waypoint.converters import Converter
 from waypoint.errors import CheckpointError
 from waypoint.lazy import spec_of
@@ -34,7 +36,8 @@ from waypoint.models.dtypes import dtype_name, parse_dtype
 log = logging.getLogger(__name__)
 
 SMALL_FILE_LIMIT = 100 * 2**20  # non-weight files up to this size travel with the model (tokenizer, README, ...)
-RUN_FILES = frozenset({MANIFEST, EXTRA_STATE_FILE, "recipe_state.pt"})  # a run's step files, never a model's side files
+RECIPE_STATE = "recipe_state.pt"  # a run's state beside the model (waypoint.run.recipe_state writes the recipes')
+RUN_FILES = frozenset({MANIFEST, EXTRA_STATE_FILE, RECIPE_STATE})  # a run's step files, never a model's side files
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,15 @@ class Checkpointer:
     copies_description: ClassVar[bool] = False  # a save like the input copies them (Meta's params.json) or rewrites them
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
-                 output_dtype: str | torch.dtype | None = None) -> None:
+                 output_dtype: str | torch.dtype | None = None, *, recipe_checkpoint: str | None = None,
+                 adapter_checkpoint: str | None = None, resume_from_checkpoint: bool = False,
+                 should_load_recipe_state: bool = False) -> None:
+        # torchtune's resume options, as its configs give them: a Waypoint run resumes from its own step_N instead
+        # (resume=auto); null/false ones say nothing, the others one note (checkpointers.torchtune_compat)
+        note = resume_options_note({"recipe_checkpoint": recipe_checkpoint, "adapter_checkpoint": adapter_checkpoint,
+                                    "resume_from_checkpoint": resume_from_checkpoint,
+                                    "should_load_recipe_state": should_load_recipe_state})
+        self.option_notes: list[str] = [note] if note else []
         self.checkpoint_dir = Path(checkpoint_dir)
         self.output_dir = Path(output_dir)
         if not self.checkpoint_dir.is_dir():
@@ -134,11 +145,12 @@ class Checkpointer:
     # -- reading -------------------------------------------------------------------------
     @property
     def notes(self) -> list[str]:
-        """What the load report adds about how the files were read."""
+        """What the load report adds about the options given and how the files were read."""
         if not self.unmapped:
-            return []
+            return list(self.option_notes)
         names = ", ".join(sorted(self.unmapped)[:3]) + (f" and {len(self.unmapped) - 3} more" if len(self.unmapped) > 3 else "")
-        return [f"note: read into memory, not memory-mapped: {names} (legacy non-zip PyTorch files cannot be mapped)"]
+        return [*self.option_notes,
+                f"note: read into memory, not memory-mapped: {names} (legacy non-zip PyTorch files cannot be mapped)"]
 
     def load_checkpoint(self) -> dict[str, Any]:
         """``{"model": native state dict}``: tensors memory-mapped where the format allows, in the file's dtype,
@@ -220,15 +232,62 @@ class Checkpointer:
         return write
 
     def save_to(self, state_dict: Mapping[str, Any], target: str | os.PathLike,
-                check: Callable[[Path], Any] | None = None, adapted: frozenset[str] = frozenset()) -> Path:
+                check: Callable[[Path], Any] | None = None, adapted: frozenset[str] = frozenset(), *,
+                intermediate_checkpoint: bool = False, adapter_only: bool = False) -> Path:
         """``state_dict["model"]`` as a new directory ``target`` (it must not exist yet) in the input's format and
         files, committed atomically with a manifest. ``check(staged_dir)`` runs on the written files before they are
-        committed (an ``ExportCheck``); if it raises, nothing is committed. ``adapted``: as for ``writer``."""
-        return write_directory(target, self.writer(state_dict, adapted), check)
+        committed (an ``ExportCheck``); if it raises, nothing is committed. ``adapted``: as for ``writer``.
 
-    def save_checkpoint(self, state_dict: Mapping[str, Any], step: int) -> Path:
-        """``save_to(state_dict, output_dir/step_{step})``; an existing ``step_{step}`` is never touched."""
-        return self.save_to(state_dict, self.output_dir / f"step_{step}")
+        What a torchtune loop puts beside the model goes in too, or is refused in one line before anything is
+        written: a LoRA ``adapter`` with its ``adapter_config`` as a PEFT adapter (``adapter_only``: that alone), and
+        with ``intermediate_checkpoint`` every other entry (optimizer, epochs run, ...) as ``recipe_state.pt``."""
+        return write_directory(target, self._state_writer(state_dict, intermediate_checkpoint, adapter_only, adapted), check)
+
+    def save_checkpoint(self, state_dict: Mapping[str, Any], step: int | None = None, *, epoch: int | None = None,
+                        intermediate_checkpoint: bool = False, adapter_only: bool = False) -> Path:
+        """``save_to(state_dict, output_dir/step_{step})``; an existing ``step_{step}`` is never touched. torchtune's
+        ``save_checkpoint(state_dict, epoch=N, intermediate_checkpoint=..., adapter_only=...)`` works too: ``epoch``
+        is the step number (the directory is ``step_N``, not torchtune's ``epoch_N``)."""
+        step = step_number(step, epoch)
+        return self.save_to(state_dict, self.output_dir / f"step_{step}", intermediate_checkpoint=intermediate_checkpoint,
+                            adapter_only=adapter_only)
+
+    def _state_writer(self, state_dict: Mapping[str, Any], intermediate: bool, adapter_only: bool,
+                      adapted: frozenset[str] = frozenset()) -> Callable[[StagedDir], None]:
+        """What writes every entry of ``state_dict`` (``save_to``), each checked now."""
+        if not isinstance(state_dict, Mapping):
+            raise CheckpointError(f"save_checkpoint: expected a state dict {{'model': ...}}, "
+                                  f"got a {type(state_dict).__name__}")
+        rest = {k: v for k, v in state_dict.items() if k not in (MODEL_KEY, ADAPTER_KEY, ADAPTER_CONFIG_KEY)}
+        if rest and not intermediate:
+            names = ", ".join(repr(k) for k in list(rest)[:4]) + (" ..." if len(rest) > 4 else "")
+            raise CheckpointError(f"save_checkpoint: state_dict entries {names} are neither the model nor a LoRA "
+                                  "adapter; pass intermediate_checkpoint=True to write them as the step's "
+                                  f"{RECIPE_STATE}, or leave them out")
+        if ADAPTER_CONFIG_KEY in state_dict and ADAPTER_KEY not in state_dict:
+            raise CheckpointError("save_checkpoint: state_dict['adapter_config'] without state_dict['adapter'] "
+                                  "(the LoRA tensors it describes)")
+        writers = []
+        if adapter_only:
+            if ADAPTER_KEY not in state_dict:
+                raise CheckpointError("save_checkpoint(adapter_only=True): the state dict has no 'adapter' entry "
+                                      "(the LoRA tensors to write)")
+        elif MODEL_KEY not in state_dict:
+            held = ", ".join(repr(k) for k in state_dict) or "nothing"
+            raise CheckpointError(f"save_checkpoint: the state dict has no 'model' entry (it has {held}); "
+                                  "adapter_only=True writes an adapter alone")
+        else:
+            writers.append(self.writer(state_dict, adapted))
+        if ADAPTER_KEY in state_dict:
+            writers.append(adapter_writer(state_dict[ADAPTER_KEY], state_dict.get(ADAPTER_CONFIG_KEY), self.hf_converter(),
+                                          str(self.checkpoint_dir), self.adapter_layout()))
+        if rest:
+            writers.append(recipe_state_writer(rest, RECIPE_STATE))
+
+        def write(stage: StagedDir) -> None:
+            for each in writers:
+                each(stage)
+        return write
 
 
 def write_directory(target: str | os.PathLike, write: Callable[[StagedDir], None],

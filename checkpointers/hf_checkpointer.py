@@ -48,6 +48,12 @@ class HFCheckpointer(Checkpointer):
             default) writes it back quantized the same way, untouched tensors byte for byte and a LoRA merge's
             changed ones unquantized; ``requantize`` re-quantizes those too; ``none`` writes the dequantized model
             (``checkpointers.quantization``).
+        recipe_checkpoint, adapter_checkpoint, resume_from_checkpoint, should_load_recipe_state: torchtune's resume
+            options, accepted so that its checkpointer sections work as they are; a Waypoint run resumes from its
+            own ``step_N`` (``resume=auto``), which one note says when they are set (``torchtune_compat``).
+
+    ``checkpoint_files`` may also be torchtune's ``{filename_format: model-{}-of-{}.safetensors, max_filename:
+    "00004"}`` or absolute paths inside ``checkpoint_dir`` (``shard_layout.listed_files``).
     """
 
     name, label = "hf", "Hugging Face"
@@ -57,8 +63,12 @@ class HFCheckpointer(Checkpointer):
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
                  safe_serialization: bool | None = None, output_dtype: str | torch.dtype | None = None,
-                 output_quantization: str | None = None) -> None:
-        super().__init__(checkpoint_dir, output_dir, output_dtype)
+                 output_quantization: str | None = None, *,
+                 recipe_checkpoint: str | None = None, adapter_checkpoint: str | None = None,
+                 resume_from_checkpoint: bool = False, should_load_recipe_state: bool = False) -> None:
+        super().__init__(checkpoint_dir, output_dir, output_dtype, recipe_checkpoint=recipe_checkpoint,
+                         adapter_checkpoint=adapter_checkpoint, resume_from_checkpoint=resume_from_checkpoint,
+                         should_load_recipe_state=should_load_recipe_state)
         self.config = read_json(self.checkpoint_dir / CONFIG_FILE)
         self.model_type = model_type or detect_model_type(self.config, str(self.checkpoint_dir / CONFIG_FILE))
         self.family = family_named(self.model_type)

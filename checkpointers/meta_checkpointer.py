@@ -23,6 +23,7 @@ from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tensors
 from waypoint.checkpointers.hf_source import SOURCE_FILE, HFSource
+from waypoint.checkpointers.shard_layout import listed_files
 from waypoint.converters import CheckpointError, Converter, Group
 from waypoint.converters.meta import EMBEDDING, meta_converter, model_parallel_dim, vocab_parallel
 from waypoint.families import family_named
@@ -71,7 +72,8 @@ def write_model_parallel(stage: StagedDir, names: Sequence[str], converter: Conv
 
 
 class MetaCheckpointer(Checkpointer):
-    """Load and save Meta-format checkpoints, single- or multi-file (model parallel)."""
+    """Load and save Meta-format checkpoints, single- or multi-file (model parallel); ``checkpoint_files`` and
+    torchtune's resume options as for ``HFCheckpointer``."""
 
     name, label = "meta", "Meta"
     loads_with = "Meta's reference code (llama-models)"
@@ -80,15 +82,19 @@ class MetaCheckpointer(Checkpointer):
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None,
-                 output_dtype: str | torch.dtype | None = None) -> None:
-        super().__init__(checkpoint_dir, output_dir, output_dtype)
+                 output_dtype: str | torch.dtype | None = None, *,
+                 recipe_checkpoint: str | None = None, adapter_checkpoint: str | None = None,
+                 resume_from_checkpoint: bool = False, should_load_recipe_state: bool = False) -> None:
+        super().__init__(checkpoint_dir, output_dir, output_dtype, recipe_checkpoint=recipe_checkpoint,
+                         adapter_checkpoint=adapter_checkpoint, resume_from_checkpoint=resume_from_checkpoint,
+                         should_load_recipe_state=should_load_recipe_state)
         self.params = read_json(self.checkpoint_dir / PARAMS_FILE)
         self.model_type = model_type or ("LLAMA3" if self.params.get("vocab_size", 0) >= 128000 else "LLAMA2")
         self.family = family_named("llama")  # Meta's reference layout is Llama's
         if checkpoint_files in (None, "auto"):
             files = sorted(p.name for p in self.checkpoint_dir.glob("consolidated.*.pth"))
-        else:
-            files = [checkpoint_files] if isinstance(checkpoint_files, str) else list(checkpoint_files)
+        else:  # names, absolute paths inside checkpoint_dir or torchtune's {filename_format, max_filename}
+            files = listed_files(self.checkpoint_dir, checkpoint_files)
         if not files:
             raise CheckpointError(f"{self.checkpoint_dir}: no consolidated.*.pth files")
         self._files = tuple(files)

@@ -65,19 +65,32 @@ def file_metadata(tied: bool, keys, metadata: Mapping[str, str] | None = None) -
 
 
 class NativeCheckpointer(Checkpointer):
-    """Load and save native checkpoints (``checkpoint_files``, ``safe_serialization``, ``output_dtype`` as for
-    ``HFCheckpointer``)."""
+    """Load and save native checkpoints (``checkpoint_files``, ``safe_serialization``, ``output_dtype`` and torchtune's
+    resume options as for ``HFCheckpointer``; ``model_type``, which a torchtune section gives, is checked against
+    the family the checkpoint records)."""
 
     name, label = "native", "native"
     description_files = frozenset({MODEL_FILE})
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", safe_serialization: bool | None = None,
-                 output_dtype: str | torch.dtype | None = None) -> None:
-        super().__init__(checkpoint_dir, output_dir, output_dtype)
+                 output_dtype: str | torch.dtype | None = None, model_type: str | None = None, *,
+                 recipe_checkpoint: str | None = None, adapter_checkpoint: str | None = None,
+                 resume_from_checkpoint: bool = False, should_load_recipe_state: bool = False) -> None:
+        super().__init__(checkpoint_dir, output_dir, output_dtype, recipe_checkpoint=recipe_checkpoint,
+                         adapter_checkpoint=adapter_checkpoint, resume_from_checkpoint=resume_from_checkpoint,
+                         should_load_recipe_state=should_load_recipe_state)
+        if not (self.checkpoint_dir / MODEL_FILE).is_file() and any(self.checkpoint_dir.glob("*.pt")):
+            raise CheckpointError(f"{self.checkpoint_dir}: no {MODEL_FILE}, so not a Waypoint native checkpoint (a "
+                                  "torchtune-format one, FullModelTorchTuneCheckpointer's, is not read); start from the "
+                                  "HF or Meta checkpoint it was trained from (checkpointer=hf or checkpointer=meta)")
         self.config = read_json(self.checkpoint_dir / MODEL_FILE)
         self.args = model_args_of(self.config)
         self.model_type = self.config.get("model_type", "NATIVE")
+        if model_type is not None and self.model_type in MODEL_TYPES \
+                and family_named(model_type) != family_named(self.model_type):
+            raise CheckpointError(f"checkpointer.model_type={model_type}: {self.checkpoint_dir / MODEL_FILE} records a "
+                                  f"{self.model_type} model; set model_type: null (a native checkpoint says its own)")
         # the family it was converted from (a native checkpoint written without one: Llama's names for PEFT)
         self.family = family_named(self.model_type if self.model_type in MODEL_TYPES else "llama")
         self.converter = native_converter(self.args.tie_embeddings)

@@ -211,10 +211,23 @@ def write_adapter(stage: StagedDir, model: torch.nn.Module, converter: Converter
     modules = lora_modules(model)
     if not modules:
         raise CheckpointError("the model has no LoRA layers (apply_lora first)")
-    adapter = {k: on_host(v, k) for k, v in (adapter_state(model) if adapter is None else adapter).items()}
-    tensors = to_peft(adapter, converter)  # validates every target before anything is written
+    adapter = adapter_state(model) if adapter is None else adapter
     first = next(iter(modules.values()))
-    config = adapter_config(converter, list(modules), first.rank, first.alpha, first.dropout_p, base_model_name_or_path)
+    return write_adapter_tensors(stage, adapter, converter, first.rank, first.alpha, first.dropout_p,
+                                 base_model_name_or_path, max_lora_rank, layout, list(modules))
+
+
+def write_adapter_tensors(stage: StagedDir, adapter: Mapping[str, torch.Tensor], converter: Converter, rank: int,
+                          alpha: float, dropout: float, base_model_name_or_path: str,
+                          max_lora_rank: int = DEFAULT_MAX_LORA_RANK, layout: tuple[str, Converter] | None = None,
+                          modules: list[str] | None = None) -> dict[str, Any]:
+    """``write_adapter`` from the native adapter tensors and their LoRA settings (no model: a state dict's
+    ``adapter``, ``checkpointers.torchtune_compat``); ``modules``: the adapted native modules (by default the
+    tensors')."""
+    modules = modules if modules is not None else sorted({k.rsplit(".lora_", 1)[0] for k in adapter})
+    adapter = {k: on_host(v, k) for k, v in adapter.items()}  # wherever the model lives (CUDA), written from the host
+    tensors = to_peft(adapter, converter)  # validates every target before anything is written
+    config = adapter_config(converter, list(modules), rank, alpha, dropout, base_model_name_or_path)
     warn_vllm(config, max_lora_rank)
     payload = save(tensors, metadata={"format": "pt"})
     stage.write_bytes(ADAPTER_WEIGHTS, payload)

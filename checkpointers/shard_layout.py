@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -83,6 +85,66 @@ def safe_member(directory: Path, name: str, source: str) -> str:
     return name
 
 
+FORMATTED_KEYS = ("filename_format", "max_filename")
+
+
+def formatted_files(spec: Mapping, source: str = "checkpointer.checkpoint_files") -> list[str]:
+    """torchtune's ``checkpoint_files: {filename_format: model-{}-of-{}.safetensors, max_filename: "00004"}``, expanded
+    as torchtune expands it: the format filled with (i, max_filename) for i = 1 .. max_filename, each i zero-padded
+    to max_filename's width. ``max_filename`` must be a string: YAML reads an unquoted 00004 as the number 4 and
+    loses the padding the file names have."""
+    missing = [k for k in FORMATTED_KEYS if k not in spec]
+    unknown = sorted(str(k) for k in spec if k not in FORMATTED_KEYS)
+    if missing or unknown:
+        raise CheckpointError(f"{source}: a section of file names needs exactly filename_format and max_filename "
+                              f"(e.g. {{filename_format: model-{{}}-of-{{}}.safetensors, max_filename: \"00004\"}}); "
+                              + (f"it lacks {missing[0]}" if missing else f"it has {unknown[0]}")
+                              + "; or list the file names")
+    fmt, last = spec["filename_format"], spec["max_filename"]
+    if not isinstance(last, str) or not last.isdigit() or int(last) < 1:
+        raise CheckpointError(f"{source}.max_filename={last!r}: expected the last file's number as a quoted string, "
+                              "such as \"00004\" (its zero padding is the file names')")
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(fmt) if f is not None] if isinstance(fmt, str) else []
+    except ValueError:
+        fields = []
+    if len(fields) != 2 or any(f not in ("", "0", "1") for f in fields):
+        raise CheckpointError(f"{source}.filename_format={fmt!r}: expected a file name with exactly two {{}} "
+                              "placeholders, the file's number and the last one, such as model-{}-of-{}.safetensors")
+    return [fmt.format(str(i).zfill(len(last)), last) for i in range(1, int(last) + 1)]
+
+
+def listed_files(directory: Path, checkpoint_files, source: str = "checkpointer.checkpoint_files") -> list[str]:
+    """The weight file names a config lists: a name or a list of names relative to ``directory``, absolute paths
+    inside it (made relative: torchtune's tests and some of its configs list them so), or torchtune's
+    ``{filename_format, max_filename}`` section (``formatted_files``); each must exist."""
+    if isinstance(checkpoint_files, Mapping):
+        checkpoint_files = formatted_files(checkpoint_files, source)
+    elif isinstance(checkpoint_files, (str, os.PathLike)):
+        checkpoint_files = [checkpoint_files]
+    names = [safe_member(directory, str(_relative_to(directory, n)), source) for n in checkpoint_files]
+    if not names:
+        raise CheckpointError(f"{source} is empty")
+    for name in names:
+        if not (directory / name).is_file():
+            raise CheckpointError(f"{directory / name}: weight file not found (listed in {source})")
+    return names
+
+
+def _relative_to(directory: Path, name) -> str:
+    """``name`` relative to ``directory`` when it is an absolute path inside it (as written, or once links are
+    resolved); anything else as it is (``safe_member`` refuses an absolute path outside)."""
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str) or not Path(name).is_absolute():
+        return name
+    path = Path(os.path.normpath(name))
+    for base, target in ((Path(os.path.normpath(directory.absolute())), path), (directory.resolve(), path.resolve())):
+        if target.is_relative_to(base) and target != base:
+            return target.relative_to(base).as_posix()
+    return name
+
+
 def _from_index(directory: Path, index_path: Path) -> ShardLayout:
     try:
         index = json.loads(index_path.read_text())
@@ -103,7 +165,8 @@ def discover(directory: str | Path, checkpoint_files: list[str] | str | None = "
 
     ``checkpoint_files='auto'`` reads the index json (safetensors preferred when the
     directory holds both formats, as many hub repos do), else globs the weight files.
-    An explicit list names the files; the index is used when it covers exactly them.
+    An explicit list (or torchtune's ``{filename_format, max_filename}``: ``listed_files``) names the files; the
+    index is used when it covers exactly them.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -118,14 +181,7 @@ def discover(directory: str | Path, checkpoint_files: list[str] | str | None = "
             if found:
                 return ShardLayout(tuple(found))
         raise CheckpointError(f"{directory}: no weight files (*.safetensors or pytorch_model*.bin) and no index json")
-    if isinstance(checkpoint_files, str):
-        checkpoint_files = [checkpoint_files]
-    names = [safe_member(directory, str(n), "checkpointer.checkpoint_files") for n in checkpoint_files]
-    if not names:
-        raise CheckpointError("checkpointer.checkpoint_files is empty")
-    for name in names:
-        if not (directory / name).is_file():
-            raise CheckpointError(f"{directory / name}: weight file not found (listed in checkpointer.checkpoint_files)")
+    names = listed_files(directory, checkpoint_files)
     index = directory / INDEX_NAMES[format_of(names[0])]
     if index.is_file():
         layout = _from_index(directory, index)

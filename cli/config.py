@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from waypoint.checkpointers.torchtune_compat import CHECKPOINTERS, resume_options_note
 from waypoint.errors import CheckpointError, first_line
 from waypoint.cli.command import DEBUG, OneLineParser
 from waypoint.cli.option_checks import COMMON, Check, check_options
@@ -39,7 +40,11 @@ def parse_config(argv: list[str] | None = None, description: str | None = None, 
     except LookupError as e:
         parser.error(f"--config {e}")
     try:
-        cfg = compose_config(path, args.overrides)
+        notes: list[str] = []
+        cfg = compose_config(path, args.overrides, notes)
+        if int(os.environ.get("RANK", "0")) == 0:
+            for note in notes:
+                print(note)
         check_options(cfg, checks)  # before any download: a bad option (or output_dir=hf://...) costs nothing
         if _has_hf_uri(cfg):
             from waypoint.cli.hub import resolve_hf_uris  # imports huggingface_hub only when needed
@@ -60,8 +65,9 @@ def shipped_groups(path: Path) -> list[str]:
     return [] if path.parent.resolve() == shipped else [f"hydra.searchpath=['file://{quoted}']"]
 
 
-def compose_config(path: Path, overrides: list[str]) -> DictConfig:
-    """Hydra's compose and OmegaConf's resolve, their errors as one line naming the option."""
+def compose_config(path: Path, overrides: list[str], notes: list[str] | None = None) -> DictConfig:
+    """Hydra's compose and OmegaConf's resolve, their errors as one line naming the option; torchtune's
+    ``_component_`` read as ``_target_`` (``torchtune_components``), the note about it appended to ``notes``."""
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -69,6 +75,9 @@ def compose_config(path: Path, overrides: list[str]) -> DictConfig:
         with initialize_config_dir(config_dir=str(path.parent.resolve()), version_base=None):
             cfg = compose(config_name=path.stem, overrides=[*shipped_groups(path), *overrides])
         OmegaConf.resolve(cfg)
+        found = [torchtune_components(cfg), resume_options_note(cfg, prefix="")]  # torchtune's top-level one too
+        if notes is not None:
+            notes += [note for note in found if note]
         _use_shipped_assets(cfg)
         return cfg
     except MissingConfigException as e:
@@ -95,6 +104,62 @@ def compose_config(path: Path, overrides: list[str]) -> DictConfig:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise CheckpointError(f"{path}: {key + ': ' if key else ''}{first_line(e)}") from None
+
+
+# What to write instead of torchtune's own classes, by section (its checkpointers map to ours: CHECKPOINTERS)
+TORCHTUNE_INSTEAD = {
+    "model": "_target_: waypoint.checkpointers.build_model with checkpoint_dir: ${checkpointer.checkpoint_dir} "
+             "(the model the checkpoint describes)",
+    "tokenizer": "_target_: waypoint.text.tokenizer.load_tokenizer with checkpoint_dir: ${checkpointer.checkpoint_dir}",
+    "dataset": "_target_: waypoint.training.instruct_dataset.InstructDataset (source, template, max_seq_len), or a "
+               "chat dataset as configs/tiny_chat.yaml has",
+    "lr_scheduler": "_target_: waypoint.training.lr_schedule.warmup_cosine with num_warmup_steps",
+    "optimizer": "_target_: torch.optim.AdamW with lr, weight_decay",
+    "loss": "nothing: the recipes compute the loss (fused_loss: true chunks it, as CEWithChunkedOutputLoss does); "
+            "drop the section",
+    "metric_logger": "metric_loggers: {} (README: Experiment trackers) and log_dir for TensorBoard; drop the section",
+    "profiler": "nothing (Waypoint has no profiler section); drop it",
+}
+
+
+def torchtune_components(cfg: DictConfig) -> str | None:
+    """Every section naming its class with torchtune's ``_component_`` gets it as Hydra's ``_target_``, torchtune's
+    checkpointers as ours; one note line says so (None: nothing read so). A torchtune class Waypoint has no twin for
+    is one error line saying what to write instead."""
+    found: list[tuple[str, DictConfig, str]] = []
+
+    def walk(node, where: str) -> None:
+        if isinstance(node, DictConfig):
+            if "_component_" in node:
+                found.append((where, node, node["_component_"]))
+            for k in list(node.keys()):
+                walk(node._get_node(k), f"{where}.{k}" if where else str(k))
+        elif isinstance(node, ListConfig):
+            for i, v in enumerate(node):
+                walk(v, f"{where}[{i}]")
+    walk(cfg, "")
+    mapped = []
+    for where, node, component in found:
+        key = where or "the config"
+        target = CHECKPOINTERS.get(component, component)
+        if not isinstance(component, str) or not component:
+            raise CheckpointError(f"{key}._component_={component!r}: expected a class or function's import path")
+        if component.startswith("torchtune.") and component not in CHECKPOINTERS:
+            section = where.split(".")[-1].split("[")[0]
+            instead = TORCHTUNE_INSTEAD.get(section, "the matching section of a shipped config (waypoint ls; "
+                                                     "configs/tiny.yaml shows each)")
+            raise CheckpointError(f"{key}._component_: {component} is torchtune's own, which Waypoint does not use; "
+                                  f"write {instead}")
+        if node.get("_target_") not in (None, target):
+            raise CheckpointError(f"{key}: both _target_ ({node['_target_']}) and _component_ ({component}) are given; "
+                                  "keep one (a config group such as checkpointer: hf gives _target_)")
+        with open_dict(node):
+            node["_target_"] = target
+            del node["_component_"]
+        mapped.append(f"{key} ({component} -> {target})" if target != component else key)
+    if not mapped:
+        return None
+    return f"note: _component_ (torchtune's name) read as _target_ in {', '.join(mapped)}"
 
 
 def _use_shipped_assets(node) -> None:
@@ -130,7 +195,7 @@ def _known_keys(path: Path) -> list[str]:
         for k, v in node.items():
             if isinstance(v, Mapping):
                 walk(v, f"{prefix}{k}.")
-            elif k != "_target_":
+            elif k not in ("_target_", "_component_"):
                 keys.append(prefix + str(k))
     walk(cfg, "")
     return keys

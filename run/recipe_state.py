@@ -106,6 +106,10 @@ def load_recipe_state(checkpoint_dir: str | Path) -> dict[str, Any]:
     state = load_pickle(path)  # memory-mapped: optimizer tensors are paged in on use
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a recipe state (a {type(state).__name__})")
+    if "format_version" not in state:  # a loop of the user's own: save_checkpoint(..., intermediate_checkpoint=True)
+        raise CheckpointError(f"{path}: not a Waypoint recipe's state (no format_version; save_checkpoint("
+                              "intermediate_checkpoint=True) writes a loop's own state there): resume it with that "
+                              "loop, or start a new run (resume=false)")
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {state.get('format_version')!r}, expected {FORMAT_VERSION}")
     state["config"] = current_names(state.get("config") or {})

@@ -60,6 +60,11 @@ CASES = [
     ("dataset=null", "error: dataset=null: expected a section with a _target_"),
     ("optimizer=null", "error: optimizer=null: expected a section with a _target_"),
     ("lr_scheduler=null", "error: lr_scheduler=null: expected a section with a _target_"),
+    # torchtune's _component_ (tests/test_torchtune_checkpointer_port.py): its own classes, and a clash with _target_
+    ("+model._component_=torchtune.models.llama3_2.llama3_2_1b", "error: model._component_: torchtune.models.llama3_2."
+     "llama3_2_1b is torchtune's own, which Waypoint does not use; write _target_: waypoint.checkpointers.build_model"),
+    ("+checkpointer._component_=torchtune.training.FullModelMetaCheckpointer", "error: checkpointer: both _target_ "
+     "(waypoint.checkpointers.HFCheckpointer) and _component_ (torchtune.training.FullModelMetaCheckpointer) are given"),
 ]
 
 LORA_CASES = [
