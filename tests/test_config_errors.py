@@ -20,7 +20,7 @@ CASES = [
     ("keep_last_n_checkpoints=-2", "error: keep_last_n_checkpoints=-2: expected null or an integer >= 1"),
     ("dtype=fp8", "error: dtype=fp8: expected one of float32, fp32, bfloat16, bf16, float16, fp16"),
     ("output_dtype=int8", "error: output_dtype=int8: expected null or one of float32"),
-    ("checkpointer.output_quantization=mxfp8", "error: checkpointer.output_quantization=mxfp8: expected null or one of input, none"),
+    ("checkpointer.output_quantization=mxfp8", "error: checkpointer.output_quantization=mxfp8: expected null or one of input, requantize, none"),
     ("device=cuda:7", "error: device=cuda:7: expected "),
     ("device=tpu", "error: device=tpu: expected cpu, cuda or cuda:N"),
     ("optimizer.lr=-0.1", "error: optimizer.lr=-0.1: expected a number >= 0"),
