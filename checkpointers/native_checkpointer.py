@@ -19,7 +19,7 @@ import torch
 from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, json_bytes, read_json
-from waypoint.checkpointers.hf_source import HFSource
+from waypoint.checkpointers.hf_source import SCALES_FILE, HFSource
 from waypoint.checkpointers.shard_layout import ShardLayout, discover, plan_files, plan_layout, read_files, write_files
 from waypoint.converters import CheckpointError, Converter, Rule
 from waypoint.families import MODEL_TYPES, family_named
@@ -91,7 +91,8 @@ class NativeCheckpointer(Checkpointer):
     def hf_source(self) -> HFSource | None:
         if "hf_config" not in self.config:
             return None
-        return HFSource.from_json({"config": self.config["hf_config"], "layout": self.config.get("hf_layout")})
+        source = HFSource.from_json({"config": self.config["hf_config"], "layout": self.config.get("hf_layout")})
+        return source.with_scales_from(self.checkpoint_dir)
 
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
@@ -118,6 +119,8 @@ class NativeCheckpointer(Checkpointer):
                         lambda name, tensors: file_metadata(self.args.tie_embeddings, tensors, self._file_metadata.get(source_of[name])),
                         total_bytes=sum(nbytes(native, k) for k in native))
             stage.write_bytes(MODEL_FILE, json_bytes(self.config))
+            if (self.checkpoint_dir / SCALES_FILE).is_file():  # a block-FP8 source's scales travel with it
+                stage.copy_file(self.checkpoint_dir / SCALES_FILE)
         return write
 
     # -- a new native checkpoint ----------------------------------------------------------
@@ -130,3 +133,5 @@ class NativeCheckpointer(Checkpointer):
         write_files(stage, layout, lambda name: {k: tensors[k] for k in layout.keys_in(name)},
                     lambda name, written: file_metadata(args.tie_embeddings, written), total_bytes=sum(sizes.values()))
         stage.write_bytes(MODEL_FILE, json_bytes(describe(args, conversion.model_type, conversion.source)))
+        if conversion.source is not None:
+            conversion.source.write_scales(stage)
