@@ -116,7 +116,8 @@ def write_tensors(f, tensors: Mapping[str, torch.Tensor], file_format: str, meta
     if file_format == SAFETENSORS:
         write_safetensors(f, tensors, metadata)
     else:
-        torch.save({k: v.contiguous() for k, v in tensors.items()}, f)
+        # detach(): a new tensor object, without Python attributes to pickle (a dequantized FP8 weight's fp8_source)
+        torch.save({k: v.detach().contiguous() for k, v in tensors.items()}, f)
 
 
 # The library's header order: tensors sorted by dtype (this rank, highest first), then by name.

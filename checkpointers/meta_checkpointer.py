@@ -62,7 +62,8 @@ def write_model_parallel(stage: StagedDir, names: Sequence[str], converter: Conv
         for group in groups:
             for key, tensor in converter.apply_groups([group], native, forward=False, where=None).items():
                 tensor, dim = cast(key, tensor), split(key)
-                shard[key] = tensor.chunk(n, dim=dim)[index].clone() if dim is not None and n > 1 else tensor.contiguous()
+                # detach(): a new tensor object, without Python attributes to pickle (a dequantized FP8 weight's fp8_source)
+                shard[key] = tensor.chunk(n, dim=dim)[index].clone() if dim is not None and n > 1 else tensor.detach().contiguous()
         shard.update((k, t.contiguous()) for k, t in passthrough.items())
         if order is not None:
             shard = dict(sorted(shard.items(), key=lambda item: order[item[0]]))

@@ -85,3 +85,14 @@ def test_a_lora_run_keeps_the_weights_it_leaves_alone(release, tmp_path):
     differs = changed(before, after)
     assert differs and all(".q_proj." in k or ".v_proj." in k for k in differs)  # the adapted ones, re-quantized
     assert {t.dtype for k, t in after.items() if k.endswith("_scale_inv")} == {scale_dtype}  # in the input's dtype
+
+
+def test_meta_keeps_them_too(tmp_path):
+    """Llama in FP8 -> Meta (its consolidated.00.pth once pickled each weight's FP8 origin and was refused on
+    reading) -> HF: every byte back."""
+    path = tmp_path / "llama"
+    write_encoded_fp8_checkpoint(path, tiny_family_config("llama"), block=(16, 16))
+    assert convert.main([str(path), str(tmp_path / "meta"), "--to", "meta"]) == 0
+    assert convert.main([str(tmp_path / "meta"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    before, after = tensors_of(path), tensors_of(tmp_path / "back")
+    assert set(after) == set(before) and changed(before, after) == []
