@@ -95,8 +95,10 @@ def read_tensors(path: str | Path, unmapped: list[str] | None = None,
         raise CheckpointError(f"{path}: expected a flat dict of tensors")
     for key, t in state.items():
         if not t.is_floating_point() and not (packed is not None and packed(key)):
-            raise CheckpointError(f"{path}: {key} is {str(t.dtype).removeprefix('torch.')}; weights must be floating point "
-                                  "(a quantized checkpoint without a quantization_config Waypoint reads; it reads mxfp4)")
+            raise CheckpointError(f"{path}: {key} is {str(t.dtype).removeprefix('torch.')}; weights must be floating point, "
+                                  "or a quantized format config.json's quantization_config names: Waypoint reads mxfp4 "
+                                  "(uint8 *_blocks and *_scales) and block fp8 (float8_e4m3fn weights, float32 or "
+                                  "bfloat16 *_scale_inv)")
     return dict(state)
 
 

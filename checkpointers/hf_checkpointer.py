@@ -115,6 +115,14 @@ class HFCheckpointer(Checkpointer):
         self.input_dtypes = {k: t.dtype for k, t in hf_state.items()}
         self._source = hf_state
         self.converter = self.quantized.adopt(list(hf_state), self.input_dtypes)  # block FP8: the rules for the weights it quantizes
+        if self.quantized.method == "fp8":  # the scales are small: every one is checked now, in one line naming it
+            from waypoint.converters.fp8 import is_scale_key, nonfinite
+
+            for key in (k for k in hf_state if is_scale_key(k)):
+                if (why := nonfinite(key, hf_state[key])) is not None:
+                    raise CheckpointError(f"{self.checkpoint_dir / where[key]}: {self._disk_key(key)}: {why}; the "
+                                          "checkpoint's FP8 weights would load as nan/inf (the file is damaged or was "
+                                          "written wrong; re-download or re-export it)")
         native = self.converter.to_native(hf_state, where)
         self._quantized_notes = self.quantized.notes(list(hf_state), native)
         if carried and self._passthrough:

@@ -136,7 +136,7 @@ class FP8Blocks:
         if len(tensors) % 2:
             raise ValueError(f"got {len(tensors)} tensors, expected FP8 weights and as many scales")
         n = len(tensors) // 2
-        out = [dequantize_fp8(w, s, self.block, self.dtype) for w, s in zip(tensors[:n], tensors[n:])]
+        out = [dequantize_fp8(w, s, self.block, self.dtype, finite=True) for w, s in zip(tensors[:n], tensors[n:])]
         for t, w, s in zip(out, tensors[:n], tensors[n:]):  # its origin, for a holder of FP8 weights (module docstring)
             setattr(t, FP8_SOURCE, FP8Source(w, s, self.block, self.dtype))
         return out
@@ -196,5 +196,18 @@ def is_scale_key(key: str) -> bool:
     return key.endswith("_scale_inv")
 
 
+def nonfinite(key: str, tensor: torch.Tensor) -> str | None:
+    """Why an FP8 checkpoint's ``key`` (a block scale, or a ``float8_e4m3fn`` weight) cannot be read: nan or inf
+    scales, NaN weight bytes (e4m3fn has no inf); None where it is fine. A scale tensor is 1/16384 of its weight's
+    values for 128x128 blocks: checking every one at load costs next to nothing."""
+    if tensor.is_meta or not tensor.is_floating_point():
+        return None
+    if tensor.dtype == torch.float8_e4m3fn:
+        bad = int(((tensor.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        return f"{bad} of its {tensor.numel()} float8_e4m3fn values are NaN" if bad else None
+    bad = int((~torch.isfinite(tensor)).sum())
+    return f"{bad} of its {tensor.numel()} block scales are nan or inf" if bad else None
+
+
 __all__ = ["FP8Blocks", "FP8Source", "FP8_SOURCE", "KeepSource", "StackedFP8Source", "carry_source", "fp8_rules",
-           "input_bytes", "is_scale_key", "row_plan", "scale_key", "stack_plan"]
+           "input_bytes", "is_scale_key", "nonfinite", "row_plan", "scale_key", "stack_plan"]

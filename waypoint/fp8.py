@@ -40,6 +40,13 @@ def _blockwise(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return padded.view(gr, block[0], gc, block[1])
 
 
+class NonFiniteFP8(ValueError):
+    """An FP8 weight of the input that dequantizes to nan/inf: the input's fault, not its conversion's (a reader
+    names the file and key: ``converters.table``)."""
+
+    input_fault = True
+
+
 def _check(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
     if weight.ndim < 2:
         raise ValueError(f"an FP8 weight {list(weight.shape)} must have at least 2 dims")
@@ -50,8 +57,10 @@ def _check(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``float8_e4m3fn`` ``[..., R, C]`` and its block scales -> ``dtype`` ``[..., R, C]``."""
+                   dtype: torch.dtype = torch.bfloat16, finite: bool = False) -> torch.Tensor:
+    """``float8_e4m3fn`` ``[..., R, C]`` and its block scales -> ``dtype`` ``[..., R, C]``; ``finite``: a ValueError
+    where a value comes out nan or inf (NaN bytes, a nan/inf scale, or beyond ``dtype``'s range), checked slab by
+    slab as it is made."""
     _check(weight, scale_inv, block)
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     if weight.is_meta or scale_inv.is_meta or not out.numel():
@@ -65,6 +74,12 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
             scales = flat_s[m, r0 // block[0]: math.ceil(r1 / block[0])].float()
             expanded = scales.repeat_interleave(block[0], 0)[: r1 - r0].repeat_interleave(block[1], 1)[:, :cols]
             flat_out[m, r0:r1] = flat_w[m, r0:r1].float() * expanded
+            if finite and not bool(torch.isfinite(flat_out[m, r0:r1]).all()):
+                row = r0 + int((~torch.isfinite(flat_out[m, r0:r1])).any(1).nonzero()[0, 0])
+                at = f"expert {m}, " if flat_w.shape[0] > 1 else ""
+                raise NonFiniteFP8(f"dequantizes to nan/inf ({at}row {row} first: NaN bytes, or nan/inf block scales, or "
+                                   f"values beyond {str(dtype).removeprefix('torch.')}); the checkpoint is damaged "
+                                   "(re-download or re-export it)")
     return out
 
 
@@ -210,5 +225,5 @@ def carry_source(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     return after
 
 
-__all__ = ["FP8", "FP8_MAX", "FP8_SOURCE", "FP8Source", "StackedFP8Source", "carry_source", "dequantize_fp8",
+__all__ = ["FP8", "FP8_MAX", "FP8_SOURCE", "FP8Source", "NonFiniteFP8", "StackedFP8Source", "carry_source", "dequantize_fp8",
            "encode_fp8", "quantize_fp8"]
