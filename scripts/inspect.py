@@ -115,9 +115,11 @@ def manifest_line(directory: Path) -> str:
 
 
 def _values(ckpt, key: str, n: int) -> int:
-    """The parameters ``n`` stored elements of ``key`` hold: a quantized checkpoint's packed bytes hold two FP4
-    values each, its scales none of their own."""
+    """The parameters ``n`` stored elements of ``key`` hold, as the model has them: a quantized checkpoint's packed
+    MXFP4 bytes hold two FP4 values each, its scales (MXFP4's, block FP8's ``*_scale_inv``) none of their own."""
     quantized = getattr(ckpt, "quantized", None)
+    if quantized is not None and quantized.method == "fp8" and key.endswith("_scale_inv"):
+        return 0
     if quantized is None or not quantized.packed(key):
         return n
     return 2 * n if key.endswith("_blocks") else 0
@@ -153,7 +155,8 @@ def describe(directory: Path) -> list[str]:
     config = getattr(ckpt, "config", {}) or {}
     quantized = getattr(ckpt, "quantized", None)
     if quantized is not None:
-        lines += describe_packed(quantized.method, {k: v for path in files for k, v in tensor_headers(path)[0].items()})
+        lines += describe_packed(quantized.method, {k: v for path in files for k, v in tensor_headers(path)[0].items()},
+                                 quantized.block)
     if aliases:
         lines.append("tied: " + ", ".join(f"{a} = {b} (stored once)" for a, b in aliases.items()))
     elif config.get("tie_word_embeddings"):

@@ -1,6 +1,7 @@
 """Block-FP8 inputs Waypoint cannot read are refused at load in one line naming the file and the key (config.json's
 block size, nan/inf scales or weights, integer scales), on every path that loads: the checkpointers the recipes
-use, generate, convert and eval's loader; and generate prints the load report the training recipes print."""
+use, generate, convert and eval's loader. scripts/inspect.py counts an FP8 checkpoint's parameters as the model has
+them, and generate prints the load report the training recipes print."""
 
 from __future__ import annotations
 
@@ -104,3 +105,19 @@ def test_an_integer_scale_names_the_formats_waypoint_reads(release, tmp_path):
                                               r"quantized format .* Waypoint reads mxfp4 \(uint8 \*_blocks and \*_scales\) "
                                               r"and block fp8 \(float8_e4m3fn weights, float32 or bfloat16 \*_scale_inv\)$"):
         HFCheckpointer(path, output_dir=tmp_path / "out").load_checkpoint()
+
+
+def test_inspect_counts_the_parameters_the_model_has_not_the_scales(release, tmp_path, capsys):
+    from scripts import inspect as inspect_script
+    from tests.conftest import write_family_checkpoint
+
+    dense = tmp_path / "dense"
+    write_family_checkpoint(dense, tiny_family_config("qwen3", vocab_size=512, max_position_embeddings=256))
+    capsys.readouterr()
+    assert inspect_script.main([str(dense)]) == 0 and inspect_script.main([str(release)]) == 0
+    dense_out, fp8_out = capsys.readouterr().out.split("manifest:")[:2]
+    total = lambda out: [line for line in out.splitlines() if line.startswith("total:")][0].split(",")[:2]  # noqa: E731
+    assert total(fp8_out)[0] == total(dense_out)[0]  # "total: N parameters": the same model
+    assert "quantized (block FP8: float8_e4m3fn weights, one weight_scale_inv per block of [16, 16]): 21 weights, " \
+           "432 block scale values (not counted as parameters):" in fp8_out
+    assert "model.layers.{0..2}.mlp.down_proj.weight{,_scale_inv}" in fp8_out and "[64, 96] F8_E4M3, scales [4, 6] F32" in fp8_out
