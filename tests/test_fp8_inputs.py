@@ -121,3 +121,14 @@ def test_inspect_counts_the_parameters_the_model_has_not_the_scales(release, tmp
     assert "quantized (block FP8: float8_e4m3fn weights, one weight_scale_inv per block of [16, 16]): 21 weights, " \
            "432 block scale values (not counted as parameters):" in fp8_out
     assert "model.layers.{0..2}.mlp.down_proj.weight{,_scale_inv}" in fp8_out and "[64, 96] F8_E4M3, scales [4, 6] F32" in fp8_out
+
+
+def test_generate_prints_the_load_report_on_stderr(release, capsys):
+    """The lines the training recipes print after loading (recipes/full_finetune.py), the quantized input's among
+    them; stdout holds the reply alone."""
+    code, out, err = run_generate(capsys, f"checkpoint_dir={release}", "prompt=Hi", "max_new_tokens=3")
+    assert code == 0, err
+    lines = err.splitlines()
+    loaded = next(i for i, line in enumerate(lines) if line.startswith("loaded 36 tensors: "))
+    assert lines[loaded + 1].startswith("quantized input (fp8): 21 tensors dequantized as loaded into ")
+    assert "tokens/s]" in lines[-1] and "loaded" not in out and "quantized" not in out
