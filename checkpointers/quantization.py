@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -269,28 +268,13 @@ def _same(trained: torch.Tensor, loaded: torch.Tensor) -> bool:
     return trained.shape == loaded.shape and torch.equal(trained, loaded.to(trained.dtype))
 
 
-def describe_packed(method: str | None, headers: Mapping[str, tuple[tuple[int, ...], str]],
-                    block: tuple[int, int] | None = None) -> list[str]:
-    """scripts/inspect.py's lines for a quantized checkpoint's packed tensors: each MXFP4 ``*_blocks`` / ``*_scales``
-    pair with the shape it dequantizes to; each block-FP8 weight beside its scales (in blocks of ``block``), and how
-    many scale values they hold (``headers``: key -> (shape, dtype) as stored)."""
-    from waypoint.checkpointers.load_report import fold_keys
-
-    if method == "fp8":  # each FP8 weight beside its block scales: the scales are not parameters
-        pairs: dict[tuple, list[str]] = {}
-        for key, (shape, _) in headers.items():
-            stem = key.removesuffix("_scale_inv")
-            if key.endswith("_scale_inv") and stem in headers:
-                pairs.setdefault((tuple(headers[stem][0]), tuple(shape), headers[stem][1], headers[key][1]), []).append(stem)
-        if not pairs:
-            return []
-        count = sum(math.prod(s) for (_, s, _, _), stems in pairs.items() for _ in stems)
-        rows = [f"  {pattern + '{,_scale_inv}':<60} {list(w)} {wd}, scales {list(s)} {sd}"
-                for (w, s, wd, sd), stems in pairs.items() for pattern in fold_keys(stems)]
-        return [f"quantized ({FORMATS[method].format(block=list(block or (128, 128)))}): {sum(map(len, pairs.values()))} weights, "
-                f"{count:,} block scale values (not counted as parameters):"] + sorted(rows)
+def describe_packed(method: str | None, headers: Mapping[str, tuple[tuple[int, ...], str]]) -> list[str]:
+    """scripts/inspect.py's lines for a quantized checkpoint's packed tensors: each ``*_blocks`` / ``*_scales`` pair
+    with the shape it dequantizes to (``headers``: key -> (shape, dtype) as stored)."""
     if method != "mxfp4":
         return []
+    from waypoint.checkpointers.load_report import fold_keys
+
     shapes: dict[tuple, list[str]] = {}
     for key, (shape, _) in headers.items():
         stem = key.removesuffix("_blocks")
