@@ -4,7 +4,9 @@ A native checkpoint directory holds ``waypoint_model.json`` (the ModelArgs, and 
 was converted from), the weights under native keys in safetensors (one ``model.safetensors`` or shards with
 ``model.safetensors.index.json``; ``.pt``/``.bin`` files are read too), and the tokenizer files. A tied output
 projection is stored once: the file holding ``tok_embeddings.weight`` records ``output.weight`` as its alias in
-the safetensors metadata, and loading re-ties the two (safetensors refuses tensors that share memory).
+the safetensors metadata, and loading re-ties the two (safetensors refuses tensors that share memory). A conversion
+of a block-FP8 HF checkpoint keeps its ``weight_scale_inv`` tensors in ``hf_source_scales.safetensors`` (not model
+weights: converting back to HF writes the untouched weights' very bytes from them), which every save carries.
 """
 
 from __future__ import annotations
