@@ -96,8 +96,10 @@ def read_tensors(path: str | Path, unmapped: list[str] | None = None,
         raise CheckpointError(f"{path}: expected a flat dict of tensors")
     for key, t in state.items():
         if not t.is_floating_point() and not (packed is not None and packed(key)):
-            raise CheckpointError(f"{path}: {key} is {str(t.dtype).removeprefix('torch.')}; weights must be floating point "
-                                  "(a quantized checkpoint without a quantization_config Waypoint reads; it reads mxfp4)")
+            raise CheckpointError(f"{path}: {key} is {str(t.dtype).removeprefix('torch.')}; weights must be floating point, "
+                                  "or a quantized format config.json's quantization_config names: Waypoint reads mxfp4 "
+                                  "(uint8 *_blocks and *_scales) and block fp8 (float8_e4m3fn weights, float32 or "
+                                  "bfloat16 *_scale_inv)")
     return dict(state)
 
 
@@ -117,6 +119,7 @@ def write_tensors(f, tensors: Mapping[str, torch.Tensor], file_format: str, meta
     if file_format == SAFETENSORS:
         write_safetensors(f, tensors, metadata)
     else:
+        # on_host: detached (a new tensor object, without a dequantized FP8 weight's fp8_source to pickle), off its device
         torch.save({k: on_host(v, k).contiguous() for k, v in tensors.items()}, f)
 
 

@@ -90,7 +90,9 @@ class HFCheckpointer(Checkpointer):
         if layout.weight_map is not None and (self._added_prefix or self._disk_prefix):
             layout = ShardLayout(layout.files, {self._disk_key(k): f for k, f in layout.weight_map.items()},
                                  layout.index_name, dict(layout.index_metadata))
-        return HFSource(dict(self.config), layout)
+        # block FP8: the input's scales too, so that a conversion back writes the untouched weights' very bytes
+        scales = {self._disk_key(k): t for k, t in self._source.items() if self.quantized.method == "fp8" and k.endswith("_scale_inv")}
+        return HFSource(dict(self.config), layout, scales or None)
 
     def hf_converter(self) -> Converter:
         return self.quantized.dense  # a block-FP8 input's rules without the scales: transformers' module names
@@ -123,7 +125,15 @@ class HFCheckpointer(Checkpointer):
                                              for f in self.layout.files})
         self.input_dtypes = {k: t.dtype for k, t in hf_state.items()}
         self._source = hf_state
-        self.converter = self.quantized.adopt(list(hf_state))  # block FP8: the rules for the weights it quantizes
+        self.converter = self.quantized.adopt(list(hf_state), self.input_dtypes)  # block FP8: the rules for the weights it quantizes
+        if self.quantized.method == "fp8":  # the scales are small: every one is checked now, in one line naming it
+            from waypoint.converters.fp8 import is_scale_key, nonfinite
+
+            for key in (k for k in hf_state if is_scale_key(k)):
+                if (why := nonfinite(key, hf_state[key])) is not None:
+                    raise CheckpointError(f"{self.checkpoint_dir / where[key]}: {self._disk_key(key)}: {why}; the "
+                                          "checkpoint's FP8 weights would load as nan/inf (the file is damaged or was "
+                                          "written wrong; re-download or re-export it)")
         native = self.converter.to_native(hf_state, where)
         self._quantized_notes = self.quantized.notes(list(hf_state), native)
         if carried and self._passthrough:
@@ -210,9 +220,11 @@ class HFCheckpointer(Checkpointer):
         if source is not None:
             config = dict(source.config)
             converter = get_converter(detect_model_type(config), config)
+            quantized = None
             if source.layout and source.layout.weight_map:
                 quantized = QuantizedOutput(dequantizing_to(converter, config), config, None)
-                converter = quantized.adopt(list(source.layout.weight_map))  # the source's FP8 weights, if any
+                dtypes = {k: t.dtype for k, t in (source.scales or {}).items()}
+                converter = quantized.adopt(list(source.layout.weight_map), dtypes)  # the source's FP8 weights, if any
                 converter.plan(list(source.layout.weight_map), "hf")  # the source's expert layout, if it has a choice
         else:
             dtypes = {t.dtype for t in native.values() if t.is_floating_point()}
@@ -222,6 +234,9 @@ class HFCheckpointer(Checkpointer):
                       "dtype": dtype_name(dtype) if dtype in HF_DTYPES else "float32"}
             converter = get_converter(conversion.model_type, config)
         tensors = converter.from_native(native)
+        if source is not None and source.scales and quantized is not None:  # block FP8: untouched weights as they came
+            groups = converter.plan(converter.native_keys_to_save(native), "native")
+            tensors = quantized.keep_input_scales(groups, tensors, native, source.scales)
         layout = None
         if source is not None and not conversion.resharded and source.layout and source.layout.weight_map \
                 and set(source.layout.weight_map) == set(tensors):

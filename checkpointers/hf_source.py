@@ -15,15 +15,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from waypoint.checkpointers.shard_layout import ShardLayout
 
 SOURCE_FILE = "hf_source.json"
+SCALES_FILE = "hf_source_scales.safetensors"  # a block-FP8 input's scales (HFSource.scales)
 
 
 @dataclass(frozen=True)
 class HFSource:
     config: Mapping[str, Any]  # the config.json as it was
     layout: ShardLayout | None = None  # its files and key -> file map (keys as on disk)
+    # a block-FP8 input's weight_scale_inv tensors (keys as on disk), kept in SCALES_FILE beside the converted
+    # checkpoint: from the dequantized weights and these, converting back writes untouched weights' very bytes
+    scales: Mapping[str, torch.Tensor] | None = None
+
+    def write_scales(self, stage) -> None:
+        """SCALES_FILE into a staged checkpoint directory (``commit.StagedDir``), if there are scales."""
+        if self.scales:
+            from waypoint.checkpointers.file_formats import write_safetensors
+
+            stage.write(SCALES_FILE, lambda f: write_safetensors(f, dict(self.scales), {"format": "pt"}))
+
+    def with_scales_from(self, directory: Path) -> HFSource:
+        """This source with the scales kept in ``directory``'s SCALES_FILE (memory-mapped), if it has one."""
+        path = Path(directory) / SCALES_FILE
+        if not path.is_file():
+            return self
+        from dataclasses import replace
+
+        from waypoint.checkpointers.file_formats import read_tensors
+
+        return replace(self, scales=read_tensors(path))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"config": dict(self.config)}

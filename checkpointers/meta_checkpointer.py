@@ -22,7 +22,7 @@ from waypoint import console
 from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tensors
-from waypoint.checkpointers.hf_source import SOURCE_FILE, HFSource
+from waypoint.checkpointers.hf_source import SCALES_FILE, SOURCE_FILE, HFSource
 from waypoint.checkpointers.shard_layout import listed_files
 from waypoint.converters import CheckpointError, Converter, Group
 from waypoint.converters.meta import EMBEDDING, meta_converter, model_parallel_dim, vocab_parallel
@@ -63,7 +63,8 @@ def write_model_parallel(stage: StagedDir, names: Sequence[str], converter: Conv
         for group in groups:
             for key, tensor in converter.apply_groups([group], native, forward=False, where=None).items():
                 tensor, dim = cast(key, tensor), split(key)
-                shard[key] = tensor.chunk(n, dim=dim)[index].clone() if dim is not None and n > 1 else tensor.contiguous()
+                # detach(): a new tensor object, without Python attributes to pickle (a dequantized FP8 weight's fp8_source)
+                shard[key] = tensor.chunk(n, dim=dim)[index].clone() if dim is not None and n > 1 else tensor.detach().contiguous()
         shard.update((k, t.contiguous()) for k, t in passthrough.items())
         if order is not None:
             shard = dict(sorted(shard.items(), key=lambda item: order[item[0]]))
@@ -120,7 +121,8 @@ class MetaCheckpointer(Checkpointer):
         return self._args
 
     def hf_source(self) -> HFSource | None:
-        return HFSource.read(self.checkpoint_dir)
+        source = HFSource.read(self.checkpoint_dir)
+        return source.with_scales_from(self.checkpoint_dir) if source is not None else None
 
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
@@ -215,8 +217,13 @@ class MetaCheckpointer(Checkpointer):
             raise CheckpointError("state dict does not match the input checkpoint: "
                                   + (f"lacks {missing[0]!r}" if missing else f"has {extra[0]!r}, which the input does not"))
         order = {key: i for i, key in enumerate(self.key_order)}  # the input's key order
-        return lambda stage: write_model_parallel(stage, self.files, self.converter, groups, native, self.split_dims.get,
-                                                  self.cast_for_output, self.passthrough, order)
+
+        def write(stage: StagedDir) -> None:
+            write_model_parallel(stage, self.files, self.converter, groups, native, self.split_dims.get,
+                                 self.cast_for_output, self.passthrough, order)
+            if (self.checkpoint_dir / SCALES_FILE).is_file():  # a block-FP8 source's scales travel with it
+                stage.copy_file(self.checkpoint_dir / SCALES_FILE)
+        return write
 
     # -- a new Meta checkpoint ------------------------------------------------------------
     @classmethod
@@ -239,3 +246,4 @@ class MetaCheckpointer(Checkpointer):
         stage.write_bytes(PARAMS_FILE, json_bytes(meta_params(args)))
         if conversion.source is not None:
             stage.write_bytes(SOURCE_FILE, json_bytes(conversion.source.to_json()))
+            conversion.source.write_scales(stage)

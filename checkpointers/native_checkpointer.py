@@ -4,7 +4,9 @@ A native checkpoint directory holds ``waypoint_model.json`` (the ModelArgs, and 
 was converted from), the weights under native keys in safetensors (one ``model.safetensors`` or shards with
 ``model.safetensors.index.json``; ``.pt``/``.bin`` files are read too), and the tokenizer files. A tied output
 projection is stored once: the file holding ``tok_embeddings.weight`` records ``output.weight`` as its alias in
-the safetensors metadata, and loading re-ties the two (safetensors refuses tensors that share memory).
+the safetensors metadata, and loading re-ties the two (safetensors refuses tensors that share memory). A conversion
+of a block-FP8 HF checkpoint keeps its ``weight_scale_inv`` tensors in ``hf_source_scales.safetensors`` (not model
+weights: converting back to HF writes the untouched weights' very bytes from them), which every save carries.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, json_bytes, read_json
-from waypoint.checkpointers.hf_source import HFSource
+from waypoint.checkpointers.hf_source import SCALES_FILE, HFSource
 from waypoint.checkpointers.shard_layout import ShardLayout, discover, plan_files, plan_layout, read_files, write_files
 from waypoint.converters import CheckpointError, Converter, Rule
 from waypoint.families import MODEL_TYPES, family_named
@@ -104,7 +106,8 @@ class NativeCheckpointer(Checkpointer):
     def hf_source(self) -> HFSource | None:
         if "hf_config" not in self.config:
             return None
-        return HFSource.from_json({"config": self.config["hf_config"], "layout": self.config.get("hf_layout")})
+        source = HFSource.from_json({"config": self.config["hf_config"], "layout": self.config.get("hf_layout")})
+        return source.with_scales_from(self.checkpoint_dir)
 
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
@@ -131,6 +134,8 @@ class NativeCheckpointer(Checkpointer):
                         lambda name, tensors: file_metadata(self.args.tie_embeddings, tensors, self._file_metadata.get(source_of[name])),
                         total_bytes=sum(nbytes(native, k) for k in native))
             stage.write_bytes(MODEL_FILE, json_bytes(self.config))
+            if (self.checkpoint_dir / SCALES_FILE).is_file():  # a block-FP8 source's scales travel with it
+                stage.copy_file(self.checkpoint_dir / SCALES_FILE)
         return write
 
     # -- a new native checkpoint ----------------------------------------------------------
@@ -143,3 +148,5 @@ class NativeCheckpointer(Checkpointer):
         write_files(stage, layout, lambda name: {k: tensors[k] for k in layout.keys_in(name)},
                     lambda name, written: file_metadata(args.tie_embeddings, written), total_bytes=sum(sizes.values()))
         stage.write_bytes(MODEL_FILE, json_bytes(describe(args, conversion.model_type, conversion.source)))
+        if conversion.source is not None:
+            conversion.source.write_scales(stage)

@@ -25,6 +25,7 @@ reports how far that is from the model that trained (the re-quantization's own c
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -53,6 +54,18 @@ def quant_method(config: Mapping[str, Any], source: str = "config.json") -> str 
         raise CheckpointError(f"{source}: quantization_config.quant_method {method!r} is not supported; supported: "
                               f"{', '.join(PACKED_KEYS)} (or a checkpoint that is not quantized)")
     return method
+
+
+def block_size(q: Mapping[str, Any], source: str = "config.json") -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` (128x128 where absent): two positive integers, or a one-line error."""
+    block = q.get("weight_block_size")
+    if block is None:
+        return 128, 128
+    if not isinstance(block, (list, tuple)) or len(block) != 2 \
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        raise CheckpointError(f"{source}: quantization_config.weight_block_size {json.dumps(block)}: expected two positive "
+                              "integers, the rows and columns of a block (e.g. [128, 128])")
+    return block[0], block[1]
 
 
 def config_dtype(config: Mapping[str, Any]) -> torch.dtype:
@@ -112,19 +125,18 @@ class QuantizedOutput:
         if self.method == "mxfp4" and self.method not in converter.variants:
             raise CheckpointError(f"{source}: quantization_config.quant_method {self.method!r} is not a layout of this "
                                   f"model family's checkpoints ({', '.join(converter.variants) or 'it has one layout'})")
-        self.block = tuple(int(b) for b in (config["quantization_config"].get("weight_block_size") or (128, 128))) \
-            if self.method == "fp8" else None
+        self.block = block_size(config["quantization_config"], source) if self.method == "fp8" else None
         self.source, self.dtype = source, config_dtype(config)
         self.dequantize = self.method is not None and choice == "none"
         self.keeps_adapted = choice == "input"  # a LoRA merge's changed tensors written unquantized
         self.input_unquantized: frozenset[str] = frozenset()  # native keys the input itself holds unquantized
         self.converter = self.dense = converter
 
-    def adopt(self, hf_keys: list[str]) -> Converter:
-        """The converter for a checkpoint with these keys: for block FP8, the family's rules reading the weights the
-        checkpoint holds in FP8 with their scales (``converters.fp8``); for MXFP4, the family's quantized layout, which
-        also reads the tensors a LoRA merge wrote unquantized beside the packed ones (``unquantized``); the family's
-        own otherwise."""
+    def adopt(self, hf_keys: list[str], dtypes: Mapping[str, torch.dtype] | None = None) -> Converter:
+        """The converter for a checkpoint with these keys (and dtypes, where known): for block FP8, the family's rules
+        reading the weights the checkpoint holds in FP8 with their scales, re-quantizing into scales of the input's
+        dtype (``converters.fp8``); for MXFP4, the family's quantized layout, which also reads the tensors a LoRA merge
+        wrote unquantized beside the packed ones (``unquantized``); the family's own otherwise."""
         if self.method == "mxfp4":
             return self._adopt_mxfp4(hf_keys)
         if self.method != "fp8":
@@ -133,7 +145,7 @@ class QuantizedOutput:
 
         if not any(is_scale_key(k) for k in hf_keys):
             raise CheckpointError(f"{self.source}: quantization_config says fp8, but no weight has a weight_scale_inv")
-        rules = lambda rs: [replace_op(r, FP8Blocks, dtype=self.dtype) for r in fp8_rules(rs, hf_keys, self.block)]  # noqa: E731
+        rules = lambda rs: [replace_op(r, FP8Blocks, dtype=self.dtype) for r in fp8_rules(rs, hf_keys, self.block, dtypes)]  # noqa: E731
         self.converter = replace(self.dense, rules=rules(self.dense.rules),
                                  variants={name: rules(rs) for name, rs in self.dense.variants.items()})
         return self.converter
@@ -241,6 +253,23 @@ class QuantizedOutput:
         for g in groups:
             if is_lossy(g.rule.op) and _unchanged(g, [native[k] for k in g.sources], source):
                 converted.update({k: source[k] for k in g.targets})
+        return converted
+
+    def keep_input_scales(self, groups: list[Group], converted: dict[str, torch.Tensor],
+                          native: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``converted`` (a conversion from another format) with each block-FP8 group whose input scales were kept
+        (``scales``: HF key -> the input's ``weight_scale_inv``, ``hf_source.HFSource.scales``) written with those
+        scales and the bytes they give back, where these read back as the native tensors (the run left them alone):
+        the input's bytes, whatever rounding made them."""
+        from waypoint.converters.fp8 import input_bytes, is_scale_key
+
+        for g in groups:
+            keys = [k for k in g.targets if is_scale_key(k)]
+            if not is_lossy(g.rule.op) or not keys or not all(k in scales for k in keys):
+                continue
+            written = input_bytes(g.rule.op, [native[k] for k in g.sources], [scales[k] for k in keys])
+            if written is not None:
+                converted.update(zip(g.targets, written))
         return converted
 
     @contextlib.contextmanager

@@ -72,8 +72,11 @@ def open_adapter(adapter_dir: str | None, say: Callable[[str], None] = note) -> 
     return directory
 
 
-def build(checkpointer, state: dict, adapter_dir: Path | None, device: str, dtype: str) -> Transformer:
-    """The checkpoint's model, with ``adapter_dir``'s LoRA merged in, in ``dtype`` on ``device``, for inference."""
+def build(checkpointer, state: dict, adapter_dir: Path | None, device: str, dtype: str,
+          say: Callable[[str], None] | None = note) -> Transformer:
+    """The checkpoint's model, with ``adapter_dir``'s LoRA merged in, in ``dtype`` on ``device``, for inference. The
+    load report (what was loaded, and the checkpointer's notes: a quantized input's tensors) goes to ``say`` as the
+    training recipes print it (stderr by default: stdout is the model's reply)."""
     if adapter_dir is not None:
         tensors, config = load_adapter(adapter_dir, checkpointer.hf_converter(), state)  # each checked to fit
         warn_other_base(adapter_dir, config, checkpointer.checkpoint_dir, checkpointer.family,
@@ -81,7 +84,9 @@ def build(checkpointer, state: dict, adapter_dir: Path | None, device: str, dtyp
         state = merge_state_dict(state, tensors, float(config["lora_alpha"]) / int(config["r"]))
     with torch.device("meta"):
         model = Transformer(checkpointer.model_args())
-    load_into(model, state, parse_dtype(dtype))
+    report = load_into(model, state, parse_dtype(dtype))
+    if say is not None:
+        say("\n".join(report.lines() + checkpointer.notes))
     return model.to(device).eval()
 
 
@@ -92,5 +97,5 @@ def load_for_inference(checkpoint_dir: str, adapter_dir: str | None = None, devi
     checkpointer, directory, tokenizer_dir, read_state = open_checkpoint(checkpoint_dir, say)
     adapter = open_adapter(adapter_dir, say)
     tokenizer = load_tokenizer(tokenizer_dir)
-    model = build(checkpointer, read_state(), adapter, device, dtype)
+    model = build(checkpointer, read_state(), adapter, device, dtype, say)
     return Loaded(model, tokenizer, directory, adapter)

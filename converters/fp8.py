@@ -18,7 +18,7 @@ untouched either way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,7 +26,7 @@ import torch
 
 from waypoint.converters.ops import Chain
 from waypoint.converters.table import Rule, compile_pattern
-from waypoint.fp8 import FP8_SOURCE, FP8Source, StackedFP8Source, carry_source, dequantize_fp8, quantize_fp8
+from waypoint.fp8 import FP8_SOURCE, FP8Source, StackedFP8Source, carry_source, dequantize_fp8, encode_fp8, quantize_fp8
 
 
 def _row_probes(shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -129,20 +129,42 @@ class FP8Blocks:
 
     block: tuple[int, int] = (128, 128)
     dtype: torch.dtype = torch.bfloat16
+    scale_dtype: torch.dtype = torch.float32  # the input's scales' (fp32, or bf16 as some releases store them)
     lossy: ClassVar[bool] = True
 
     def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if len(tensors) % 2:
             raise ValueError(f"got {len(tensors)} tensors, expected FP8 weights and as many scales")
         n = len(tensors) // 2
-        out = [dequantize_fp8(w, s, self.block, self.dtype) for w, s in zip(tensors[:n], tensors[n:])]
+        out = [dequantize_fp8(w, s, self.block, self.dtype, finite=True) for w, s in zip(tensors[:n], tensors[n:])]
         for t, w, s in zip(out, tensors[:n], tensors[n:]):  # its origin, for a holder of FP8 weights (module docstring)
             setattr(t, FP8_SOURCE, FP8Source(w, s, self.block, self.dtype))
         return out
 
     def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        pairs = [quantize_fp8(t, self.block) for t in tensors]
+        pairs = [quantize_fp8(t, self.block, self.scale_dtype) for t in tensors]
         return [w for w, _ in pairs] + [s for _, s in pairs]
+
+    def encode(self, tensors: list[torch.Tensor], scales: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """``inverse`` for given scales (the input's): the FP8 weights and ``scales`` if the weights read back as
+        ``tensors`` exactly (then they are the input's bytes, whatever rounding made them), else None."""
+        weights = [encode_fp8(t, s, self.block) for t, s in zip(tensors, scales)]
+        loaded = self.forward(weights + list(scales))
+        if all(t.shape == d.shape and torch.equal(t, d.to(t.dtype)) for t, d in zip(tensors, loaded)):
+            return weights + list(scales)
+        return None
+
+
+def input_bytes(op, values: list[torch.Tensor], scales: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """For a rule's FP8 op (``Chain(FP8Blocks, KeepSource(op))``: ``fp8_rules``) and the native ``values`` it
+    writes: the FP8 weights and scales to write when ``scales`` (the input's, kept beside a converted checkpoint:
+    ``checkpointers.hf_source``) give back these very values, else None (re-quantize them)."""
+    if not isinstance(op, Chain) or not op.ops or not isinstance(op.ops[0], FP8Blocks):
+        return None
+    dense = Chain(*op.ops[1:]).inverse([v.detach().cpu() for v in values])
+    if len(dense) != len(scales):
+        return None
+    return op.ops[0].encode(dense, scales)
 
 
 def scale_key(key: str) -> str:
@@ -151,15 +173,22 @@ def scale_key(key: str) -> str:
     return key + "_scale_inv"
 
 
-def fp8_rules(rules: list[Rule], hf_keys: Iterable[str], block: tuple[int, int]) -> list[Rule]:
+def fp8_rules(rules: list[Rule], hf_keys: Iterable[str], block: tuple[int, int],
+              dtypes: Mapping[str, torch.dtype] | None = None) -> list[Rule]:
     """``rules`` with each rule whose weights the checkpoint holds in FP8 (a ``scale_key`` beside each) reading them
-    with their scales; the others as they are."""
+    with their scales (re-quantized ones stored in the dtype ``dtypes`` gives its scales: fp32 by default); the
+    others as they are."""
     keys = list(hf_keys)
     out = []
     for rule in rules:
         scales = tuple(scale_key(p) for p in rule.hf)
-        quantized = all(any(compile_pattern(s).match(k) for k in keys) for s in scales)
-        out.append(Rule(rule.hf + scales, rule.native, Chain(FP8Blocks(block), KeepSource(rule.op))) if quantized else rule)
+        matched = [[k for k in keys if compile_pattern(s).match(k)] for s in scales]
+        if not all(matched):
+            out.append(rule)
+            continue
+        held = {dtypes[k] for ks in matched for k in ks if dtypes and k in dtypes}
+        scale_dtype = held.pop() if len(held) == 1 else torch.float32
+        out.append(Rule(rule.hf + scales, rule.native, Chain(FP8Blocks(block, scale_dtype=scale_dtype), KeepSource(rule.op))))
     return out
 
 
@@ -167,5 +196,18 @@ def is_scale_key(key: str) -> bool:
     return key.endswith("_scale_inv")
 
 
+def nonfinite(key: str, tensor: torch.Tensor) -> str | None:
+    """Why an FP8 checkpoint's ``key`` (a block scale, or a ``float8_e4m3fn`` weight) cannot be read: nan or inf
+    scales, NaN weight bytes (e4m3fn has no inf); None where it is fine. A scale tensor is 1/16384 of its weight's
+    values for 128x128 blocks: checking every one at load costs next to nothing."""
+    if tensor.is_meta or not tensor.is_floating_point():
+        return None
+    if tensor.dtype == torch.float8_e4m3fn:
+        bad = int(((tensor.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        return f"{bad} of its {tensor.numel()} float8_e4m3fn values are NaN" if bad else None
+    bad = int((~torch.isfinite(tensor)).sum())
+    return f"{bad} of its {tensor.numel()} block scales are nan or inf" if bad else None
+
+
 __all__ = ["FP8Blocks", "FP8Source", "FP8_SOURCE", "KeepSource", "StackedFP8Source", "carry_source", "fp8_rules",
-           "is_scale_key", "row_plan", "scale_key", "stack_plan"]
+           "input_bytes", "is_scale_key", "nonfinite", "row_plan", "scale_key", "stack_plan"]

@@ -169,6 +169,9 @@ class Converter:
             try:
                 results = fn([tensors[k] for k in g.sources])
             except (RuntimeError, ValueError) as e:
+                if getattr(e, "input_fault", False):  # the file's values, not the conversion (an FP8 weight's nan)
+                    raise CheckpointError(f"{where[g.sources[0]] + ': ' if where and g.sources[0] in where else ''}"
+                                          f"{g.sources[0]}: {str(e).splitlines()[0]}") from e
                 origin = f" in {where[g.sources[0]]}" if where and g.sources[0] in where else ""
                 shapes = ", ".join(f"{k} {tuple(tensors[k].shape)}" for k in g.sources)
                 raise CheckpointError(f"cannot convert {shapes}{origin}: {str(e).splitlines()[0]}") from e

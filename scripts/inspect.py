@@ -34,6 +34,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import json  # noqa: E402
+import math  # noqa: E402
 from collections import defaultdict  # noqa: E402
 
 import torch  # noqa: E402
@@ -43,7 +44,7 @@ from waypoint.checkpointers import checkpointer_for, detect_format  # noqa: E402
 from waypoint.checkpointers.commit import MANIFEST, verify  # noqa: E402
 from waypoint.checkpointers.file_formats import SAFETENSORS, format_of, load_pickle, read_metadata  # noqa: E402
 from waypoint.checkpointers.load_report import fold_keys  # noqa: E402
-from waypoint.checkpointers.quantization import describe_packed  # noqa: E402
+from waypoint.checkpointers.quantization import FORMATS, describe_packed  # noqa: E402
 from waypoint.checkpointers.native_checkpointer import ALIASES_KEY  # noqa: E402
 from waypoint.run.object_store import local_copy  # noqa: E402
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model  # noqa: E402
@@ -115,12 +116,31 @@ def manifest_line(directory: Path) -> str:
 
 
 def _values(ckpt, key: str, n: int) -> int:
-    """The parameters ``n`` stored elements of ``key`` hold: a quantized checkpoint's packed bytes hold two FP4
-    values each, its scales none of their own."""
+    """The parameters ``n`` stored elements of ``key`` hold, as the model has them: a quantized checkpoint's packed
+    MXFP4 bytes hold two FP4 values each, its scales (MXFP4's, block FP8's ``*_scale_inv``) none of their own."""
     quantized = getattr(ckpt, "quantized", None)
+    if quantized is not None and quantized.method == "fp8" and key.endswith("_scale_inv"):
+        return 0
     if quantized is None or not quantized.packed(key):
         return n
     return 2 * n if key.endswith("_blocks") else 0
+
+
+def describe_fp8(quantized, headers: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
+    """A block-FP8 checkpoint's weights, each beside its scales, and how many scale values they hold (which the
+    parameter total leaves out: ``_values``)."""
+    if quantized.method != "fp8":
+        return []
+    pairs: dict[tuple, list[str]] = defaultdict(list)
+    for key, (shape, dtype) in headers.items():
+        stem = key.removesuffix("_scale_inv")
+        if key.endswith("_scale_inv") and stem in headers:
+            pairs[(tuple(headers[stem][0]), headers[stem][1], tuple(shape), dtype)].append(stem)
+    count = sum(math.prod(scales) * len(stems) for (_, _, scales, _), stems in pairs.items())
+    rows = [f"  {pattern + '{,_scale_inv}':<60} {list(shape)} {dtype}, scales {list(scales)} {scale_dtype}"
+            for (shape, dtype, scales, scale_dtype), stems in pairs.items() for pattern in fold_keys(stems)]
+    return [f"quantized ({FORMATS['fp8'].format(block=list(quantized.block))}): {sum(map(len, pairs.values()))} "
+            f"weights, {count:,} block scale values (not counted as parameters):"] + sorted(rows) if rows else []
 
 
 def describe(directory: Path) -> list[str]:
@@ -153,7 +173,8 @@ def describe(directory: Path) -> list[str]:
     config = getattr(ckpt, "config", {}) or {}
     quantized = getattr(ckpt, "quantized", None)
     if quantized is not None:
-        lines += describe_packed(quantized.method, {k: v for path in files for k, v in tensor_headers(path)[0].items()})
+        headers = {k: v for path in files for k, v in tensor_headers(path)[0].items()}
+        lines += describe_packed(quantized.method, headers) + describe_fp8(quantized, headers)
     if aliases:
         lines.append("tied: " + ", ".join(f"{a} = {b} (stored once)" for a, b in aliases.items()))
     elif config.get("tie_word_embeddings"):

@@ -228,6 +228,44 @@ def write_fp8_checkpoint(path: Path, config, block=(32, 32), seed: int = 0, max_
     return model.eval()
 
 
+def write_encoded_fp8_checkpoint(path: Path, config, block=(128, 128), scale_dtype=torch.float32, seed: int = 0,
+                                 max_shard_size: str = "40KB"):
+    """A block-FP8 checkpoint encoded as DeepSeek's and Qwen's releases are: ``write_family_checkpoint``'s, each
+    attention and MLP projection weight ``w`` given ``weight_scale_inv = amax / 448`` per block (in fp32, stored in
+    ``scale_dtype``: the releases store float32 or bfloat16) and the weight ``(w / scale_inv).to(float8_e4m3fn)``;
+    the other tensors and ``dtype`` in config.json follow ``config``'s dtype (bf16 configs: bf16 files, as the
+    releases). Not our quantizer's rounding (``448 / amax`` then its inverse). Returns nothing."""
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    write_family_checkpoint(path, config, max_shard_size=max_shard_size, seed=seed)
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    dense = torch.bfloat16 if str(getattr(config, "dtype", None) or "").endswith("bfloat16") else None
+    for name in sorted(set(index["weight_map"].values())):
+        tensors = load_file(path / name)
+        for key in [k for k in tensors if k.endswith("_proj.weight")]:
+            w = tensors[key].float()
+            rows, cols = w.shape
+            gr, gc = math.ceil(rows / block[0]), math.ceil(cols / block[1])
+            blocks = torch.nn.functional.pad(w, (0, gc * block[1] - cols, 0, gr * block[0] - rows)).view(gr, block[0], gc, block[1])
+            scale_inv = (blocks.abs().amax(dim=(1, 3)) / 448).to(scale_dtype)
+            expanded = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+            tensors[key] = (w / expanded).to(torch.float8_e4m3fn)
+            tensors[key + "_scale_inv"] = scale_inv
+            index["weight_map"][key + "_scale_inv"] = name
+        if dense is not None:
+            tensors = {k: t.to(dense) if t.dtype == torch.float32 and not k.endswith("_scale_inv") else t for k, t in tensors.items()}
+        save_file(tensors, path / name, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index, indent=2))
+    config_path = path / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": list(block)}
+    config_path.write_text(json.dumps(config_json, indent=2))
+
+
 def pack_fp8_experts(source: Path, path: Path) -> None:
     """``source`` (a per-expert block-FP8 checkpoint: ``write_fp8_checkpoint``) rewritten at ``path`` with each
     layer's experts packed as transformers names them in memory: ``mlp.experts.gate_up_proj [E, 2I, H]`` (each

@@ -40,6 +40,13 @@ def _blockwise(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return padded.view(gr, block[0], gc, block[1])
 
 
+class NonFiniteFP8(ValueError):
+    """An FP8 weight of the input that dequantizes to nan/inf: the input's fault, not its conversion's (a reader
+    names the file and key: ``converters.table``)."""
+
+    input_fault = True
+
+
 def _check(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
     if weight.ndim < 2:
         raise ValueError(f"an FP8 weight {list(weight.shape)} must have at least 2 dims")
@@ -50,8 +57,10 @@ def _check(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``float8_e4m3fn`` ``[..., R, C]`` and its block scales -> ``dtype`` ``[..., R, C]``."""
+                   dtype: torch.dtype = torch.bfloat16, finite: bool = False) -> torch.Tensor:
+    """``float8_e4m3fn`` ``[..., R, C]`` and its block scales -> ``dtype`` ``[..., R, C]``; ``finite``: a ValueError
+    where a value comes out nan or inf (NaN bytes, a nan/inf scale, or beyond ``dtype``'s range), checked slab by
+    slab as it is made."""
     _check(weight, scale_inv, block)
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
     if weight.is_meta or scale_inv.is_meta or not out.numel():
@@ -65,18 +74,28 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
             scales = flat_s[m, r0 // block[0]: math.ceil(r1 / block[0])].float()
             expanded = scales.repeat_interleave(block[0], 0)[: r1 - r0].repeat_interleave(block[1], 1)[:, :cols]
             flat_out[m, r0:r1] = flat_w[m, r0:r1].float() * expanded
+            if finite and not bool(torch.isfinite(flat_out[m, r0:r1]).all()):
+                row = r0 + int((~torch.isfinite(flat_out[m, r0:r1])).any(1).nonzero()[0, 0])
+                at = f"expert {m}, " if flat_w.shape[0] > 1 else ""
+                raise NonFiniteFP8(f"dequantizes to nan/inf ({at}row {row} first: NaN bytes, or nan/inf block scales, or "
+                                   f"values beyond {str(dtype).removeprefix('torch.')}); the checkpoint is damaged "
+                                   "(re-download or re-export it)")
     return out
 
 
-def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float ``[..., R, C]`` -> (``float8_e4m3fn`` ``[..., R, C]``, fp32 ``scale_inv`` ``[..., ceil(R/bm), ceil(C/bn)]``)."""
+def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (128, 128),
+                 scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float ``[..., R, C]`` -> (``float8_e4m3fn`` ``[..., R, C]``, ``scale_inv`` ``[..., ceil(R/bm), ceil(C/bn)]`` in
+    ``scale_dtype``). fp32 scales: transformers' rounding, bitwise. Scales stored narrower (bf16, as some releases
+    store them): each block's ``scale_inv`` rounded to ``scale_dtype`` first and the weight divided by the stored
+    scale (``encode_fp8``), so that the bytes dequantize as they were meant to."""
     if not x.dtype.is_floating_point or x.ndim < 2:
         raise ValueError(f"cannot quantize {x.dtype} {list(x.shape)} to block FP8")
     rows, cols = x.shape[-2:]
     weight = torch.empty(x.shape, dtype=FP8, device=x.device)
     scale_inv = torch.empty((*x.shape[:-2], *_grid(rows, cols, block)), dtype=torch.float32, device=x.device)
     if x.is_meta or not x.numel():
-        return weight, scale_inv
+        return weight, scale_inv.to(scale_dtype)
     flat_x, flat_w, flat_s = x.reshape(-1, rows, cols), weight.view(-1, rows, cols), scale_inv.view(-1, *scale_inv.shape[-2:])
     step = max(1, _SLAB // (block[0] * cols)) * block[0]
     for m in range(flat_x.shape[0]):
@@ -87,9 +106,38 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[
             scale = torch.where(max_abs > 0, FP8_MAX / torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs)),
                                 torch.ones_like(max_abs))
             flat_s[m, r0 // block[0]: math.ceil(r1 / block[0])] = 1.0 / scale
+            if scale_dtype != torch.float32:
+                continue  # the weight is divided by the rounded scale below
             scaled = (blocks * scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
             flat_w[m, r0:r1] = scaled.view(-1, scaled.shape[2] * block[1])[: r1 - r0, :cols]
+    if scale_dtype != torch.float32:
+        scale_inv = scale_inv.to(scale_dtype)
+        weight = encode_fp8(x, scale_inv, block)
     return weight, scale_inv
+
+
+def encode_fp8(x: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Float ``[..., R, C]`` -> ``float8_e4m3fn`` for given block scales: ``clamp(x / scale_inv, -448, 448)`` of each
+    block, round to nearest even (0 where a scale is 0). For values that some bytes dequantize to with these scales
+    (``dequantize_fp8``, in bf16 or wider), those very bytes: e4m3's neighbours are at least 1/16 apart, bf16's
+    rounding at most 1/512."""
+    _check(x, scale_inv, block)
+    weight = torch.empty(x.shape, dtype=FP8, device=x.device)
+    if x.is_meta or scale_inv.is_meta or not x.numel():
+        return weight
+    rows, cols = x.shape[-2:]
+    flat_x, flat_s, flat_w = x.reshape(-1, rows, cols), scale_inv.reshape(-1, *scale_inv.shape[-2:]), weight.view(-1, rows, cols)
+    step = max(1, _SLAB // (block[0] * cols)) * block[0]
+    for m in range(flat_x.shape[0]):
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            scales = flat_s[m, r0 // block[0]: math.ceil(r1 / block[0])].float()
+            expanded = scales.repeat_interleave(block[0], 0)[: r1 - r0].repeat_interleave(block[1], 1)[:, :cols]
+            values = flat_x[m, r0:r1].float()
+            scaled = torch.where(expanded != 0, values / torch.where(expanded != 0, expanded, torch.ones_like(expanded)),
+                                 torch.zeros_like(values))
+            flat_w[m, r0:r1] = scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return weight
 
 
 # -- where a dense tensor's values come from (the FP8 base held as the file's bytes: models.fp8_weight) -------------------
@@ -177,5 +225,5 @@ def carry_source(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     return after
 
 
-__all__ = ["FP8", "FP8_MAX", "FP8_SOURCE", "FP8Source", "StackedFP8Source", "carry_source", "dequantize_fp8",
-           "quantize_fp8"]
+__all__ = ["FP8", "FP8_MAX", "FP8_SOURCE", "FP8Source", "NonFiniteFP8", "StackedFP8Source", "carry_source", "dequantize_fp8",
+           "encode_fp8", "quantize_fp8"]
