@@ -170,6 +170,29 @@ def test_lora_writes_a_peft_adapter_and_merged_model_and_its_reference_is_the_ba
     assert val[-1]["val_rewards/margins"] > 0
 
 
+def test_the_output_is_prompted_with_the_template_the_run_trained_with(full_run, lora_run, pairs):
+    """tiny_dpo renders its pairs with the built-in chatml over a checkpoint that has no template: each model it
+    writes (the full run's step, the LoRA run's merged/) holds it as chat_template.jinja, as the SFT recipes' do, and
+    transformers renders a prompt from it into the very ids the run trained on (the pair's prompt, as the dataset
+    tokenized it). (An adapter directory carries no template, in the SFT LoRA recipe either.)"""
+    from transformers import AutoTokenizer
+
+    from waypoint.text.chat_template import BUILTIN_TEMPLATES
+    from waypoint.text.tokenizer import load_tokenizer
+    from waypoint.training.preference_dataset import PreferenceDataset
+
+    chatml = BUILTIN_TEMPLATES["chatml"]
+    trained = PreferenceDataset(pairs, load_tokenizer(ROOT / "assets/tiny_llama"), max_length=256, template="chatml")
+    assert trained.prompt_format.text == chatml
+    record = json.loads(pairs.read_text().splitlines()[0])
+    for out in (final(full_run), final(lora_run) / "merged"):
+        assert (out / "chat_template.jinja").read_text() == chatml, out
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        ids = tokenizer.apply_chat_template(record["prompt"], add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        assert list(ids) == trained[0]["prompt"], out
+
+
 @pytest.mark.slow
 def test_lora_signal_then_rerun_is_bit_identical(lora_run, pairs, tmp_path):
     out = tmp_path / "out"
