@@ -440,26 +440,30 @@ def report(runs: dict[str, list[dict]], args) -> None:
               f"{'PASS' if mem <= GOAL_MEMORY else 'MISS'}")
 
 
-def prepare_workdir(workdir: str | None) -> tuple[Path | None, bool]:
-    """(the directory the bench's own temporary directory goes in, whether this made it). A directory that does not
-    exist is made, as ``mkdir -p`` would, and said so (and removed again at the end if still empty); one that exists
+def prepare_workdir(workdir: str | None) -> tuple[Path | None, Path | None]:
+    """(the directory the bench's own temporary directory goes in, the outermost directory this made or None). A
+    directory that does not exist is made, as ``mkdir -p`` would, and said so (what it made is removed again at the end
+    if still empty); one that exists
     is used as it is: the bench writes only its own ``bench_dpo_*`` directory in it, removed at the end. A path that
     cannot be one exits with one line naming it."""
     if workdir is None:
-        return None, False
+        return None, None
     path = Path(workdir).expanduser()
     if path.is_dir():
         if not os.access(path, os.W_OK | os.X_OK):
             sys.exit(f"error: --workdir {workdir}: not writable")
-        return path, False
+        return path, None
     if path.exists():
         sys.exit(f"error: --workdir {workdir}: exists and is not a directory")
+    made = path.absolute()
+    while not made.parent.exists():
+        made = made.parent
     try:
         path.mkdir(parents=True)
     except OSError as e:
         sys.exit(f"error: --workdir {workdir}: cannot create it ({e.strerror or e})")
     print(f"created --workdir {workdir} (it did not exist)")
-    return path, True
+    return path, made
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -515,8 +519,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_rounds(impls, args, workdir)
     finally:
-        if created and not any(workdir.iterdir()):
-            workdir.rmdir()
+        if created:  # what this made, innermost first, as long as the bench left it empty
+            for folder in [workdir.absolute(), *workdir.absolute().parents]:
+                if any(folder.iterdir()):
+                    break
+                folder.rmdir()
+                if folder == created:
+                    break
 
 
 def run_rounds(impls: list[str], args, workdir: Path | None) -> None:

@@ -15,12 +15,12 @@ from tests.conftest import ROOT
 
 def test_a_workdir_that_does_not_exist_is_made_and_an_existing_one_is_used_as_it_is(tmp_path, capsys):
     missing = tmp_path / "a" / "b"
-    assert bench_dpo.prepare_workdir(str(missing)) == (missing, True) and missing.is_dir()
+    assert bench_dpo.prepare_workdir(str(missing)) == (missing, tmp_path / "a") and missing.is_dir()
     assert capsys.readouterr().out.strip() == f"created --workdir {missing} (it did not exist)"
     (missing / "mine.txt").write_text("the user's")
-    assert bench_dpo.prepare_workdir(str(missing)) == (missing, False)  # used, not emptied, nothing said
+    assert bench_dpo.prepare_workdir(str(missing)) == (missing, None)  # used, not emptied, nothing said
     assert capsys.readouterr().out == "" and (missing / "mine.txt").read_text() == "the user's"
-    assert bench_dpo.prepare_workdir(None) == (None, False)
+    assert bench_dpo.prepare_workdir(None) == (None, None)
 
 
 def test_a_workdir_that_cannot_be_a_directory_is_one_line(tmp_path):
@@ -51,3 +51,11 @@ def test_the_report_labels_both_and_says_which_the_goal_uses(capsys):
     assert ours.split()[3:6] == ["1.000", "200", "180"] and "2.00x" in ours and "4.50x" in ours
     assert "tok/s all: all timed steps' tokens over their summed time (the goal's)" in out
     assert "goal, waypoint vs TRL both precomputed: >= 1.5x TRL's tokens/s over all timed steps: 4.50x PASS" in out
+
+
+def test_a_workdir_it_made_is_removed_again_and_one_it_did_not_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_dpo, "run_rounds", lambda impls, args, workdir: None)
+    bench_dpo.main(["--quick", "--impls", "ours", "--workdir", str(tmp_path / "a" / "b")])
+    assert list(tmp_path.iterdir()) == []  # a/b made, then a/b and a removed: nothing of its own left behind
+    bench_dpo.main(["--quick", "--impls", "ours", "--workdir", str(tmp_path)])
+    assert tmp_path.is_dir()
