@@ -8,6 +8,7 @@ expected (``"an integer >= 1"``). Options the table does not name belong to inst
 
 from __future__ import annotations
 
+import math
 import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -63,12 +64,16 @@ def integer(minimum: int) -> Check:
 
 
 def number(minimum: float, inclusive: bool = True, below: float | None = None, at_most: float | None = None) -> Check:
+    """A finite number in the range: inf and nan (Hydra reads ``key=inf``, ``key=nan`` as floats) are never an
+    option's value; a run given one would only stop at its first step with a nan loss."""
     def check(v):
-        fits = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= minimum if inclusive else v > minimum)
+        real = isinstance(v, (int, float)) and not isinstance(v, bool)
+        fits = real and math.isfinite(v) and (v >= minimum if inclusive else v > minimum)
         if fits and (below is None or v < below) and (at_most is None or v <= at_most):
             return None
         upper = f" and < {below}" if below is not None else f" and <= {at_most}" if at_most is not None else ""
-        return f"a number {'>=' if inclusive else '>'} {minimum}{upper}"
+        finite = "finite " if real and not math.isfinite(v) else ""
+        return f"a {finite}number {'>=' if inclusive else '>'} {minimum}{upper}"
     return check
 
 
@@ -193,8 +198,20 @@ LORA: dict[str, tuple[bool, Check]] = {
     "nf4.output": (False, boolean),
 }
 
+def preference_loss(v) -> str | None:
+    """``loss``: what its keys allow together (each key's range is checked on its own): label smoothing belongs to the
+    sigmoid and simpo losses only (TRL ignores it for the others, with a warning)."""
+    if not isinstance(v, Mapping):
+        return "a section {type, beta, label_smoothing, gamma}"
+    smoothing, kind = v.get("label_smoothing"), v.get("type")
+    if isinstance(smoothing, (int, float)) and smoothing and kind in LOSS_TYPES and kind not in ("sigmoid", "simpo"):
+        return Problem(f"loss.label_smoothing applies to the sigmoid and simpo losses, not {kind}; set loss.label_smoothing=0")
+    return None
+
+
 # recipes/dpo_finetune.py, beside COMMON (and LORA when it has a lora section)
 PREFERENCE: dict[str, tuple[bool, Check]] = {
+    "loss": (True, preference_loss),
     "loss.type": (True, one_of(*LOSS_TYPES)),
     "loss.beta": (True, number(0, inclusive=False)),
     "loss.label_smoothing": (False, number(0, below=0.5)),

@@ -32,7 +32,10 @@ SUITE = re.compile(r"^python3? (-m pytest\b|scripts/check_readme\.py\b)")  # the
 NOTHING_DONE = ("nothing to do",)
 # command (a substring of it) -> what its output must contain: the demos' promises in the README's text
 EXPECT = {
-    'checkpoint_dir=outputs/tiny_chat/step_300 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.",
+    # the answer, then the token count at once: the reply stopped at the end of its turn
+    'checkpoint_dir=outputs/tiny_chat/step_300 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.\n[",
+    # DPO after that SFT keeps what SFT taught (the pair is in the DPO data too, "Lima" chosen)
+    'checkpoint_dir=outputs/tiny_dpo/step_36 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.\n[",
     "waypoint validate tiny_lora lora.rank=0": "lora.rank=0",
 }
 TIMEOUT_S = 900

@@ -19,6 +19,11 @@ GOOD = {"prompt": [{"role": "user", "content": "Hi?"}], "chosen": [{"role": "ass
 CASES = [
     ("loss.type=kto", "error: loss.type=kto: expected one of sigmoid, ipo, hinge, simpo"),
     ("loss.beta=0", "error: loss.beta=0: expected a number > 0"),
+    ("loss.beta=-0.1", "error: loss.beta=-0.1: expected a number > 0"),
+    ("loss.beta=inf", "error: loss.beta=inf: expected a finite number > 0"),  # ran the reference pass, then nan at step 1
+    ("loss.beta=nan", "error: loss.beta=nan: expected a finite number > 0"),
+    ("loss.gamma_inf_with_simpo", "error: loss.gamma=inf: expected a finite number >= 0"),
+    ("loss.beta_inf_with_simpo", "error: loss.beta=inf: expected a finite number > 0"),
     ("loss.label_smoothing=0.5", "error: loss.label_smoothing=0.5: expected a number >= 0 and < 0.5"),
     ("loss.label_smoothing_with_ipo", "error: loss.label_smoothing applies to the sigmoid and simpo losses, not ipo"),
     ("loss.gamma=-1", "error: loss.gamma=-1: expected a number >= 0"),
@@ -37,6 +42,8 @@ CASES = [
 
 OVERRIDES = {  # rows whose id is not itself the override
     "loss.label_smoothing_with_ipo": ["loss.type=ipo", "loss.label_smoothing=0.1"],
+    "loss.gamma_inf_with_simpo": ["loss.type=simpo", "loss.gamma=inf"],
+    "loss.beta_inf_with_simpo": ["loss.type=simpo", "loss.beta=inf"],
     "quantize_base_without_lora": ["quantize_base=nf4"],
     "lora.rank_in_a_dpo_run": ["lora={targets: [q_proj], rank: 0, alpha: 16, dropout: 0.0}"],
     "dataset.source_missing": ["dataset.source={tmp}/nowhere.jsonl"],

@@ -73,6 +73,20 @@ def test_label_smoothing_is_refused_where_the_loss_has_none():
         PreferenceLoss("kto", 0.1)
 
 
+@pytest.mark.parametrize("loss_type,beta,smoothing,gamma,expected", [
+    ("sigmoid", float("inf"), 0.0, 0.5, "loss.beta=inf: expected a finite number > 0"),
+    ("ipo", 0.0, 0.0, 0.5, "loss.beta=0.0: expected a finite number > 0"),
+    ("hinge", float("nan"), 0.0, 0.5, "loss.beta=nan: expected a finite number > 0"),
+    ("simpo", 2.0, 0.0, float("inf"), "loss.gamma=inf: expected a finite number >= 0"),
+    ("sigmoid", 0.1, 0.5, 0.5, "loss.label_smoothing=0.5: expected a finite number >= 0 and < 0.5"),
+])
+def test_a_loss_whose_options_can_only_give_nan_is_refused_when_built(loss_type, beta, smoothing, gamma, expected):
+    """The recipe's option checks refuse these first; the loss itself refuses them too (a script or the bench)."""
+    with pytest.raises(CheckpointError) as refused:
+        PreferenceLoss(loss_type, beta, smoothing, gamma)
+    assert str(refused.value) == expected
+
+
 def test_metrics_are_sums_whose_means_are_trls():
     chosen_rewards, rejected_rewards = torch.tensor([0.3, -0.1, 0.2]), torch.tensor([0.1, -0.1, 0.5])
     sums = pair_metrics(chosen_rewards, rejected_rewards, torch.tensor([-3.0, -4.0, -5.0]), torch.tensor([-6.0, -7.0, -8.0]))

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from tests.conftest import ROOT
 from waypoint.cli import shipped
@@ -84,6 +85,23 @@ def test_validate_prints_every_problem_and_writes_nothing(tmp_path, monkeypatch,
     assert main(["validate", "tiny", "epoch=2"]) == 1
     assert capsys.readouterr().out.strip() == "error: unknown option epoch (did you mean epochs?); to add a new key, write +epoch=..."
     assert list(tmp_path.iterdir()) == []  # nothing written, no checkpoint read
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["loss.beta=inf"], "error: loss.beta=inf: expected a finite number > 0"),
+    (["loss.beta=nan"], "error: loss.beta=nan: expected a finite number > 0"),
+    (["loss.type=simpo", "loss.gamma=inf"], "error: loss.gamma=inf: expected a finite number >= 0"),
+    (["loss.type=hinge", "loss.label_smoothing=0.1"],
+     "error: loss.label_smoothing applies to the sigmoid and simpo losses, not hinge; set loss.label_smoothing=0"),
+])
+def test_validate_refuses_a_preference_loss_that_could_only_end_in_nan(overrides, expected, tmp_path, monkeypatch,
+                                                                        capsys):
+    """These once passed `waypoint validate` (and the recipe's checks): the run computed the reference pass, wrote
+    reference/, then stopped at step 1 with a nan loss."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "tiny_dpo", *overrides, "output_dir=out"]) == 1
+    assert capsys.readouterr().out.strip() == expected
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_script_subcommands_are_the_scripts(capsys):

@@ -59,6 +59,8 @@ class PreferenceDataset(Dataset):
     Attributes:
         where: ``where[i]`` is the file and record pair ``i`` came from.
         template: the chat template (None when none was named and every record is a standard one).
+        prompt_format: the template conversations were rendered with (None when no record is a conversation): the
+            run writes it beside every checkpoint, as the SFT recipes write theirs (``training.run_data``).
         truncated_prompts, truncated_completions, dropped, skipped: pairs whose prompt was cut to
             ``max_prompt_length``, pairs with a completion cut to ``max_length``, pairs dropped (the prompt fills
             ``max_length``), malformed records left out.
@@ -84,6 +86,7 @@ class PreferenceDataset(Dataset):
         # A named template is read now (a wrong name stops the run whatever the data); the checkpoint's own only
         # when a record is a conversation: standard records need none.
         self.template: ChatTemplate | None = load_chat_template(tokenizer, template) if template is not None else None
+        self._rendered = False  # a conversation was rendered with the template
         self.where: list[str] = []
         self._ids: dict[str, list[array]] = {key: [] for key in PAIR_KEYS}
         self.truncated_prompts = self.truncated_completions = self.dropped = self.skipped = 0
@@ -205,6 +208,7 @@ class PreferenceDataset(Dataset):
         """TRL's ``tokenize_fn``: (prompt ids, chosen ids, rejected ids), the prompt's those the three share."""
         if isinstance(prompt, list):
             template = self._chat_template()
+            self._rendered = True
             prompt_ids = self._encode_rendered(template.render(prompt, add_generation_prompt=True))
             prompt_chosen_ids = self._encode_rendered(template.render(prompt + chosen))
             prompt_rejected_ids = self._encode_rendered(template.render(prompt + rejected))
@@ -264,6 +268,12 @@ class PreferenceDataset(Dataset):
         if self.skipped:
             parts.append(f"skipped {self.skipped} malformed record(s) (skip_bad_records); first: {first_error}")
         return "; ".join(parts)
+
+    @property
+    def prompt_format(self) -> ChatTemplate | None:
+        """The template conversations were rendered with: the output's, so it is prompted as it trained (None when
+        every record is a standard one: no template rendered them)."""
+        return self.template if self._rendered else None
 
     # Items ------------------------------------------------------------------------------------------------------
 

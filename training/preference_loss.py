@@ -17,6 +17,7 @@ log-prob). A step's loss and metrics are means over every pair of its global bat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,12 @@ class PreferenceLoss:
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
             raise CheckpointError(f"loss.type: expected one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        for name, value, fits, expected in (
+                ("beta", self.beta, lambda v: v > 0, "a number > 0"),
+                ("label_smoothing", self.label_smoothing, lambda v: 0 <= v < 0.5, "a number >= 0 and < 0.5"),
+                ("gamma", self.gamma, lambda v: v >= 0, "a number >= 0")):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not fits(value):
+                raise CheckpointError(f"loss.{name}={value}: expected a finite {expected.removeprefix('a ')}")
         if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
             raise CheckpointError(f"loss.label_smoothing applies to the sigmoid and simpo losses, not {self.loss_type}; set loss.label_smoothing=0")
 
