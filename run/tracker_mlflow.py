@@ -78,21 +78,22 @@ class MLflowLogger:
 
         given = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         uri = given or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
-        where = "tracking_uri" if self.tracking_uri else "$MLFLOW_TRACKING_URI"
+        where = (f"metric_loggers.{name}.tracking_uri={uri}" if self.tracking_uri else
+                 f"$MLFLOW_TRACKING_URI={uri} (metric_loggers.{name}.tracking_uri is null)" if given else
+                 f"metric_loggers.{name}: {uri}")
         problem = uri_problem(uri)
         if problem:
-            raise CheckpointError(f"metric_loggers.{name}.{where}={uri}: {problem}")
+            raise CheckpointError(f"{where}: {problem}")
         try:  # no network yet: the store for the URI (a local database is created)
             client = MlflowClient(tracking_uri=uri)
         except ModuleNotFoundError as e:
             if e.name and e.name.split(".")[0] == "mlflow":
                 raise
-            raise CheckpointError(f"metric_loggers.{name}.{where}={uri}: MLflow needs the {e.name} package for it "
-                                  f"(pip install {e.name})") from None
+            raise CheckpointError(f"{where}: MLflow needs the {e.name} package for it (pip install {e.name})") from None
         except Exception as e:
             hint = ("this MLflow refuses file stores; use sqlite:///PATH.db, or set MLFLOW_ALLOW_FILE_STORE=true"
                     if "MLFLOW_ALLOW_FILE_STORE" in str(e) else f"{first_line(e)} ({type(e).__name__})")
-            raise CheckpointError(f"metric_loggers.{name}.{where}={uri}: MLflow cannot open it: {hint}") from None
+            raise CheckpointError(f"{where}: MLflow cannot open it: {hint}") from None
         if self.abandoned:
             return ""
         self.uri, self.client = uri, client
