@@ -15,7 +15,7 @@ from waypoint.cli.command import run_command
 from waypoint.cli.config import parse_config
 from waypoint.cli.option_checks import COMMON, Check
 from waypoint.cli.run_config import cache_inputs, use_run_dir
-from waypoint.console import progress_shown
+from waypoint.console import lines_as_printed, progress_shown
 from waypoint.models.swap import swapping_conversions
 from waypoint.run.output_dir import hold_output_dir, run_inputs
 from waypoint.run.store_run import run_dir_for
@@ -44,7 +44,8 @@ def run_recipe(train: Callable[[DictConfig, Distributed], int], argv: list[str] 
             dist.close()
 
     try:
-        with progress_shown(cfg.get("progress", "auto")):  # bars on a terminal, plain lines in a log (waypoint.console)
+        # bars on a terminal, plain lines in a log, each line there as it is printed (waypoint.console)
+        with progress_shown(cfg.get("progress", "auto")), lines_as_printed():
             return run_command(run)
     finally:
         for sig, handler in handlers.items():

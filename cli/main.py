@@ -78,13 +78,38 @@ def cp(argv: list[str]) -> int:
     dest = Path(args.dest)
     if dest.is_dir():
         dest = dest / source.name
+    if dest.is_symlink() and not dest.exists():  # GNU cp refuses too: the file would land wherever the link points
+        parser.error(f"{dest} is a symbolic link to {os.readlink(dest)}, which does not exist; cp writes nothing "
+                     "through it: remove the link or choose another name")
     if dest.exists():
         parser.error(f"{dest} exists; choose another name (nothing was overwritten)")
     if not dest.parent.is_dir():
         parser.error(f"{dest.parent}: no such folder")
-    shutil.copyfile(source, dest)
+    try:
+        _copy_new(source, dest)
+    except FileExistsError:  # made between the look and the write
+        parser.error(f"{dest} exists; choose another name (nothing was overwritten)")
+    except OSError as e:
+        if os.environ.get(DEBUG):
+            raise
+        print(f"error: {dest}: cannot write it ({e.strerror or e}); choose a folder you can write (nothing was "
+              "written)", file=sys.stderr)
+        return 1
     print(f"copied {source.name} to {dest}")
     return 0
+
+
+def _copy_new(source: Path, dest: Path) -> None:
+    """``source``'s bytes as the new file ``dest``: created exclusively, never through a symbolic link (an existing
+    name, a link among them, is FileExistsError), and removed again if the copy fails half way."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(dest, flags, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as out, open(source, "rb") as data:
+            shutil.copyfileobj(data, out)
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
 
 
 def run(argv: list[str]) -> int:

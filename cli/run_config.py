@@ -17,12 +17,18 @@ from waypoint.run.object_store import input_copy_path, is_url, local_copy
 from waypoint.run.output_dir import RunDir
 
 
+TRACKERS = "metric_loggers"  # the trackers' options: where the run reports to (a server's http:// URL), no input
+
+
 def cache_inputs(cfg, dist, say=print) -> None:
-    """Inputs named by object-store URLs (the checkpoint, a dataset: any config string but ``output_dir``) are
+    """Inputs named by object-store URLs (the checkpoint, a dataset: any config string but ``output_dir`` and the
+    trackers' options, ``metric_loggers``: a tracking server's ``http://`` URL is no input to download) are
     copied to ``$WAYPOINT_CACHE/inputs/...`` on every machine with a size check (files already there with the object's size are
     kept), and the config points at the copies; a URL inside one already copied (the checkpoint's tokenizer,
     interpolated from it) points inside that copy."""
-    found = sorted({v for k, v in _strings(OmegaConf.to_container(cfg, resolve=True)) if k != "output_dir" and is_url(v)}, key=len)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config.pop(TRACKERS, None)
+    found = sorted({v for k, v in _strings(config) if k != "output_dir" and is_url(v)}, key=len)
     local: dict[str, Path] = {}
     for url in found:
         inside = next((u for u in local if url.startswith(u.rstrip("/") + "/")), None)
@@ -74,11 +80,13 @@ def _strings(node, key: str = ""):
         yield key, node
 
 
-def _replace(node, mapping: dict[str, str]) -> None:
-    """Every string value of a (resolved) config found in ``mapping``, replaced in place."""
+def _replace(node, mapping: dict[str, str], top: bool = True) -> None:
+    """Every string value of a (resolved) config found in ``mapping``, replaced in place (the trackers' aside)."""
     items = node.items() if isinstance(node, DictConfig) else enumerate(node)
     for k, v in list(items):
+        if top and k == TRACKERS:
+            continue
         if isinstance(v, (DictConfig, ListConfig)):
-            _replace(v, mapping)
+            _replace(v, mapping, top=False)
         elif isinstance(v, str) and v in mapping and k != "output_dir":
             node[k] = mapping[v]

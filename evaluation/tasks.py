@@ -12,7 +12,7 @@ import difflib
 import re
 from pathlib import Path
 
-from waypoint.errors import CheckpointError
+from waypoint.errors import CheckpointError, first_line
 
 GLOB = set("*?[")
 
@@ -41,14 +41,42 @@ def stands_alone(name: str) -> bool:
     return not re.search(r"^group\s*:", text, re.M) and bool(re.search(r"^task\s*:\s*\S", text, re.M))
 
 
+def yaml_problem(e, path=None) -> str:
+    """A YAML error as one line naming the file, line and column (``path`` where the error names none)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = getattr(mark, "name", None) if mark is not None else None
+    where = str(path) if path is not None and (not where or where.startswith("<")) else where or "a task file"
+    at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    what = getattr(e, "problem", None) or first_line(e)
+    return f"{where}{at}: not valid YAML ({what}); fix the task file"
+
+
+def check_task_file(name: str) -> None:
+    """A task file that exists and parses as YAML (lm-eval's tags, ``!function``, taken as they come), or one line."""
+    import yaml
+
+    path = Path(name)
+    if not path.is_file():
+        raise CheckpointError(f"tasks: {name}: no such task file")
+
+    class Tags(yaml.SafeLoader):
+        pass
+    Tags.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        yaml.load(path.read_text(encoding="utf-8"), Loader=Tags)
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"tasks: {name}: not a text file ({e.reason} at byte {e.start}); give a task's YAML file") from None
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"tasks: {yaml_problem(e, path)}") from None
+
+
 def resolve(tasks, include_path=None) -> tuple[object, list[str]]:
     """(an lm-eval TaskManager that knows every task asked for, the task names with globs expanded)."""
     from lm_eval.tasks import TaskManager
 
     names, paths = task_list(tasks), include_paths(include_path)
     for name in filter(is_task_file, names):
-        if not Path(name).is_file():
-            raise CheckpointError(f"tasks: {name}: no such task file")
+        check_task_file(name)
     folders = [str(p) for p in paths] or None
     # only the given folders first, where nothing may need lm-eval's own tasks (a glob may match some of them)
     alone = all(stands_alone(n) if is_task_file(n) else not GLOB & set(n) for n in names)

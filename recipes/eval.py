@@ -67,12 +67,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         require_lm_eval()
+        import yaml
         from lm_eval import simple_evaluate
         from lm_eval.utils import make_table
 
         from waypoint.evaluation.harness_lm import WaypointLM
         from waypoint.evaluation.results import results_path, write_results
-        from waypoint.evaluation.tasks import resolve
+        from waypoint.evaluation.tasks import resolve, yaml_problem
 
         logging.getLogger("lm_eval.api.task").addFilter(QuietCustomDatasets())
         manager, tasks = resolve(cfg.tasks, cfg.get("include_path"))
@@ -81,11 +82,14 @@ def main(argv: list[str] | None = None) -> int:
                                         max_length=cfg.get("max_length"), batch_size=cfg.batch_size,
                                         max_gen_toks=cfg.max_gen_toks, add_bos_token=cfg.get("add_bos_token"),
                                         seed=cfg.seed)
-        results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=cfg.get("num_fewshot"),
-                                  limit=cfg.get("limit"), bootstrap_iters=cfg.bootstrap_iters, log_samples=False,
-                                  batch_size=cfg.batch_size, device=cfg.device,  # recorded in the results' config
-                                  random_seed=cfg.seed, numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed,
-                                  fewshot_random_seed=cfg.seed)
+        try:
+            results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=cfg.get("num_fewshot"),
+                                      limit=cfg.get("limit"), bootstrap_iters=cfg.bootstrap_iters, log_samples=False,
+                                      batch_size=cfg.batch_size, device=cfg.device,  # recorded in the results' config
+                                      random_seed=cfg.seed, numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed,
+                                      fewshot_random_seed=cfg.seed)
+        except yaml.YAMLError as e:  # a file a task includes (the files given were checked before the model was read)
+            raise CheckpointError(yaml_problem(e)) from None
         print(make_table(results))
         if results.get("groups"):
             print(make_table(results, "groups"))

@@ -7,7 +7,9 @@
 ``$MLFLOW_TRACKING_URI``, else a SQLite database in the run's ``output_dir`` (``sqlite:///<output_dir>/mlflow.db``;
 ``mlflow ui --backend-store-uri`` that URI shows it; an object-store run's is in its local mirror, not uploaded).
 ``experiment``: null: ``$MLFLOW_EXPERIMENT_NAME``, else ``waypoint``. ``run_name``: null: output_dir's name.
-``tags``: more run tags.
+``tags``: more run tags. A ``tracking_uri`` of no scheme MLflow knows is one line when the config is checked
+(:func:`uri_problem`), one MLflow cannot open (a file store MLflow 3 refuses, a database driver not installed) one
+line at start; a server that is down or does not answer only drops the tracker (``waypoint.run.trackers``).
 
 The resolved config goes in as the run's parameters, flattened to dotted keys (``optimizer.lr``); each record's
 numbers as metrics at its step, through ``log_batch``; the final model's path as the ``final_model`` tag. A run
@@ -26,15 +28,21 @@ import atexit
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from waypoint.errors import CheckpointError, first_line
+
 MARK_TAG = "waypoint.logged_through"  # the last step the run holds
 MAX_PARAMS = 100  # parameters per log_batch
 MAX_METRICS = 1000  # metrics per log_batch
 QUIET = ("mlflow.store.db.utils", "alembic.runtime.migration", "alembic")  # "creating initial database tables..."
+# the schemes of MLflow's own tracking stores (a database's with its driver: postgresql+psycopg2); plugins add theirs
+SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
+URI_FORMS = "http(s)://HOST:PORT, sqlite:///PATH.db, postgresql://..., mysql://..., mssql://..., databricks, file:PATH or a PATH"
 
 
 class MLflowLogger:
@@ -46,6 +54,7 @@ class MLflowLogger:
         self.client = None
         self.run_id: str | None = None
         self.held = 0
+        self.abandoned = False  # dropped by the run (a call failed or timed out): nothing more is sent, at exit either
 
     @staticmethod
     def check_options(options: Mapping[str, Any]) -> str | None:
@@ -53,6 +62,9 @@ class MLflowLogger:
             value = options.get(key)
             if value is not None and (not isinstance(value, str) or not value):
                 return f"{key}={value}: expected null or a non-empty string"
+        problem = uri_problem(options.get("tracking_uri"))
+        if problem:
+            return f"tracking_uri={options['tracking_uri']}: {problem}"
         tags = options.get("tags")
         if tags is not None and not isinstance(tags, Mapping):
             return f"tags={tags}: expected a map of tag: value"
@@ -64,8 +76,27 @@ class MLflowLogger:
             logging.getLogger(logger).setLevel(logging.WARNING)
         from mlflow.tracking import MlflowClient
 
-        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
-        self.uri, self.client = uri, MlflowClient(tracking_uri=uri)
+        given = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        uri = given or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+        where = (f"metric_loggers.{name}.tracking_uri={uri}" if self.tracking_uri else
+                 f"$MLFLOW_TRACKING_URI={uri} (metric_loggers.{name}.tracking_uri is null)" if given else
+                 f"metric_loggers.{name}: {uri}")
+        problem = uri_problem(uri)
+        if problem:
+            raise CheckpointError(f"{where}: {problem}")
+        try:  # no network yet: the store for the URI (a local database is created)
+            client = MlflowClient(tracking_uri=uri)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.split(".")[0] == "mlflow":
+                raise
+            raise CheckpointError(f"{where}: MLflow needs the {e.name} package for it (pip install {e.name})") from None
+        except Exception as e:
+            hint = ("this MLflow refuses file stores; use sqlite:///PATH.db, or set MLFLOW_ALLOW_FILE_STORE=true"
+                    if "MLFLOW_ALLOW_FILE_STORE" in str(e) else f"{first_line(e)} ({type(e).__name__})")
+            raise CheckpointError(f"{where}: MLflow cannot open it: {hint}") from None
+        if self.abandoned:
+            return ""
+        self.uri, self.client = uri, client
         run = self._existing(run_id, name, report) if run_id else None
         if run is None:
             experiment = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "waypoint"
@@ -77,7 +108,8 @@ class MLflowLogger:
             self.client.update_run(run.info.run_id, status="RUNNING")
         self.run_id = run.info.run_id
         self.held = int(run.data.tags.get(MARK_TAG, 0))
-        atexit.register(self._failed)  # a process that ends without finish(): an error stopped the run
+        if not self.abandoned:
+            atexit.register(self._failed)  # a process that ends without finish(): an error stopped the run
         self._log_params(flatten(config), run.data.params, name, report)
         return self.run_id
 
@@ -123,13 +155,45 @@ class MLflowLogger:
         self.client.set_terminated(self.run_id, status="FINISHED" if final_model is not None else "KILLED")
         self.client = None
 
+    def abandon(self) -> None:
+        """Dropped (a call failed or timed out): no more calls, and none at exit, where a silent server would hold
+        the process. The run is left as it is (RUNNING); a resumed run continues it."""
+        self.abandoned = True
+        atexit.unregister(self._failed)
+
     def _failed(self) -> None:
-        if self.client is not None:
+        if self.client is not None and not self.abandoned:
             try:
                 self.client.set_terminated(self.run_id, status="FAILED")
             except Exception:  # leaving: nothing more to be done about it
                 pass
             self.client = None
+
+
+def uri_problem(uri: str | None) -> str | None:
+    """What is wrong with a tracking URI, as the end of a line; None when MLflow has a store for its scheme (or the
+    URI is a path). Checked without importing MLflow (plugins' schemes from their entry points)."""
+    if uri is None:
+        return None
+    if uri in ("databricks", "databricks-uc", "uc"):
+        return None
+    match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):", uri)
+    if match is None or len(match.group(1)) == 1:
+        return None  # a path (a Windows one's drive letter too)
+    scheme = match.group(1).lower()
+    if scheme.split("+")[0] in SCHEMES or scheme in _plugin_schemes():
+        return None
+    host = f"; did you mean http://{uri}?" if re.match(r"^[A-Za-z0-9.-]+:\d+/?$", uri) else ""
+    return f"not a tracking URI MLflow knows (scheme {scheme}:{host}); use {URI_FORMS}; null: a SQLite database in output_dir"
+
+
+def _plugin_schemes() -> set[str]:
+    from importlib.metadata import entry_points
+
+    try:
+        return {e.name.lower() for e in entry_points(group="mlflow.tracking_store")}
+    except Exception:  # noqa: BLE001 - a broken distribution's metadata: no plugins then
+        return set()
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

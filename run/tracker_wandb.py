@@ -7,7 +7,10 @@ A run's W&B run: its name (null: output_dir's name), project (null: ``$WANDB_PRO
 group, tags and notes from the config, the resolved config as the run's config, each record's numbers at its step
 (``wandb.log(..., step=step)``), and the final model's path as ``final_model`` in the run's summary. ``mode``:
 ``online``, ``offline`` (no network: ``wandb sync`` uploads the run later) or ``disabled``; null: ``$WANDB_MODE``,
-else online. ``dir``: where W&B keeps its files (null: ``$WANDB_DIR``, else ``./wandb``).
+else online. ``dir``: where W&B keeps its files, its ``wandb/`` folder (null: ``$WANDB_DIR``, else the run's
+``output_dir``, so that nothing lands in the current directory). W&B's own ``init_timeout`` and ``finish_timeout``
+are the section's ``timeout_s`` (``waypoint.run.trackers``): a server that does not answer gives up the upload at the
+end (the run's files keep it, for ``wandb sync``) rather than holding the process.
 
 A resumed run continues its W&B run: ``wandb.init(id=..., resume="allow")`` with the id from the checkpoint, and
 says which step the run holds (``waypoint.run.trackers`` sends only what comes after): online, the step W&B's server
@@ -37,6 +40,7 @@ class WandbLogger:
                             notes=notes, mode=mode, dir=dir)
         self.run = None
         self.run_id: str | None = None
+        self.abandoned = False  # dropped by the run (a call failed or timed out)
 
     @staticmethod
     def check_options(options: Mapping[str, Any]) -> str | None:
@@ -62,10 +66,15 @@ class WandbLogger:
         for key in ("mode", "dir", "entity"):  # the environment as it is now (W&B reads it once a process)
             if key not in options and os.environ.get(f"WANDB_{key.upper()}"):
                 options[key] = os.environ[f"WANDB_{key.upper()}"]
-        if "dir" in options:
-            Path(options["dir"]).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(id=run_id, resume="allow", config=dict(config), **options)
-        self.run_id = self.run.id
+        options.setdefault("dir", str(Path(output_dir).resolve()))  # not ./wandb: the current directory is the user's
+        Path(options["dir"]).mkdir(parents=True, exist_ok=True)
+        timeout_s = getattr(self, "timeout_s", None)
+        settings = wandb.Settings(init_timeout=timeout_s, finish_timeout=timeout_s) if timeout_s else None
+        run = wandb.init(id=run_id, resume="allow", config=dict(config), settings=settings, **options)
+        if self.abandoned:  # given up on while W&B started: no run of ours to keep open
+            run.finish()
+            return ""
+        self.run, self.run_id = run, run.id
         return self.run_id
 
     def logged_through(self) -> int | None:
@@ -83,6 +92,10 @@ class WandbLogger:
     def log(self, rows: list[tuple[int, dict[str, float]]]) -> None:
         for step, values in rows:
             self.run.log(values, step=step)
+
+    def abandon(self) -> None:
+        """Dropped: no more calls. W&B finishes the run at exit itself, bounded by ``finish_timeout``."""
+        self.abandoned = True
 
     def finish(self, final_model: str | None) -> None:
         if self.run is None:

@@ -34,11 +34,24 @@ starts new tracker runs. Sending only the steps a committed checkpoint covers wa
 lag training by a checkpoint interval (an epoch, by default), and a kill between a commit and its send would still
 need the tracker's word on what it holds.
 
+A tracker never stops or stalls training. Each call to one (starting its run, logging, finishing) is bounded by its
+section's ``timeout_s`` (default :data:`TIMEOUT_S`; the call runs in a thread of its own that is given up on then,
+so a server that accepts connections and never answers costs that long once). A tracker whose call fails or times
+out, at start, on resume or mid-run, is dropped with one ``warning:`` line and the run goes on without it:
+``metrics.jsonl`` has every step, and when the run is resumed the tracker gets the steps its run lacks from it (a
+dropped run's id stays in the checkpoints, so the resumed run continues it; one that never started starts anew and
+gets the whole history). A mistake in its config is no outage: an unknown option, a value its ``check_options``
+refuses (an MLflow ``tracking_uri`` of no scheme MLflow knows), a missing package, a ``CheckpointError`` from
+``start`` (a tracking URI MLflow cannot open) are one ``error:`` line before training, as before anything is read
+or written where the config check finds them.
+
 A tracker class takes its options as keyword arguments (a typo among them is one line when the config is checked,
-:func:`tracker_problem`), may name the package it needs (``requires = (import name, waypoint extra)``) and a
-``check_options(options) -> str | None``, and has ``start(name, config, run_id, output_dir, report) -> run id``,
-``logged_through() -> int | None``, ``log(rows)`` with rows of (step, {key: number}) and ``finish(final_model)``
-(None: the run stopped before its end, to be resumed).
+:func:`tracker_problem`; ``timeout_s`` is the section's, not the class's), may name the package it needs
+(``requires = (import name, waypoint extra)``) and a ``check_options(options) -> str | None``, and has
+``start(name, config, run_id, output_dir, report) -> run id``, ``logged_through() -> int | None``, ``log(rows)``
+with rows of (step, {key: number}) and ``finish(final_model)`` (None: the run stopped before its end, to be
+resumed); optionally ``abandon()``, told without a network call that it is dropped (no more calls come; nothing to
+be sent at exit), and a ``timeout_s`` attribute, which start() may pass on to its library's own timeouts.
 """
 
 from __future__ import annotations
@@ -47,7 +60,10 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import math
 import os
+import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -55,28 +71,62 @@ from typing import Any
 from waypoint.errors import CheckpointError, first_line
 
 EXAMPLE = "{wandb: {_target_: waypoint.run.tracker_wandb.WandbLogger, project: NAME}}"
+TIMEOUT = "timeout_s"  # every tracker section's: the longest one call to the tracker may take
+TIMEOUT_S = 60.0
+GOES_ON = "the run goes on without it (metrics.jsonl has every step; a resumed run sends it the steps it lacks)"
+
+
+class TrackerTimeout(Exception):
+    """A call to a tracker that did not return within its ``timeout_s``."""
+
+
+def bounded(call: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """``call()`` in a daemon thread of its own, waited for at most ``timeout_s`` seconds: its value, or its error
+    raised here, or :class:`TrackerTimeout` (the thread is given up on: it ends when its call does, or with the
+    process)."""
+    done, outcome = threading.Event(), {}
+
+    def work() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name=f"waypoint-tracker {what}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TrackerTimeout(f"no answer within {timeout_s:g} s ({TIMEOUT}, while {what})")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 class Trackers:
     """The open trackers of a run, each with the last step its run holds (``marks``); what ``MetricsLog`` sends
-    every record to."""
+    every record to. A tracker whose call fails or times out is dropped (``dropped``) with a warning line."""
 
     def __init__(self, trackers: Mapping[str, Any], targets: Mapping[str, str], marks: Mapping[str, int],
-                 report: Callable[[str], None] = print) -> None:
+                 report: Callable[[str], None] = print, timeouts: Mapping[str, float] | None = None) -> None:
         self.trackers, self.targets, self.marks, self.report = dict(trackers), dict(targets), dict(marks), report
+        self.timeouts = {name: (timeouts or {}).get(name, TIMEOUT_S) for name in self.trackers}
+        self.dropped: dict[str, Any] = {}
         self.closed = False
         self._live: set[str] = set()  # the trackers this process has sent to
 
     @property
     def runs(self) -> dict[str, dict[str, str]]:
-        """name -> {target, run_id}: what each step checkpoint keeps, so that a resumed run continues these runs."""
-        return {name: {"target": self.targets[name], "run_id": str(tracker.run_id)} for name, tracker in self.trackers.items()}
+        """name -> {target, run_id}: what each step checkpoint keeps, so that a resumed run continues these runs (a
+        tracker dropped mid-run too: resumed, its run gets the steps it lacks)."""
+        every = {**self.dropped, **self.trackers}
+        return {name: {"target": self.targets[name], "run_id": str(tracker.run_id)} for name, tracker in every.items()
+                if tracker.run_id is not None}
 
     def replay(self, records: Iterable[Mapping[str, Any]]) -> None:
         """At the start: the records already in ``metrics.jsonl`` (those up to the resumed step), for the trackers
         that lack them."""
         records = list(records)
-        for name, tracker in self.trackers.items():
+        for name, tracker in list(self.trackers.items()):
             rows = [row for row in map(numbers, records) if row and row[0] > self.marks[name]]
             if rows:
                 self.report(f"note: metric_loggers.{name}: sending steps {rows[0][0]}..{rows[-1][0]} from metrics.jsonl "
@@ -87,21 +137,27 @@ class Trackers:
         row = numbers(record)
         if row is None:
             return
-        for name, tracker in self.trackers.items():
+        for name, tracker in list(self.trackers.items()):
             if row[0] > self.marks[name] or (row[0] == self.marks[name] and name in self._live):
                 self._send(name, tracker, [row])
 
     def _send(self, name: str, tracker, rows: list[tuple[int, dict[str, float]]]) -> None:
-        last = rows[-1][0]
+        first, last = rows[0][0], rows[-1][0]
+        try:
+            bounded(lambda: tracker.log(rows), self.timeouts[name], f"logging step {last}")
+        except Exception as e:
+            steps = f"step {last}" if first == last else f"steps {first}..{last}"
+            self.drop(name, f"cannot log {steps} ({first_line(e)})")
+            return
         self.marks[name] = last
         self._live.add(name)  # more numbers at the same step (val_loss beside loss) go on to this run
-        try:
-            tracker.log(rows)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"metric_loggers.{name}: cannot log step {last} ({first_line(e)}); "
-                                  "rerun the same command to resume, and the steps it lacks are sent again") from e
+
+    def drop(self, name: str, why: str) -> None:
+        """Go on without tracker ``name``: a warning line, no more calls to it."""
+        tracker = self.trackers.pop(name)
+        self.dropped[name] = tracker
+        abandon(tracker)
+        self.report(f"warning: metric_loggers.{name}: {why}; {GOES_ON}")
 
     def close(self, final_model: str | None = None) -> None:
         """Finish each tracker's run, with the final model's path (None: stopped before the end, to be resumed)."""
@@ -110,9 +166,18 @@ class Trackers:
         self.closed = True
         for name, tracker in self.trackers.items():
             try:
-                tracker.finish(final_model)
+                bounded(lambda: tracker.finish(final_model), self.timeouts[name], "finishing its run")
             except Exception as e:  # the model is saved: a tracker's hiccup now is worth a line, not a failed run
+                abandon(tracker)
                 self.report(f"warning: metric_loggers.{name}: could not finish its run ({first_line(e)})")
+
+
+def abandon(tracker) -> None:
+    """Tell a dropped tracker that no more calls come (its ``abandon()``, if it has one; never a network call)."""
+    try:
+        getattr(tracker, "abandon", lambda: None)()
+    except Exception:  # noqa: BLE001 - dropping it anyway
+        pass
 
 
 def numbers(record: Mapping[str, Any]) -> tuple[int, dict[str, float]] | None:
@@ -141,46 +206,69 @@ def open_trackers(sections: Mapping[str, Any] | None, config: Mapping[str, Any],
     from hydra.utils import instantiate
 
     output_dir = Path(output_dir)
-    trackers, targets, marks = {}, {}, {}
+    trackers, targets, marks, timeouts = {}, {}, {}, {}
     try:
         for name, section in sections.items():
+            section = dict(section)
+            timeout_s = float(section.pop(TIMEOUT, None) or TIMEOUT_S)
             target = section["_target_"]
             where = f"metric_loggers.{name}"
             try:
-                tracker = instantiate(dict(section), _convert_="all")
+                tracker = instantiate(section, _convert_="all")
             except Exception as e:
                 raise CheckpointError(f"{where}: {first_line(e.__cause__ or e)}") from None
+            tracker.timeout_s = timeout_s
             earlier = (saved or {}).get(name)
             run_id = earlier["run_id"] if earlier and earlier.get("target") == target else None
             if earlier and run_id is None:
                 report(f"note: {where}: its _target_ changed ({earlier.get('target')} -> {target}); starting a new run")
+            _flush()  # what the run printed so far (the load report) is seen while a tracker is waited for
             try:
-                started = tracker.start(name=name, config=dict(config), run_id=run_id, output_dir=output_dir, report=report)
+                package = getattr(tracker, "requires", None)
+                if package:  # imported here, not counted in timeout_s, which bounds the talking to its server
+                    importlib.import_module(package[0])
+                started = bounded(lambda: tracker.start(name=name, config=dict(config), run_id=run_id,
+                                                        output_dir=output_dir, report=report), timeout_s, "starting its run")
+                held = bounded(tracker.logged_through, timeout_s, "reading the step its run holds") \
+                    if run_id is not None and started == run_id else 0
             except CheckpointError:
                 raise
             except ModuleNotFoundError as e:
                 if (e.name or "").split(".")[0] != getattr(tracker, "requires", ("",))[0]:
-                    raise CheckpointError(f"{where}: cannot start its run ({first_line(e)})") from e
+                    _went_wrong(tracker, where, e, report)
+                    continue
                 raise CheckpointError(needs_package(where, target)) from None
-            except Exception as e:
-                raise CheckpointError(f"{where}: cannot start its run ({first_line(e)})") from e
-            trackers[name], targets[name] = tracker, target
+            except Exception as e:  # a server down or silent, a network outage: training goes on without it
+                _went_wrong(tracker, where, e, report)
+                continue
+            trackers[name], targets[name], timeouts[name] = tracker, target, timeout_s
             if run_id is None or started != run_id:  # a new run holds nothing yet
                 marks[name] = 0
                 continue
-            held = tracker.logged_through()
             marks[name] = held if held is not None else resumed_step
             if marks[name] > resumed_step:
                 report(f"note: {where}: steps {resumed_step + 1}..{marks[name]} were logged before the run stopped; "
                        "they are not sent again (the run keeps the values logged then)")
     except BaseException:
-        for tracker in trackers.values():
+        for name, tracker in trackers.items():
             try:
-                tracker.finish(None)
+                bounded(lambda: tracker.finish(None), timeouts[name], "finishing its run")
             except Exception:
-                pass
+                abandon(tracker)
         raise
-    return Trackers(trackers, targets, marks, report)
+    return Trackers(trackers, targets, marks, report, timeouts) if trackers else None
+
+
+def _went_wrong(tracker, where: str, e: BaseException, report: Callable[[str], None]) -> None:
+    abandon(tracker)
+    report(f"warning: {where}: cannot start its run ({first_line(e)}); {GOES_ON}")
+
+
+def _flush() -> None:
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
 
 
 # -- the config's metric_loggers, checked before anything is read or written ------------------------------------------
@@ -206,13 +294,17 @@ def tracker_problem(sections: Any) -> str | None:
         requires = getattr(target, "requires", None)
         if requires and importlib.util.find_spec(requires[0]) is None:
             return needs_package(where, section["_target_"])
-        options = {k: v for k, v in section.items() if k != "_target_"}
+        timeout_s = section.get(TIMEOUT)
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not math.isfinite(timeout_s) or timeout_s <= 0):
+            return f"{where}.{TIMEOUT}={timeout_s}: expected null or a number of seconds > 0 (default {TIMEOUT_S:g})"
+        options = {k: v for k, v in section.items() if k not in ("_target_", TIMEOUT)}
         known = _parameters(target)
         for key in options:
             if known is not None and key not in known:
-                near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+                near = difflib.get_close_matches(str(key), known + [TIMEOUT], n=1, cutoff=0.6)
                 hint = f"did you mean {near[0]}? " if near else ""
-                return f"{where}.{key}: no such option of {target.__name__} ({hint}it takes {', '.join(known)})"
+                return f"{where}.{key}: no such option of {target.__name__} ({hint}it takes {', '.join(known + [TIMEOUT])})"
         check = getattr(target, "check_options", None)
         problem = check(options) if check else None
         if problem:

@@ -4,6 +4,7 @@ status 1, no traceback, nothing written. A new check of eval.py gets its row in 
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,6 +22,22 @@ def existing(tmp: Path, name: str) -> Path:
     return tmp / name
 
 
+def broken_yaml(tmp: Path) -> Path:
+    """A task file with a YAML syntax error on its line 3."""
+    (tmp / "broken.yaml").write_text("task: broken\ndataset_path: x\n  bad: [1, 2\noutput_type: multiple_choice\n")
+    return tmp / "broken.yaml"
+
+
+def tasks_with_a_bad_line(tmp: Path) -> Path:
+    """The shipped task folder, copied, with a comma gone from line 3 of tiny_choice.jsonl."""
+    folder = tmp / "tasks"
+    shutil.copytree(TASKS, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    lines = (folder / "tiny_choice.jsonl").read_text().splitlines(keepends=True)
+    lines[2] = lines[2].replace('?", "choices"', '?" "choices"', 1)
+    (folder / "tiny_choice.jsonl").write_text("".join(lines))
+    return folder
+
+
 # (case id, the overrides (a function of a fresh tmp_path), the one error line expected (a regex))
 CASES = [
     ("checkpoint_dir_missing", lambda t: [f"checkpoint_dir={t / 'nope'}"], r"nope: not a recognised checkpoint directory"),
@@ -36,6 +53,10 @@ CASES = [
      r"tasks: unknown task 'tiny_choise' \(did you mean tiny_choice.*\): not one of lm-eval's tasks nor in include_path "
      r"\(.*eval_tasks\); `lm-eval ls tasks` lists them, or give a task's YAML file$"),
     ("tasks_file_missing", lambda t: [f"tasks=[{t / 'nope.yaml'}]"], r"tasks: .*/nope\.yaml: no such task file$"),
+    ("tasks_file_not_yaml", lambda t: [f"tasks=[{broken_yaml(t)}]"],
+     r"tasks: .*/broken\.yaml, line 3, column 6: not valid YAML \(mapping values are not allowed here\); fix the task file$"),
+    ("task_data_line_not_json", lambda t: ["tasks=[tiny_choice]", f"include_path=[{tasks_with_a_bad_line(t)}]"],
+     r".*/tasks/tiny_choice\.jsonl, line 3: not valid JSON \(Expecting ',' delimiter, column \d+\); fix that line$"),
     ("tasks_empty", lambda t: ["tasks=[]"], r"tasks=\[\]: expected a non-empty list of task names or task YAML files"),
     ("include_path_missing", lambda t: [f"include_path=[{t / 'nope'}]"],
      r"include_path=.*/nope: no such directory \(a folder of lm-eval task YAML files\)$"),

@@ -5,10 +5,15 @@ bad tracker options as one line before anything is written."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -94,7 +99,15 @@ def wandb_records(wandb_dir, run_id, kind):
      "error: metric_loggers.x._target_=waypoint.run.tracker_wandb.Nope: no such class"),
     (["+metric_logger=[wandb,mlflow]"], "wandb", "error: metric_loggers.wandb: needs the wandb package (pip install 'waypoint[wandb]')"),
     (["+metric_logger=mlflow"], "mlflow", "error: metric_loggers.mlflow: needs the mlflow package (pip install 'waypoint[mlflow]')"),
-], ids=["typo", "mode", "experiment", "target", "no-wandb", "no-mlflow"])
+    (["+metric_logger=mlflow", "metric_loggers.mlflow.tracking_uri=nosuchscheme://x"], None,
+     "error: metric_loggers.mlflow.tracking_uri=nosuchscheme://x: not a tracking URI MLflow knows (scheme nosuchscheme:); "
+     "use http(s)://HOST:PORT, sqlite:///PATH.db"),
+    (["+metric_logger=mlflow", "metric_loggers.mlflow.tracking_uri=localhost:5000"], None,
+     "error: metric_loggers.mlflow.tracking_uri=localhost:5000: not a tracking URI MLflow knows (scheme localhost:; "
+     "did you mean http://localhost:5000?)"),
+    (["+metric_logger=wandb", "metric_loggers.wandb.timeout_s=0"], None,
+     "error: metric_loggers.wandb.timeout_s=0: expected null or a number of seconds > 0 (default 60)"),
+], ids=["typo", "mode", "experiment", "target", "no-wandb", "no-mlflow", "uri-scheme", "uri-host", "timeout"])
 def test_bad_tracker_config_is_one_line_and_touches_nothing(overrides, hidden, expected, tmp_path, capsys, monkeypatch):
     if hidden:
         monkeypatch.setitem(sys.modules, hidden, None)  # as if it were not installed
@@ -175,14 +188,20 @@ def test_the_offline_reader_reads_what_wandb_wrote(offline):
             if i.key == "final_model"] == ["/m"]
 
 
-def test_kill_and_resume_continue_each_tracker_run_with_each_step_once(tmp_path, offline):
+def test_kill_and_resume_continue_each_tracker_run_with_each_step_once(tmp_path, offline, monkeypatch):
     """SIGKILL right after step 5 is logged (checkpoints step_2, step_4): MLflow has steps 1..5, W&B what its
-    service wrote before it died; the rerun resumes from step_4, continues both runs and sends each what it lacks."""
+    service wrote before it died; the rerun resumes from step_4, continues both runs and sends each what it lacks.
+    W&B is given no dir (nor $WANDB_DIR): its files are in output_dir/wandb, none in the current directory."""
+    monkeypatch.delenv("WANDB_DIR")
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
     out = tmp_path / "run"
+    offline = out / "wandb"
     overrides = [*STEPS, "validation={fraction: 0.05, every_n_steps: 3}", "+metric_logger=[wandb,mlflow]",
                  "metric_loggers.wandb.project=trackers", "metric_loggers.wandb.tags=[tiny,resume]"]
     killed = subprocess.run([sys.executable, str(ROOT / "tests/interrupt.py"), "signal-at-step", "5", "SIGKILL", "--",
-                             *args("configs/tiny.yaml", out, *overrides)], cwd=ROOT, capture_output=True, text=True,
+                             *args("configs/tiny.yaml", out, *overrides)], cwd=here, capture_output=True, text=True,
                             timeout=300, env={**own_service(), "PYTHONPATH": str(ROOT)})
     assert killed.returncode == -9, killed.stderr[-3000:]
     client, run = mlflow_run(out)
@@ -214,6 +233,7 @@ def test_kill_and_resume_continue_each_tracker_run_with_each_step_once(tmp_path,
     assert list(started[-1].tags) == ["tiny", "resume"] and started[-1].display_name == "run"
     finals = [json.loads(i.value_json) for s in wandb_records(offline, run_id, "summary") for i in s.update if i.key == "final_model"]
     assert finals == [str((out / "step_8").resolve())]
+    assert list(here.iterdir()) == [], "nothing written in the current directory"
 
 
 def test_preempted_run_resumes_its_run_and_a_tracker_added_on_resume_gets_the_history(tmp_path, offline, capsys):
@@ -249,3 +269,155 @@ def test_lora_recipe_logs_to_its_tracker(tmp_path, offline):
     assert [s for s, _ in mlflow_history(client, run, "loss")] == [1, 2] and "lora.rank" in run.data.params
     assert run.data.tags["final_model"] == str((out / "step_2").resolve())
     assert tracker_runs(out / "step_2")["mlflow"]["run_id"] == run.info.run_id
+
+
+# -- a tracker never hangs or stops training ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def silent_server():
+    """A port on 127.0.0.1 whose server accepts every connection and never answers (a hung tracking server); closed
+    at the end, so that a request given up on ends too."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.05)
+    accepted, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        for connection in accepted:
+            connection.close()
+        server.close()
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """The block fails after ``seconds`` rather than hang the suite (SIGALRM interrupts a blocked read)."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: a tracker hangs the run")
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def test_a_silent_tracking_server_neither_hangs_nor_stops_training(tmp_path, offline, capsys, monkeypatch):
+    """An MLflow server that accepts connections and never answers: the load report first, then one warning line
+    once timeout_s is out, and the run trains to its end without it, metrics.jsonl complete. (It hung before: the
+    tracking URI was taken for an object-store input to download, then MLflow waits 120 s a request, 7 retries.)"""
+    import mlflow  # noqa: F401 - imported before the clock starts, as a run imports it before timeout_s counts
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the request given up on ends once the server closes
+    out = tmp_path / "run"
+    with silent_server() as port, deadline(90):
+        started = time.monotonic()
+        code = full_finetune.main(args("configs/tiny.yaml", out, "epochs=1", "max_steps_per_epoch=3", "+metric_logger=mlflow",
+                                       f"metric_loggers.mlflow.tracking_uri=http://127.0.0.1:{port}",
+                                       "metric_loggers.mlflow.timeout_s=0.5"))
+        took = time.monotonic() - started
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    warnings = [line for line in printed.splitlines() if line.startswith("warning: ")]
+    assert warnings == ["warning: metric_loggers.mlflow: cannot start its run (no answer within 0.5 s (timeout_s, while "
+                        "starting its run)); the run goes on without it (metrics.jsonl has every step; a resumed run "
+                        "sends it the steps it lacks)"], printed
+    assert printed.index("loaded 39 tensors") < printed.index("warning: metric_loggers.mlflow"), "the load report first"
+    assert sorted(metrics(out)) == [1, 2, 3] and (out / "step_3").is_dir()
+    assert "trackers" not in torch.load(out / "step_3" / "recipe_state.pt", weights_only=True) or \
+        not tracker_runs(out / "step_3"), "no tracker run was started: a resumed run starts one and sends it every step"
+    assert took < 60, f"{took:.0f} s"
+
+
+class SlowFinish(Memory):
+    """A tracker whose server stops answering as its run is finished."""
+
+    def __init__(self, path: str, port: int) -> None:
+        super().__init__(path)
+        self.port = port
+
+    def finish(self, final_model):
+        with socket.create_connection(("127.0.0.1", self.port)) as connection:
+            connection.recv(1)
+
+
+class Stalls(Memory):
+    """A tracker whose server stops answering mid-run: its log of step ``at`` (once: a file beside its store says it
+    happened) waits for an answer from ``port`` that never comes, or, with port 0, raises."""
+
+    def __init__(self, path: str, at: int, port: int) -> None:
+        super().__init__(path)
+        self.at, self.port = at, port
+
+    def log(self, rows):
+        once = self.path.with_suffix(".stalled")
+        if any(step == self.at for step, _ in rows) and not once.exists():
+            once.touch()
+            if not self.port:
+                raise ConnectionResetError("Connection reset by peer")
+            with socket.create_connection(("127.0.0.1", self.port)) as connection:
+                connection.sendall(b"POST /log HTTP/1.1\r\nHost: x\r\n\r\n")
+                connection.recv(1)  # never answered (then closed, at the end of the test)
+        super().log(rows)
+
+
+def test_a_tracker_silent_mid_run_is_dropped_and_a_resumed_run_sends_it_what_it_lacks(tmp_path, capsys):
+    """Step 2 of 6 hangs in the tracker: one warning line, training goes on; preempted at step 4 and resumed, the run
+    continues the tracker's run (its id kept in the checkpoints) and sends it steps 2..6: each step in it once. (A
+    failed call stopped the run before, and a hung one held it for good.)"""
+    out, store = tmp_path / "run", tmp_path / "stall.json"
+    with silent_server() as port, deadline(90):
+        section = f"+metric_loggers.stall={{_target_: tests.test_trackers.Stalls, path: '{store}', at: 2, port: {port}, " \
+                  "timeout_s: 0.5}"
+        with sigterm_at_step(4):
+            assert full_finetune.main(args("configs/tiny.yaml", out, "epochs=1", "max_steps_per_epoch=6", section)) == 75
+        printed = capsys.readouterr().out
+        assert [line for line in printed.splitlines() if line.startswith("warning: ")] == [
+            "warning: metric_loggers.stall: cannot log step 2 (no answer within 0.5 s (timeout_s, while logging step 2)); "
+            "the run goes on without it (metrics.jsonl has every step; a resumed run sends it the steps it lacks)"], printed
+        assert [step for step, _ in json.loads(store.read_text())] == [1], "nothing sent after it was dropped"
+        assert sorted(metrics(out)) == [1, 2, 3, 4] and tracker_runs(out / "step_4")["stall"]["run_id"] == "new"
+
+        assert full_finetune.main(args("configs/tiny.yaml", out, "epochs=1", "max_steps_per_epoch=6", section)) == 0
+    assert "note: metric_loggers.stall: sending steps 2..4 from metrics.jsonl" in capsys.readouterr().out
+    *rows, final = json.loads(store.read_text())
+    assert [step for step, _ in rows] == [1, 2, 3, 4, 5, 6] and final == [None, str((out / "step_6").resolve())]
+    expected = metrics(out)
+    assert [values["loss"] for _, values in rows] == [expected[s]["loss"] for s in range(1, 7)]
+
+
+def test_a_tracker_that_fails_is_dropped_with_a_warning_and_its_finish_is_bounded(tmp_path):
+    """A tracker's log that raises (a connection reset) drops it with one warning line, the others go on; a finish
+    that hangs is given up on after timeout_s with a warning (the model is saved by then)."""
+    from waypoint.run.metrics import MetricsLog
+    from waypoint.run.trackers import open_trackers
+
+    lines = []
+    with silent_server() as port, deadline(30):
+        sections = {"bad": {"_target_": "tests.test_trackers.Stalls", "path": str(tmp_path / "bad.json"), "at": 2, "port": 0},
+                    "slow": {"_target_": "tests.test_trackers.SlowFinish", "path": str(tmp_path / "slow.json"),
+                             "port": port, "timeout_s": 0.3}}
+        trackers = open_trackers(sections, {"seed": 1}, None, tmp_path, 0, report=lines.append)
+        log = MetricsLog(tmp_path, trackers=trackers)
+        for step in (1, 2, 3):
+            log.write(step=step, loss=float(step))
+        log.close(final_model="/m")
+    assert lines == ["warning: metric_loggers.bad: cannot log step 2 (Connection reset by peer); the run goes on without "
+                     "it (metrics.jsonl has every step; a resumed run sends it the steps it lacks)",
+                     "warning: metric_loggers.slow: could not finish its run (no answer within 0.3 s (timeout_s, while "
+                     "finishing its run))"]
+    assert [step for step, _ in json.loads((tmp_path / "bad.json").read_text())] == [1]
+    assert [step for step, _ in json.loads((tmp_path / "slow.json").read_text())] == [1, 2, 3]
+    assert set(trackers.runs) == {"bad", "slow"}, "a dropped tracker's run is kept for a resumed run to continue"

@@ -201,6 +201,66 @@ def test_bad_records_are_one_line_errors_naming_file_and_record(tmp_path, tokeni
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
+DEEP = 200_000  # levels of [ in a damaged file: json's parser recurses once per level
+
+
+@pytest.mark.parametrize("kind", ["instruct", "chat", "preference"])
+def test_json_nested_too_deep_is_one_line_naming_the_file(kind, tmp_path, tokenizer):
+    """A data file nested 200,000 levels deep (a .json list, or one line of a .jsonl): one line naming the file (and
+    line), not \"maximum recursion depth exceeded while decoding a JSON array\"."""
+    from waypoint.training.chat_dataset import ChatDataset
+    from waypoint.training.preference_dataset import PreferenceDataset
+
+    deep = "[" * DEEP + "]" * DEEP
+    if kind == "chat":
+        path = tmp_path / "d.jsonl"
+        path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + deep + "\n")
+        expected = rf"^{path}: line 2: JSON nested too deeply to read \(past about 900 levels of \[ and {{\)"
+    else:
+        path = tmp_path / "d.json"
+        path.write_text(deep)
+        expected = rf"^{path}: JSON nested too deeply to read \(past about 900 levels of \[ and {{\); a dataset record"
+    make = {"instruct": lambda: InstructDataset(path, tokenizer, max_seq_len=128),
+            "chat": lambda: ChatDataset(path, tokenizer, 128, template="chatml"),
+            "preference": lambda: PreferenceDataset(path, tokenizer, 128, template="chatml")}
+    with pytest.raises(ValueError, match=expected) as info:
+        make[kind]()
+    assert "\n" not in str(info.value)
+
+
+def test_json_nested_deep_never_crashes_the_interpreter_with_the_recursion_limit_raised(tmp_path):
+    """Up to Python 3.11 json's C parser recurses as deep as the recursion limit lets it: a program that raised the
+    limit (some libraries do) died with SIGSEGV on such a file. The reader bounds the parse, and puts the limit back.
+    In a child process: a crash must not take the test run with it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "d.json"
+    path.write_text("[" * DEEP + "]" * DEEP)
+    child = ("import sys; sys.setrecursionlimit(10**6)\n"
+             "from waypoint.training.records import read_file\n"
+             "try:\n    read_file(__import__('pathlib').Path(sys.argv[1]))\n"
+             "except ValueError as e:\n    print(e)\n"
+             "print(sys.getrecursionlimit())\n")
+    done = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True, text=True, timeout=60,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.splitlines() == [f"{path}: JSON nested too deeply to read (past about 900 levels of [ and {{); "
+                                        "a dataset record is an object a few levels deep: check the file", "1000000"]
+
+
+def test_json_nested_too_deep_through_the_recipe_is_one_line(tmp_path, capsys):
+    from recipes.full_finetune import main
+
+    path = tmp_path / "deep.json"
+    path.write_text("[" * DEEP + "]" * DEEP)
+    code = main(["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={tmp_path / 'out'}", f"dataset.source={path}",
+                 f"checkpointer.checkpoint_dir={TINY_LLAMA}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err == (f"error: {path}: JSON nested too deeply to read (past about 900 levels of [ and {{); "
+                                 "a dataset record is an object a few levels deep: check the file"), err
+
+
 def test_missing_dataset_file_and_unknown_template(tmp_path, tokenizer):
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
         InstructDataset(tmp_path / "nope.jsonl", tokenizer, max_seq_len=128)

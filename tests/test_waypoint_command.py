@@ -48,6 +48,57 @@ def test_cp_copies_out_and_never_overwrites(tmp_path, capsys, monkeypatch):
     assert "error: 'tiyn' is neither a shipped recipe nor a shipped config" in capsys.readouterr().err
 
 
+def test_cp_writes_nothing_through_a_dangling_link(tmp_path, capsys, monkeypatch):
+    """``link.yaml`` a symbolic link to a file that does not exist (outside the current directory): refused in one
+    line, as GNU cp refuses, and nothing is written where it points (it was written there before)."""
+    here, outside = tmp_path / "here", tmp_path / "elsewhere" / "target.yaml"
+    here.mkdir()
+    outside.parent.mkdir()
+    (here / "link.yaml").symlink_to(outside)
+    monkeypatch.chdir(here)
+    assert main(["cp", "tiny", "link.yaml"]) == 2
+    assert capsys.readouterr().err == (f"error: link.yaml is a symbolic link to {outside}, which does not exist; cp writes "
+                                       "nothing through it: remove the link or choose another name (see waypoint cp --help)\n")
+    assert not outside.exists() and list(outside.parent.iterdir()) == []
+    (here / "linked").mkdir()
+    (here / "linked" / "tiny.yaml").symlink_to(outside)  # the same, as the file a folder given gets
+    assert main(["cp", "tiny", "linked"]) == 2 and not outside.exists()
+
+
+def test_cp_into_a_folder_it_cannot_write_is_one_line(tmp_path, capsys, monkeypatch):
+    """A destination the user may not write (the tests run as root, so the denial is the OS's answer made up) is one
+    line naming it, exit 1, and no file is left behind; a write failing half way (a full disk) removes its file."""
+    import errno
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ro").mkdir()
+    import builtins
+
+    def denying(real):  # the OS's answer for a file opened in ro/, by either way of opening one
+        def opened(path, *args, **kwargs):
+            if isinstance(path, (str, os.PathLike)) and Path(path).parent.name == "ro":
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return real(path, *args, **kwargs)
+        return opened
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "open", denying(os.open))
+        patched.setattr(builtins, "open", denying(builtins.open))
+        assert main(["cp", "tiny", "ro/x.yaml"]) == 1
+    assert capsys.readouterr().err == ("error: ro/x.yaml: cannot write it (Permission denied); choose a folder you can "
+                                       "write (nothing was written)\n")
+
+    import shutil
+
+    def full(source, dest, *args):
+        dest.write(source.read(100))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(shutil, "copyfileobj", full)
+    assert main(["cp", "tiny", "x.yaml"]) == 1
+    assert capsys.readouterr().err == ("error: x.yaml: cannot write it (No space left on device); choose a folder you can "
+                                       "write (nothing was written)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"] and list((tmp_path / "ro").iterdir()) == []
+
+
 def test_a_copied_config_finds_the_shipped_groups_and_runs(tmp_path, monkeypatch, capsys):
     """``waypoint cp tiny_lora my_lora.yaml`` then running it: its ``checkpointer: hf`` default (and +metric_logger)
     come from the shipped config groups, which are not beside the copy."""

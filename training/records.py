@@ -10,7 +10,9 @@ line or, with ``skip_bad_records``, counted out.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -18,6 +20,7 @@ from typing import Any, NamedTuple
 from waypoint.text.chat_template import ChatTemplateLimitError
 
 SUFFIXES = (".json", ".jsonl", ".parquet")
+JSON_DEPTH = 900  # levels of [ and { a data file may nest (a record needs a handful); deeper is refused in one line
 # JSON files a dataset directory holds beside its data (datasets' save_to_disk and the Hub's metadata).
 METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 
@@ -87,12 +90,14 @@ def read_file(path: Path) -> list[Record]:
                          f"a {path.suffix} data file is UTF-8 JSON (a binary file named {path.suffix}?)") from e
     if path.suffix == ".jsonl":
         records = []
-        for line_no, line in enumerate(text.split("\n"), start=1):
-            if line.strip():
-                data = parse_json(path, line, f"line {line_no}: ")
-                records.append(Record(path, f"record {len(records) + 1} (line {line_no})", data))
+        with json_depth_bounded():
+            for line_no, line in enumerate(text.split("\n"), start=1):
+                if line.strip():
+                    data = parse_json(path, line, f"line {line_no}: ")
+                    records.append(Record(path, f"record {len(records) + 1} (line {line_no})", data))
         return records
-    data = parse_json(path, text, "")
+    with json_depth_bounded():
+        data = parse_json(path, text, "")
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
     return [Record(path, f"record {n}", item) for n, item in enumerate(data, start=1)]
@@ -114,3 +119,28 @@ def parse_json(path: Path, text: str, where: str):
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: {where}invalid JSON ({e})") from e
+    except RecursionError:  # json's parser recurses once per level of [ or {
+        raise ValueError(f"{path}: {where}JSON nested too deeply to read (past about {JSON_DEPTH} levels of [ and {{); "
+                         "a dataset record is an object a few levels deep: check the file") from None
+
+
+@contextlib.contextmanager
+def json_depth_bounded() -> Iterator[None]:
+    """Within the block, json's parser stops at about ``JSON_DEPTH`` levels with a RecursionError. Up to Python 3.11
+    its C parser recurses as deep as the interpreter's recursion limit lets it, and a program that raised the limit
+    (``sys.setrecursionlimit(10**6)``) would have it overflow the C stack on a file nested 200,000 deep: the
+    interpreter dies (SIGSEGV), no error to report. So the limit is lowered to this frame's depth plus
+    ``JSON_DEPTH`` for the parse (never raised), and put back after."""
+    frame, depth = sys._getframe(), 0
+    while frame is not None:
+        frame, depth = frame.f_back, depth + 1
+    limit = sys.getrecursionlimit()
+    wanted = depth + JSON_DEPTH + 50
+    if limit <= wanted:
+        yield
+        return
+    sys.setrecursionlimit(wanted)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)

@@ -32,6 +32,26 @@ def progress_shown(style: str) -> Iterator[None]:
         _style[0] = before
 
 
+@contextlib.contextmanager
+def lines_as_printed() -> Iterator[None]:
+    """Within the block, stdout is line-buffered: a log (stdout redirected to a file or a pipe) gets each line as it
+    is printed, as a terminal does, not 8 KB at a time (a run's load report would wait for its first progress line).
+    As it was after."""
+    stream = sys.stdout
+    before = getattr(stream, "line_buffering", None)
+    if before is not False or not hasattr(stream, "reconfigure"):
+        yield
+        return
+    stream.reconfigure(line_buffering=True)
+    try:
+        yield
+    finally:
+        try:
+            stream.reconfigure(line_buffering=before)
+        except (OSError, ValueError):  # closed meanwhile
+            pass
+
+
 def progress_style() -> str:
     """The setting, with ``auto`` resolved for this process's stderr: bar, lines or off."""
     if _style[0] != "auto":
