@@ -22,6 +22,7 @@ from waypoint.cli.option_checks import COMMON, EVAL, GENERATE, LORA, PREFERENCE
 
 DEVELOPER_TOOLS = {
     "check_readme": "runs the README's examples for CI",
+    "gpu_smoke": "runs every recipe on a GPU for a developer (tests/test_gpu_smoke.py: its bad input)",
     "make_tiny_assets": "builds the checkout's own test assets",
     "make_tiny_dpo": "builds the checkout's own preference pairs (assets/tiny_dpo.jsonl)",
     "trace_modules": "a developer's look at a model's module tree",

@@ -17,6 +17,7 @@ GOOD = {"prompt": [{"role": "user", "content": "Hi?"}], "chosen": [{"role": "ass
 
 # override -> the error line's start
 CASES = [
+    ("loss=sigmoid", "error: loss=sigmoid: expected a section {type, beta, label_smoothing, gamma}"),
     ("loss.type=kto", "error: loss.type=kto: expected one of sigmoid, ipo, hinge, simpo"),
     ("loss.beta=0", "error: loss.beta=0: expected a number > 0"),
     ("loss.beta=-0.1", "error: loss.beta=-0.1: expected a number > 0"),

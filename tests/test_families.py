@@ -114,8 +114,11 @@ def test_save_round_trip_is_bitwise_and_transformers_reads_it(family, tokens, tm
     assert index_out["metadata"]["total_size"] == index_in["metadata"]["total_size"]
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(reloaded) is type(hf_model)
+    # against transformers' own reading of the input: a model it loads and the one it built in memory can take
+    # different kernels (packed Qwen2-MoE experts differ by 1.5e-7 with transformers 5.24 even for the input itself)
+    original = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
-        assert torch.equal(reloaded(tokens).logits, hf_model(tokens).logits)
+        assert torch.equal(reloaded(tokens).logits, original(tokens).logits)
 
 
 def test_hf_to_native_to_hf_gives_back_the_input(family, tmp_path):
