@@ -218,11 +218,7 @@ def write_fp8_checkpoint(path: Path, config, block=(32, 32), seed: int = 0, max_
             index["weight_map"][scale] = name
         save_file(tensors, path / name, metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))
-    config_path = path / "config.json"
-    config_json = json.loads(config_path.read_text())
-    config_json["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                          "weight_block_size": list(block)}
-    config_path.write_text(json.dumps(config_json, indent=2))
+    mark_fp8(path, block)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=FineGrainedFP8Config(dequantize=True),
                                                  dtype=torch.float32)
     return model.eval()
@@ -259,6 +255,11 @@ def write_encoded_fp8_checkpoint(path: Path, config, block=(128, 128), scale_dty
             tensors = {k: t.to(dense) if t.dtype == torch.float32 and not k.endswith("_scale_inv") else t for k, t in tensors.items()}
         save_file(tensors, path / name, metadata={"format": "pt"})
     index_path.write_text(json.dumps(index, indent=2))
+    mark_fp8(path, block)
+
+
+def mark_fp8(path: Path, block) -> None:
+    """config.json of the checkpoint at ``path`` given a block-FP8 ``quantization_config`` as the releases have it."""
     config_path = path / "config.json"
     config_json = json.loads(config_path.read_text())
     config_json["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
