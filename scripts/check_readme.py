@@ -32,11 +32,14 @@ SUITE = re.compile(r"^python3? (-m pytest\b|scripts/check_readme\.py\b)")  # the
 NOTHING_DONE = ("nothing to do",)
 # command (a substring of it) -> what its output must contain: the demos' promises in the README's text
 EXPECT = {
-    # the answer, then the token count at once: the reply stopped at the end of its turn
-    'checkpoint_dir=outputs/tiny_chat/step_300 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.\n[",
-    # DPO after that SFT keeps what SFT taught (the pair is in the DPO data too, "Lima" chosen)
-    'checkpoint_dir=outputs/tiny_dpo/step_36 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.\n[",
     "waypoint validate tiny_lora lora.rank=0": "lora.rank=0",
+}
+# command (a substring of it) -> the last line its stdout must end with: a reply that stopped at the end of its turn
+# (generate.py prints the reply alone on stdout; its load report and token count go to stderr)
+REPLY = {
+    'checkpoint_dir=outputs/tiny_chat/step_300 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.",
+    # DPO after that SFT keeps what SFT taught (the pair is in the DPO data too, "Lima" chosen)
+    'checkpoint_dir=outputs/tiny_dpo/step_36 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.",
 }
 TIMEOUT_S = 900
 
@@ -107,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             done = subprocess.run(["bash", "-c", rest], cwd=copy, env=env, stdin=subprocess.DEVNULL,
                                   capture_output=True, text=True, timeout=TIMEOUT_S)
-            status, output = done.returncode, done.stdout + done.stderr
+            status, output, reply = done.returncode, done.stdout + done.stderr, (done.stdout.strip().splitlines() or [""])[-1]
         except subprocess.TimeoutExpired as e:
-            status, output = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+            status, output, reply = "timeout", f"{e.stdout or ''}{e.stderr or ''}", ""
         problem = None
         if status != 0:
             problem = f"exit status {status}"
@@ -117,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             problem = "it trained nothing (an earlier example left its output_dir finished)"
         else:
             missing = [want for key, want in EXPECT.items() if key in rest and want not in output]
-            problem = f"its output lacks {missing[0]!r}" if missing else None
+            unlike = [want for key, want in REPLY.items() if key in rest and reply != want]
+            problem = (f"its output lacks {missing[0]!r}" if missing else
+                       f"its reply does not end, and stop, at {unlike[0]!r}" if unlike else None)
         ran.add(bare(rest))
         print(f"{'FAIL' if problem else 'ok  '} {time.perf_counter() - began:6.1f} s  {rest}")
         if problem:
