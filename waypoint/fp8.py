@@ -67,20 +67,26 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
         return out
     rows, cols = weight.shape[-2:]
     flat_w, flat_s, flat_out = weight.reshape(-1, rows, cols), scale_inv.reshape(-1, *scale_inv.shape[-2:]), out.view(-1, rows, cols)
-    step = max(1, _SLAB // (block[0] * cols)) * block[0]  # whole block rows at a time
-    for m in range(flat_w.shape[0]):
+    for m, r0, r1, expanded in _slabs(flat_s, block, rows, cols):
+        flat_out[m, r0:r1] = flat_w[m, r0:r1].float() * expanded
+        if finite and not bool(torch.isfinite(flat_out[m, r0:r1]).all()):
+            row = r0 + int((~torch.isfinite(flat_out[m, r0:r1])).any(1).nonzero()[0, 0])
+            at = f"expert {m}, " if flat_w.shape[0] > 1 else ""
+            raise NonFiniteFP8(f"dequantizes to nan/inf ({at}row {row} first: NaN bytes, or nan/inf block scales, or "
+                               f"values beyond {str(dtype).removeprefix('torch.')}); the checkpoint is damaged "
+                               "(re-download or re-export it)")
+    return out
+
+
+def _slabs(flat_s: torch.Tensor, block: tuple[int, int], rows: int, cols: int):
+    """(matrix, first row, end row, its block scales expanded to one per value in fp32) for whole block rows at a time
+    of each ``[rows, cols]`` matrix whose scales are ``flat_s`` ``[M, ceil(rows/bm), ceil(cols/bn)]``."""
+    step = max(1, _SLAB // (block[0] * cols)) * block[0]
+    for m in range(flat_s.shape[0]):
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             scales = flat_s[m, r0 // block[0]: math.ceil(r1 / block[0])].float()
-            expanded = scales.repeat_interleave(block[0], 0)[: r1 - r0].repeat_interleave(block[1], 1)[:, :cols]
-            flat_out[m, r0:r1] = flat_w[m, r0:r1].float() * expanded
-            if finite and not bool(torch.isfinite(flat_out[m, r0:r1]).all()):
-                row = r0 + int((~torch.isfinite(flat_out[m, r0:r1])).any(1).nonzero()[0, 0])
-                at = f"expert {m}, " if flat_w.shape[0] > 1 else ""
-                raise NonFiniteFP8(f"dequantizes to nan/inf ({at}row {row} first: NaN bytes, or nan/inf block scales, or "
-                                   f"values beyond {str(dtype).removeprefix('torch.')}); the checkpoint is damaged "
-                                   "(re-download or re-export it)")
-    return out
+            yield m, r0, r1, scales.repeat_interleave(block[0], 0)[: r1 - r0].repeat_interleave(block[1], 1)[:, :cols]
 
 
 def quantize_fp8(x: torch.Tensor, block: tuple[int, int] = (128, 128),
@@ -127,16 +133,11 @@ def encode_fp8(x: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] 
         return weight
     rows, cols = x.shape[-2:]
     flat_x, flat_s, flat_w = x.reshape(-1, rows, cols), scale_inv.reshape(-1, *scale_inv.shape[-2:]), weight.view(-1, rows, cols)
-    step = max(1, _SLAB // (block[0] * cols)) * block[0]
-    for m in range(flat_x.shape[0]):
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            scales = flat_s[m, r0 // block[0]: math.ceil(r1 / block[0])].float()
-            expanded = scales.repeat_interleave(block[0], 0)[: r1 - r0].repeat_interleave(block[1], 1)[:, :cols]
-            values = flat_x[m, r0:r1].float()
-            scaled = torch.where(expanded != 0, values / torch.where(expanded != 0, expanded, torch.ones_like(expanded)),
-                                 torch.zeros_like(values))
-            flat_w[m, r0:r1] = scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    for m, r0, r1, expanded in _slabs(flat_s, block, rows, cols):
+        values = flat_x[m, r0:r1].float()
+        scaled = torch.where(expanded != 0, values / torch.where(expanded != 0, expanded, torch.ones_like(expanded)),
+                             torch.zeros_like(values))
+        flat_w[m, r0:r1] = scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return weight
 
 
