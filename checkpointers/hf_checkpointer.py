@@ -77,7 +77,7 @@ class HFCheckpointer(Checkpointer):
         self.layout: ShardLayout = discover(self.checkpoint_dir, checkpoint_files)
         self.safe_serialization = safe_serialization
         self._file_metadata: dict[str, dict | None] = {}
-        self._disk_prefix = self._added_prefix = ""  # on-disk key = disk prefix + key[len(added prefix):]
+        self._prefixes: dict[str, str] = {}  # on-disk key prefix -> the converter's (a multimodal repo's, a headless one's)
         self._passthrough: dict[str, tuple[torch.Tensor, str]] = {}  # keys outside the text model: (tensor, file)
         self._source: dict[str, torch.Tensor] = {}  # the input's tensors as read (memory-mapped), by converter key
         self._quantized_notes: list[str] = []  # the load report's lines about quantized tensors read
@@ -87,7 +87,7 @@ class HFCheckpointer(Checkpointer):
 
     def hf_source(self) -> HFSource:
         layout = self.layout
-        if layout.weight_map is not None and (self._added_prefix or self._disk_prefix):
+        if layout.weight_map is not None and self._prefixes:
             layout = ShardLayout(layout.files, {self._disk_key(k): f for k, f in layout.weight_map.items()},
                                  layout.index_name, dict(layout.index_metadata))
         # block FP8: the input's scales too, so that a conversion back writes the untouched weights' very bytes
@@ -109,10 +109,10 @@ class HFCheckpointer(Checkpointer):
         # converter, and take it off again on save, as from_pretrained does. A multimodal repo nests the text model
         # under a prefix (Gemma 3's "language_model."): its keys are converted without it, the others (a vision
         # tower) are passed through and written back as they came.
-        self._disk_prefix, self._added_prefix = self._key_prefixes(list(hf_state))
-        if self._disk_prefix or self._added_prefix:
-            inside = [k for k in hf_state if k.startswith(self._disk_prefix)]  # in the files' order
-            self._passthrough = {k: (hf_state[k], where[k]) for k in hf_state if not k.startswith(self._disk_prefix)}
+        self._prefixes = self._key_prefixes(list(hf_state))
+        if self._prefixes:
+            inside = [k for k in hf_state if k.startswith(tuple(self._prefixes))]  # in the files' order
+            self._passthrough = {k: (hf_state[k], where[k]) for k in hf_state if not k.startswith(tuple(self._prefixes))}
             hf_state = {self._converter_key(k): hf_state[k] for k in inside}
             where = {self._converter_key(k): where[k] for k in inside}
         # Layers the model does not run (DeepSeek-V3's multi-token prediction) are carried the same way.
@@ -147,20 +147,27 @@ class HFCheckpointer(Checkpointer):
     def notes(self) -> list[str]:
         return super().notes + self._quantized_notes
 
-    def _key_prefixes(self, keys: list[str]) -> tuple[str, str]:
-        """(the prefix on disk, the one the converter's keys have instead) for these keys."""
+    def _key_prefixes(self, keys: list[str]) -> dict[str, str]:
+        """{prefix on disk: the one the converter's keys have instead} for these keys: a multimodal repo's nesting
+        (the family's ``hf_prefixes``, found by its first prefix), a headless checkpoint's missing ``model.``, or none."""
         for nest in self.family.hf_prefixes:
-            if any(k.startswith(nest + BASE_MODEL_PREFIX) for k in keys):
-                return nest, ""
+            if any(k.startswith(next(iter(nest))) for k in keys):
+                return dict(nest)
         headless = (not any(k.startswith(BASE_MODEL_PREFIX) for k in keys)
                     and any(k.startswith(("embed_tokens.", "layers.")) for k in keys))
-        return "", BASE_MODEL_PREFIX if headless else ""
+        return {"": BASE_MODEL_PREFIX} if headless else {}
 
     def _converter_key(self, disk_key: str) -> str:
-        return self._added_prefix + disk_key[len(self._disk_prefix):]
+        for disk, ours in self._prefixes.items():
+            if disk_key.startswith(disk):
+                return ours + disk_key[len(disk):]
+        return disk_key
 
     def _disk_key(self, key: str) -> str:
-        return self._disk_prefix + key[len(self._added_prefix):]
+        for disk, ours in self._prefixes.items():
+            if key.startswith(ours):
+                return disk + key[len(ours):]
+        return key
 
     # -- save like the input ------------------------------------------------------------
     def _model_writer(self, native: Mapping[str, torch.Tensor], adapted: frozenset[str] = frozenset()):

@@ -196,3 +196,40 @@ class Interleave:
             raise ValueError(f"needs {self.count} tensors of one shape, got {[tuple(t.shape) for t in tensors]}")
         dim = self.dim % tensors[0].ndim
         return [torch.stack(tensors, dim=dim + 1).flatten(dim, dim + 1)]
+
+
+@dataclass(frozen=True)
+class HeadGroups:
+    """One projection fused per head group <-> its parts, each with all groups' rows together, e.g. Qwen3-Next's
+    ``in_proj_qkvz``: for each of ``groups`` key heads, rows ``[q, k, v, z]`` of ``sizes`` -> the native
+    ``in_proj_qkv`` (every group's q, then every k, then every v) and ``in_proj_z``. ``parts`` says which of the
+    blocks each native tensor takes, in order."""
+
+    groups: int
+    sizes: tuple[int, ...]
+    parts: tuple[tuple[int, ...], ...]
+
+    def __init__(self, groups: int, sizes, parts) -> None:
+        object.__setattr__(self, "groups", int(groups))
+        object.__setattr__(self, "sizes", tuple(int(s) for s in sizes))
+        object.__setattr__(self, "parts", tuple(tuple(p) for p in parts))
+
+    def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        (t,) = tensors
+        if t.ndim == 0 or t.shape[0] != self.groups * sum(self.sizes):
+            raise ValueError(f"has {t.shape[0] if t.ndim else 0} rows, expected {self.groups} groups of "
+                             f"{' + '.join(map(str, self.sizes))}")
+        blocks = t.unflatten(0, (self.groups, -1)).split(self.sizes, dim=1)
+        return [torch.cat([blocks[b].flatten(0, 1) for b in part]) for part in self.parts]
+
+    def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if len(tensors) != len(self.parts):
+            raise ValueError(f"got {len(tensors)} tensors to fuse, expected {len(self.parts)}")
+        blocks: dict[int, torch.Tensor] = {}
+        for t, part in zip(tensors, self.parts):
+            rows = [self.groups * self.sizes[b] for b in part]
+            if t.shape[0] != sum(rows):
+                raise ValueError(f"a part has {t.shape[0]} rows, expected {sum(rows)}")
+            for b, block in zip(part, t.split(rows)):
+                blocks[b] = block.unflatten(0, (self.groups, -1))
+        return [torch.cat([blocks[b] for b in range(len(self.sizes))], dim=1).flatten(0, 1)]

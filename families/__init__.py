@@ -57,6 +57,17 @@ def family_named(model_type: str) -> Family:
     raise CheckpointError(f"unknown model_type {model_type!r}; known: {', '.join(MODEL_TYPES)}")
 
 
+def text_config(family: Family, config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A multimodal repo's text model config (its ``nested_config``), with the outer ``tie_word_embeddings`` where the
+    outer config sets it (the one transformers' ``*ForConditionalGeneration`` ties by); any other config as it is."""
+    if not (family.nested_config and isinstance(config.get(family.nested_config), Mapping)):
+        return config
+    inner = dict(config[family.nested_config])
+    if config.get("tie_word_embeddings") is not None:
+        inner["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return inner
+
+
 def model_args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
     """ModelArgs from an HF config.json of a known family, read as its transformers class reads it; what the
     native model cannot reproduce (an unknown model_type, rope type or activation, an architecture flag) is
@@ -65,8 +76,7 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
     family = next((f for f in FAMILIES if hf_type in f.hf_model_types), None)
     if family is None:
         raise ValueError(f"unknown model_type {hf_type!r}; known: {', '.join(HF_MODEL_TYPES)}")
-    if family.nested_config and isinstance(config.get(family.nested_config), Mapping):
-        config = config[family.nested_config]  # a multimodal repo: the text model's own config
+    config = text_config(family, config)
     cfg = HFConfig(config, family.defaults)
     check_fixed(cfg, family.fixed, hf_type)
     return family.model_args(cfg)
@@ -83,8 +93,7 @@ def checked_model_args(config: Mapping[str, Any], source: str = "config.json") -
 def detect_model_type(config: Mapping[str, Any], source: str = "config.json") -> str:
     """The checkpointer model_type of an HF config (LLAMA3, QWEN3, MIXTRAL, ...)."""
     family = family_of(config, source)
-    if family.nested_config and isinstance(config.get(family.nested_config), Mapping):
-        config = config[family.nested_config]
+    config = text_config(family, config)
     return family.model_type_of(HFConfig(config, family.defaults)) if family.model_type_of else family.model_types[0]
 
 

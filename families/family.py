@@ -36,7 +36,9 @@ class Family:
     fixed: Mapping[str, Any] = field(default_factory=dict)
     lora_targets: tuple[str, ...] = LLAMA_LORA_TARGETS  # native module names whose LoRA PEFT can name
     ignore: tuple[str, ...] = IGNORE  # HF keys that carry no weights
-    hf_prefixes: tuple[str, ...] = ()  # prefixes a checkpoint may nest the text model under (multimodal repos)
+    # how a multimodal repo nests the text model's keys: each a {prefix on disk: the converter's prefix} (found by its
+    # first prefix; Gemma 3's {"language_model.": ""}); keys under none of them (a vision tower) pass through untouched
+    hf_prefixes: tuple[Mapping[str, str], ...] = ()
     nested_config: str | None = None  # where a multimodal config.json keeps the text model's fields ("text_config")
     model_type_of: Callable[[HFConfig], str] | None = None  # which of model_types a config is (default: the first)
     # on-disk layouts of some weights (MoE experts: per-expert or packed keys), each with its own rules, the

@@ -48,7 +48,7 @@ FAMILY = Family(
     rules=lambda args: outer_rules() + sandwich_norm_rules() + attention_rules(args) + qk_norm_rules(args) + mlp_rules(),
     # multimodal repos (gemma-3-4b and up, model_type gemma3): the text model under language_model., its config
     # under text_config; the vision tower and projector are passed through untouched
-    hf_prefixes=("language_model.",), nested_config="text_config",
+    hf_prefixes=({"language_model.": ""},), nested_config="text_config",
 )
 
 

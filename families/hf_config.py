@@ -53,16 +53,19 @@ def rope_params(cfg: HFConfig, layer_type: str | None = None) -> dict[str, Any]:
 
 
 def rope_args(cfg: HFConfig, max_seq_len: int, supported: tuple[str, ...], model_type: str,
-              layer_type: str | None = None) -> dict[str, Any]:
-    """ModelArgs' rope fields (``rope_theta``, ``rope_type`` and its scaling) for the config's rope parameters."""
+              layer_type: str | None = None, partial_rotary: bool = False) -> dict[str, Any]:
+    """ModelArgs' rope fields (``rope_theta``, ``rope_type`` and its scaling) for the config's rope parameters;
+    ``partial_rotary``: the family rotates part of each head (``partial_rotary_factor``), else only all of it."""
     params = rope_params(cfg, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in supported:
         raise ValueError(f"rope type {rope_type!r} is not supported for model_type {model_type!r} "
                          f"(supported: {', '.join(supported)})")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported (only 1.0)")
     args: dict[str, Any] = dict(rope_theta=float(params["rope_theta"]), rope_type=rope_type)
+    if partial_rotary:
+        args["partial_rotary_factor"] = float(params.get("partial_rotary_factor", 1.0))
+    elif float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported (only 1.0)")
     if rope_type == "linear":
         args.update(rope_factor=float(params["factor"]))
     if rope_type == "llama3":
@@ -125,7 +128,7 @@ def check_fixed(cfg: HFConfig, fixed: Mapping[str, Any], model_type: str) -> Non
 
 
 def common_args(cfg: HFConfig, model_type: str, rope_types: tuple[str, ...] = ("default", "linear", "llama3", "yarn"),
-                rope_layer_type: str | None = None) -> dict[str, Any]:
+                rope_layer_type: str | None = None, partial_rotary: bool = False) -> dict[str, Any]:
     """The ModelArgs fields every family reads the same way (shapes, norm eps, positions, tying, rope, dropout);
     ``rope_layer_type``: whose rope parameters are the model's (Gemma 3 has per-layer-type ones)."""
     missing = [k for k in REQUIRED if k not in cfg.raw]
@@ -139,7 +142,7 @@ def common_args(cfg: HFConfig, model_type: str, rope_types: tuple[str, ...] = ("
         hidden_dim=cfg["intermediate_size"], head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
         norm_eps=cfg["rms_norm_eps"], max_seq_len=max_seq_len, tie_embeddings=bool(cfg.get("tie_word_embeddings")),
         attn_dropout=float(cfg.get("attention_dropout") or 0.0), activation=activation(cfg),
-        **rope_args(cfg, max_seq_len, rope_types, model_type, rope_layer_type),
+        **rope_args(cfg, max_seq_len, rope_types, model_type, rope_layer_type, partial_rotary),
     )
 
 

@@ -91,6 +91,22 @@ class ModelArgs:
     expert_groups: int = 1  # n_group
     topk_groups: int = 1  # topk_group
     routed_scaling: float = 1.0  # routed_scaling_factor
+    # hybrid models (Qwen3-Next, Qwen3.5/3.6): these layers mix tokens with Gated DeltaNet (models.gated_deltanet)
+    # rather than attention; its heads and widths below. The attention layers' q_proj also emits a gate per head
+    # (attn_output_gate) and rotates only the first partial_rotary_factor of each head
+    linear_attention_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 16
+    linear_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel: int = 4
+    attn_output_gate: bool = False  # q_proj emits [query, gate] per head; the output is times sigmoid(gate)
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this dims of each q/k head (the rest pass)
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dims of each q/k head RoPE rotates (transformers' ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -100,6 +116,7 @@ class ModelArgs:
         # JSON round trips (asdict -> json -> ModelArgs(**)) turn tuples into lists
         object.__setattr__(self, "full_attention_layers", tuple(sorted(int(i) for i in self.full_attention_layers)))
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
+        object.__setattr__(self, "linear_attention_layers", tuple(sorted(int(i) for i in self.linear_attention_layers)))
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} must be between 1 and n_experts={self.n_experts}")
         if self.shared_expert_hidden_dim is not None and not self.shared_expert_hidden_dim > 0:
@@ -138,6 +155,7 @@ class ModelArgs:
         if self.local_rope_theta is not None and self.sliding_window is None:
             raise ValueError("local_rope_theta is the sliding layers' RoPE base, but sliding_window is None")
         check_mla_and_groups(self)
+        check_linear_attention(self)
 
 
 def check_mla_and_groups(args: ModelArgs) -> None:
@@ -164,3 +182,21 @@ def check_mla_and_groups(args: ModelArgs) -> None:
             raise ValueError("sigmoid_grouped scores each group by its top-2 experts: groups need 2 experts or more")
         if not args.routed_scaling > 0:
             raise ValueError(f"routed_scaling={args.routed_scaling} must be positive")
+
+
+def check_linear_attention(args: ModelArgs) -> None:
+    """Gated DeltaNet's and the gated attention's fields."""
+    if not 0 < args.partial_rotary_factor <= 1 or args.rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor={args.partial_rotary_factor} must be in (0, 1] and rotate an even number "
+                         f"of the head's {args.resolved_head_dim} dims")
+    if not args.linear_attention_layers:
+        return
+    if any(not 0 <= i < args.n_layers for i in args.linear_attention_layers):
+        raise ValueError(f"linear_attention_layers={list(args.linear_attention_layers)} must be layers of 0..{args.n_layers - 1}")
+    for name in ("linear_key_heads", "linear_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel"):
+        if not getattr(args, name) >= 1:
+            raise ValueError(f"{name}={getattr(args, name)} must be positive")
+    if args.linear_value_heads % args.linear_key_heads:
+        raise ValueError(f"linear_value_heads={args.linear_value_heads} is not a multiple of linear_key_heads={args.linear_key_heads}")
+    if args.kv_lora_rank is not None:
+        raise ValueError("linear attention layers are not supported with latent attention (kv_lora_rank)")

@@ -102,7 +102,9 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.resolved_head_dim
         self.dropout = args.attn_dropout
         self.scale, self.softcap = args.attn_scale, args.attn_softcap
-        self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        # Qwen3-Next / 3.5: each head's query rows followed by its gate's (attn_output_gate)
+        self.gated = args.attn_output_gate
+        self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim * (2 if self.gated else 1), bias=args.qkv_bias)
         self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.output_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=args.attn_output_bias)
@@ -111,6 +113,17 @@ class Attention(nn.Module):
         # per-head norms (weights in the interleaved order of the rows they scale); None without qk_norm
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
+        # RoPE on the first rotary_dim dims of each head (all but Qwen3-Next / 3.5's); with rope_interleave false those
+        # rows are HF's halves, regrouped into pairs on the activations (q and k alike: the dot product is unchanged)
+        self.rotary_dim, self.halves = args.rotary_dim, not args.rope_interleave
+
+    def _rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim and not self.halves:
+            return apply_rope(x, rope)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        if self.halves:
+            rot = rot.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+        return torch.cat([apply_rope(rot, rope), rest], dim=-1)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None, cache=None,
                 layer: int = 0) -> torch.Tensor:
@@ -118,12 +131,14 @@ class Attention(nn.Module):
         window, or packed documents. ``rope``: the table, or each token's rows (packed). ``cache``: a
         ``kv_cache.KVCache`` whose keys and values this layer (``layer``) extends and attends over (``mask`` given)."""
         bsz, seq, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim)
+        q = self.q_proj(x).view(bsz, seq, self.n_heads, -1)
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
         k = self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # before the rotation, as Qwen3 and Gemma 3
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = self._rotate(q, rope), self._rotate(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
             k, v = cache.append(layer, k, v)
@@ -134,4 +149,7 @@ class Attention(nn.Module):
         else:  # SDPA cannot cap the scores, nor add a sink to the denominator
             scale = self.scale if self.scale is not None else self.head_dim ** -0.5
             out = eager_attention(q, k, v, mask, scale, softcap=self.softcap, sinks=self.sinks, dropout=dropout)
-        return self.output_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+        out = out.transpose(1, 2).reshape(bsz, seq, -1)
+        if self.gated:
+            out = out * torch.sigmoid(gate.reshape(bsz, seq, -1))
+        return self.output_proj(out)

@@ -14,6 +14,8 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = [None] * n_layers
         self.values: list[torch.Tensor | None] = [None] * n_layers
         self.length = 0  # tokens cached (the position the next token takes)
+        # linear-attention layers (Gated DeltaNet): (the convolution's last inputs, the delta rule's state)
+        self.states: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s keys and values [batch, kv_heads, seq, head_dim] with the new ones after them."""

@@ -52,6 +52,7 @@ from waypoint.models.fused_loss import (ChunkBuffer, linear_cross_entropy_rows, 
                                         next_token_loss_sum)
 from waypoint.models.attention import Attention, RMSNorm, apply_rope, document_mask, sliding_window_mask, softcapped_attention
 from waypoint.models.kv_cache import KVCache
+from waypoint.models.gated_deltanet import GatedDeltaNet
 from waypoint.models.mla import LatentAttention
 from waypoint.models.balance_loss import load_balancing_loss, load_balancing_stats
 from waypoint.models.moe import MoE
@@ -65,7 +66,7 @@ def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
     """The inverse frequencies [head_dim // 2] in fp32, scaled for ``rope_type="llama3"``, ``"linear"`` or ``"yarn"``
     exactly as transformers' ``_compute_llama3_parameters`` / ``_compute_linear_scaling_rope_parameters`` /
     ``_compute_yarn_parameters`` do (yarn's attention factor: :func:`rope_attention_factor`)."""
-    head_dim = args.resolved_head_dim
+    head_dim = args.rotary_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
     if args.rope_type == "default":
         return inv_freq
@@ -89,7 +90,7 @@ def _yarn_frequencies(args: ModelArgs, inv_freq: torch.Tensor) -> torch.Tensor:
     """YaRN: the unscaled frequencies (``inv_freq``) kept for dimensions that turn more than ``rope_beta_fast`` times
     over the original context, divided by ``rope_factor`` for those turning fewer than ``rope_beta_slow`` times, a
     linear ramp between; each step as transformers' ``_compute_yarn_parameters`` takes it, so the bits agree."""
-    dim, base, original = args.resolved_head_dim, args.rope_theta, args.rope_original_max_seq_len
+    dim, base, original = args.rotary_dim, args.rope_theta, args.rope_original_max_seq_len
 
     def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over the context
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -142,7 +143,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         norm = partial(RMSNorm, args.dim, args.norm_eps, args.norm_plus_one)
         self.sa_norm = norm()
-        self.attn = Attention(args) if args.kv_lora_rank is None else LatentAttention(args)  # DeepSeek's MLA
+        # the token mixer: attention, DeepSeek's latent attention, or Gated DeltaNet (Qwen3-Next / 3.5's linear layers)
+        self.linear = layer_id in args.linear_attention_layers
+        self.attn = GatedDeltaNet(args) if self.linear else Attention(args) if args.kv_lora_rank is None else LatentAttention(args)
         self.mlp_norm = norm()
         # the dense gated MLP, or in a mixture-of-experts layer ``moe`` in its place (``mlp`` None)
         sparse = args.n_experts > 0 and layer_id not in args.dense_layers and mlp is None
@@ -212,10 +215,10 @@ class Transformer(nn.Module):
             if a.local_rope_theta is not None:
                 self.local_rope = torch.empty(0, device=device)
             return
-        self.rope = rope_cache(a.resolved_head_dim, a.max_seq_len, a.rope_theta, device=device,
+        self.rope = rope_cache(a.rotary_dim, a.max_seq_len, a.rope_theta, device=device,
                                inv_freq=rope_frequencies(a, device=device), scale=rope_attention_factor(a))
         if a.local_rope_theta is not None:  # unscaled, whatever rope_type the full-attention layers use
-            self.local_rope = rope_cache(a.resolved_head_dim, a.max_seq_len, a.local_rope_theta, device=device)
+            self.local_rope = rope_cache(a.rotary_dim, a.max_seq_len, a.local_rope_theta, device=device)
 
     def init_weights(self, std: float = 0.02) -> None:
         """Random initialisation for training from scratch (tests, tiny models)."""
@@ -227,6 +230,9 @@ class Transformer(nn.Module):
             else:
                 down = name.endswith(("output_proj.weight", "w2.weight", "moe.w2"))
                 nn.init.normal_(p, std=std if not down else std / math.sqrt(2 * self.args.n_layers))
+        for module in self.modules():
+            if isinstance(module, GatedDeltaNet):
+                module.init_own_weights()
 
     def aux_loss(self) -> torch.Tensor | None:
         """The last forward's load-balancing loss over every MoE layer (transformers' ``aux_loss``, not yet weighted by
@@ -277,6 +283,8 @@ class Transformer(nn.Module):
         for index, layer in enumerate(self.layers):
             sliding = layer.sliding_window is not None
             mask, rope = (window_mask, local_rope) if sliding else (full_mask, global_rope)
+            if layer.linear:  # Gated DeltaNet: no positions; a packed batch's documents, not a mask
+                mask, rope = document_ids, None
             if self.activation_checkpointing and self.training:
                 h = torch.utils.checkpoint.checkpoint(layer, h, rope, mask, use_reentrant=False)
             else:

@@ -77,6 +77,10 @@ def tokens():
 
 # -- other families (tests/test_families.py) ------------------------------------------------------------------
 
+HYBRID = dict(head_dim=16, num_hidden_layers=3, max_position_embeddings=512, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+              linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4)
+
+
 def tiny_family_config(family: str, **overrides):
     """A tiny transformers config of ``family`` (``specific`` below): 2 layers, GQA, 128 vocab, 128 positions;
     ``overrides`` replace any field."""
@@ -130,6 +134,15 @@ def tiny_family_config(family: str, **overrides):
             num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, moe_intermediate_size=16, n_routed_experts=8,
             num_experts_per_tok=3, n_shared_experts=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
             v_head_dim=12, topk_method="greedy")),
+        # hybrid Gated DeltaNet + gated attention: linear layers around a full one, 2 key heads serving 4 value heads,
+        # RoPE on a quarter of each head (4 of 16 dims)
+        "qwen3_5": ("Qwen3_5TextConfig", dict(HYBRID, layer_types=["linear_attention", "full_attention", "linear_attention"])),
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(HYBRID, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                                     moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                                                     num_experts_per_tok=2)),
+        "qwen3_next": ("Qwen3NextConfig", dict(HYBRID, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                               moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                                               num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2])),
     }
     class_name, fields = specific[family]
     return getattr(transformers, class_name)(**{**common, **fields, **overrides})

@@ -1,0 +1,50 @@
+"""Qwen3.5 / Qwen3.6, dense (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``; the releases are multimodal
+``Qwen3_5ForConditionalGeneration`` repos, model_type ``qwen3_5``): three Gated DeltaNet layers to one gated
+full-attention layer (``layer_types``), zero-centred RMSNorms, RoPE on a quarter of each head (mRoPE in the releases,
+which for text is the same rotation), a dense SwiGLU MLP in every layer (``hybrid_rules``).
+
+A multimodal repo fine-tunes its language model: ``model.language_model.*`` (and ``lm_head``) are converted, the
+vision tower ``model.visual.*`` and the multi-token-prediction layers ``mtp.*`` are written back untouched, in the
+files they came in; its config under ``text_config``."""
+
+from __future__ import annotations
+
+from waypoint.families.family import Family
+from waypoint.families.hf_config import HFConfig, common_fields
+from waypoint.families.hf_rules import mlp_rules
+from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
+from waypoint.models.args import ModelArgs
+from waypoint.models.transformer import Transformer
+
+MULTIMODAL = {"model.language_model.": "model.", "lm_head.": "lm_head."}  # the text model's keys in the releases
+MTP = r"^mtp\."  # the multi-token-prediction layers transformers does not load: carried through untouched
+
+
+def model_args(cfg: HFConfig) -> ModelArgs:
+    return ModelArgs(**hybrid_args(cfg, "qwen3_5"))
+
+
+def hf_config(args: ModelArgs) -> dict:
+    return {**common_fields(args, FAMILY), **hybrid_fields(args)}
+
+
+FAMILY = Family(
+    name="qwen3_5", hf_model_types=("qwen3_5_text", "qwen3_5"), model_types=("QWEN3_5",), architecture="Qwen3_5ForCausalLM",
+    defaults=dict(HYBRID_DEFAULTS, num_key_value_heads=4),
+    fixed=dict(attention_bias=False),
+    model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + mlp_rules(),
+    lora_targets=LORA_TARGETS, hf_prefixes=(MULTIMODAL,), nested_config="text_config", carried=lambda config: MTP,
+)
+
+
+def qwen3_5_27b() -> Transformer:
+    """Qwen3.5-27B / Qwen3.6-27B's language model: 64 layers (48 Gated DeltaNet, 16 gated attention)."""
+    return Transformer(ModelArgs(**_shape(dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, hidden_dim=17408,
+                                          linear_value_heads=48)))
+
+
+def _shape(n_layers: int, **shape) -> dict:
+    return dict(n_layers=n_layers, vocab_size=248320, head_dim=256, norm_eps=1e-6, rope_theta=10000000.0, max_seq_len=262144,
+                norm_plus_one=True, qk_norm=True, attn_output_gate=True, rope_interleave=False, partial_rotary_factor=0.25,
+                linear_attention_layers=tuple(i for i in range(n_layers) if (i + 1) % 4), linear_key_heads=16,
+                linear_key_head_dim=128, linear_value_head_dim=128, **{"linear_value_heads": 32, **shape})
