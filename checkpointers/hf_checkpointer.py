@@ -95,7 +95,19 @@ class HFCheckpointer(Checkpointer):
         return HFSource(dict(self.config), layout, scales or None)
 
     def hf_converter(self) -> Converter:
-        return self.quantized.dense  # a block-FP8 input's rules without the scales: transformers' module names
+        """A block-FP8 input's rules without the scales: transformers' module names (a multimodal repo's, where the
+        family says where its text model's modules are)."""
+        dense = self.quantized.dense
+        nested = self._prefixes and self._prefixes in [dict(n) for n in self.family.hf_prefixes]
+        if not (nested and self.family.nested_modules):
+            return dense
+
+        def module_key(key: str) -> str:
+            for ours, theirs in self.family.nested_modules.items():
+                if key.startswith(ours):
+                    return theirs + key[len(ours):]
+            return key
+        return dense.renamed(module_key)
 
     def adapter_layout(self) -> None:
         return None  # PEFT's keys are the HF ones already

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -108,6 +109,15 @@ class Converter:
     def is_parameter(self, hf_key: str) -> bool:
         """Whether an HF key holds a parameter (what ``num_parameters()`` counts), not a buffer."""
         return not any(re.search(p, hf_key) for p in self.buffers)
+
+    def renamed(self, hf_key: Callable[[str], str]) -> "Converter":
+        """This table with every HF key (pattern) passed through ``hf_key``, e.g. a multimodal model's module paths
+        (``model.language_model.layers.{i}...``) for a text model's (``model.layers.{i}...``)."""
+        def rules(table: list[Rule]) -> list[Rule]:
+            return [Rule(tuple(hf_key(k) for k in r.hf), r.native, r.op) for r in table]
+        return replace(self, rules=rules(self.rules), variants={n: rules(t) for n, t in self.variants.items()},
+                       lora_parameters={n: hf_key(k) for n, k in self.lora_parameters.items()},
+                       hf_embedding_key=hf_key(self.hf_embedding_key), hf_head_key=hf_key(self.hf_head_key))
 
     def matches(self, key: str, side: str) -> bool:
         """Whether a rule of the layout in use names ``key`` (of ``side``: 'hf' or 'native')."""

@@ -39,6 +39,9 @@ class Family:
     # how a multimodal repo nests the text model's keys: each a {prefix on disk: the converter's prefix} (found by its
     # first prefix; Gemma 3's {"language_model.": ""}); keys under none of them (a vision tower) pass through untouched
     hf_prefixes: tuple[Mapping[str, str], ...] = ()
+    # where transformers' multimodal model keeps the text model's modules (what PEFT names an adapter's), by the
+    # converter's prefix: Qwen3.5's {"model.": "model.language_model."}; used when a checkpoint is nested (hf_prefixes)
+    nested_modules: Mapping[str, str] = field(default_factory=dict)
     nested_config: str | None = None  # where a multimodal config.json keeps the text model's fields ("text_config")
     model_type_of: Callable[[HFConfig], str] | None = None  # which of model_types a config is (default: the first)
     # on-disk layouts of some weights (MoE experts: per-expert or packed keys), each with its own rules, the

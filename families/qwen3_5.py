@@ -33,7 +33,7 @@ FAMILY = Family(
     defaults=dict(HYBRID_DEFAULTS, num_key_value_heads=4),
     fixed=dict(attention_bias=False),
     model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + mlp_rules(),
-    lora_targets=LORA_TARGETS, hf_prefixes=(MULTIMODAL,), nested_config="text_config", carried=lambda config: MTP,
+    lora_targets=LORA_TARGETS, hf_prefixes=(MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config", carried=lambda config: MTP,
 )
 
 

@@ -53,7 +53,7 @@ FAMILY = Family(
                   shared_expert_intermediate_size=512, router_aux_loss_coef=0.001),
     fixed=dict(attention_bias=False),
     model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + shared_expert_rules(),
-    layouts=expert_layouts, lora_targets=LORA_TARGETS, hf_prefixes=(MULTIMODAL,), nested_config="text_config",
+    layouts=expert_layouts, lora_targets=LORA_TARGETS, hf_prefixes=(MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config",
     carried=lambda config: MTP,
 )
 

@@ -51,8 +51,14 @@ FAMILIES = {
     "deepseek-v2-lite": ("deepseek_v2", {}, "DEEPSEEK_V2"),  # one q_proj, greedy routing
     "deepseek-v2-grouped": ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
                                                 routed_scaling_factor=1.5, attention_bias=True), "DEEPSEEK_V2"),
+    # hybrid Gated DeltaNet + gated attention (longer sequences: tests/test_qwen3_5.py)
+    "qwen3.5": ("qwen3_5", {}, "QWEN3_5"),
+    "qwen3.5-tied": ("qwen3_5", {"tie_word_embeddings": True}, "QWEN3_5"),
+    "qwen3.5-moe": ("qwen3_5_moe", {}, "QWEN3_5_MOE"),  # transformers writes its experts packed either way
+    "qwen3-next": ("qwen3_next", {}, "QWEN3_NEXT"),  # fused in_proj_qkvz / in_proj_ba, a dense layer, experts per key
+    "qwen3-next-packed": ("qwen3_next", {}, "QWEN3_NEXT"),
 }
-TIED = {"qwen2-tied", "gemma", "llama3.2-tied", "qwen3-tied", "gemma2", "gemma3"}
+TIED = {"qwen2-tied", "gemma", "llama3.2-tied", "qwen3-tied", "gemma2", "gemma3", "qwen3.5-tied"}
 
 
 def weight_files(path):

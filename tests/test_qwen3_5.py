@@ -1,0 +1,238 @@
+"""Qwen3.5/3.6 (dense, MoE, the multimodal repos) and Qwen3-Next beyond tests/test_families.py: sequences of several
+delta-rule chunks against transformers, the delta rule and its gradients against transformers' own, the multimodal
+repo's language model trained with its vision tower and MTP layers written back bitwise, packing without leaks,
+generation through the recurrent state, and LoRA on the DeltaNet projections against PEFT."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from waypoint.checkpointers import CheckpointError, HFCheckpointer, load_into, load_model
+from waypoint.checkpointers.file_formats import read_tensors
+from safetensors.torch import save_file
+from waypoint.families import from_hf_config, model_args_from_hf_config
+from waypoint.models.delta_rule import chunk_gated_delta_rule
+from waypoint.models.kv_cache import KVCache
+from waypoint.models.lora import apply_lora, merged_state
+from tests.conftest import HYBRID, save_adapter, tiny_family_config, write_family_checkpoint
+from tests.test_lora import hf_weights
+
+LONG = 150  # > 2 chunks of 64
+
+
+@pytest.fixture(scope="module")
+def long_tokens():
+    return torch.randint(0, 128, (2, LONG), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("fam", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_long_sequences_match_transformers(fam, tmp_path, long_tokens):
+    hf_model = write_family_checkpoint(tmp_path / "in", tiny_family_config(fam))
+    model = load_model(tmp_path / "in").eval()
+    with torch.no_grad():
+        diff = (model(long_tokens) - hf_model(long_tokens).logits).abs().max().item()
+    print(f"\n{fam}: {LONG} tokens, max |native - transformers| logit = {diff:.3g}")
+    assert diff <= 1e-5
+
+
+def random_inputs(batch=2, seq=150, k_heads=2, v_heads=4, k_dim=8, v_dim=12, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, seq, k_heads, k_dim, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(batch, seq, v_heads, v_dim, generator=gen, dtype=dtype)
+    g = -torch.rand(batch, seq, v_heads, generator=gen, dtype=dtype) * 2
+    beta = torch.rand(batch, seq, v_heads, generator=gen, dtype=dtype)
+    return q, k, v, g, beta
+
+
+def test_delta_rule_is_the_recurrence_with_its_state_and_gradients():
+    """Against transformers' token-by-token recurrence (the definition), from a given state; gradients against
+    autograd through transformers' chunked form."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule
+
+    q, k, v, g, beta = random_inputs()
+    state = torch.randn(2, 4, 8, 12, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ours, ours_state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    ref, ref_state = torch_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True)
+    assert (ours - ref).abs().max() <= 1e-5 and (ours_state - ref_state).abs().max() <= 1e-5
+    # split in two calls through the state: the same as one
+    first, mid = chunk_gated_delta_rule(*(t[:, :70] for t in (q, k, v, g, beta)), initial_state=state, output_final_state=True)
+    second, _ = chunk_gated_delta_rule(*(t[:, 70:] for t in (q, k, v, g, beta)), initial_state=mid)
+    assert (torch.cat([first, second], 1) - ref).abs().max() <= 1e-5
+
+    leaves = [t.float().requires_grad_() for t in random_inputs(seed=2)]
+    weights = torch.randn(2, 150, 4, 12, generator=torch.Generator().manual_seed(3))
+    (chunk_gated_delta_rule(*leaves)[0] * weights).sum().backward()
+    ours_grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    q, k, v, g, beta = leaves
+    (torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0] * weights).sum().backward()
+    for name, a, t in zip("q k v g beta".split(), ours_grads, leaves):
+        assert torch.allclose(a, t.grad, rtol=1e-4, atol=1e-4), (name, (a - t.grad).abs().max())
+
+
+def test_training_gradients_match_transformers(tmp_path, long_tokens):
+    """One loss, backpropagated through both models: every parameter's gradient agrees (DeltaNet's included)."""
+    hf_model = write_family_checkpoint(tmp_path / "in", tiny_family_config("qwen3_5"))
+    ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
+    model = load_model(tmp_path / "in")
+    labels = long_tokens.clone()
+    ours = model(long_tokens, labels=labels, loss_chunk=0)
+    theirs = hf_model(input_ids=long_tokens, labels=labels).loss * (labels.shape[0] * (labels.shape[1] - 1))
+    assert abs(ours.item() - theirs.item()) <= 1e-3 * abs(theirs.item())
+    ours.backward(), theirs.backward()
+    hf_grads = ckpt.converter.to_native({k: p.grad for k, p in hf_model.named_parameters()})
+    worst = max(((p.grad - hf_grads[k]).abs().max() / hf_grads[k].abs().max().clamp_min(1e-6)).item()
+                for k, p in model.named_parameters())
+    print(f"\nqwen3.5 gradients: max relative difference {worst:.3g}")
+    assert worst <= 1e-4
+
+
+def multimodal_repo(path, moe: bool = False, seed: int = 0):
+    """A tiny Qwen3_5(Moe)ForConditionalGeneration saved by transformers, plus an ``mtp.*`` shard as the releases
+    carry (transformers neither loads nor writes those)."""
+    import transformers
+
+    text = {k: v for k, v in tiny_family_config("qwen3_5_moe" if moe else "qwen3_5").to_dict().items()
+            if k not in ("model_type", "architectures", "transformers_version")}
+    name = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                             num_position_embeddings=16, patch_size=4))
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).eval()
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.1) if key.endswith(("norm.weight", ".bias")) else p.normal_(0.0, 0.1)
+    model.save_pretrained(path, max_shard_size="40KB")
+    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.randn(64)}
+    save_file(mtp, path / "mtp.safetensors", metadata={"format": "pt"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "mtp.safetensors" for k in mtp})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return model
+
+
+def assert_same_files(a, b, names):
+    for f in names:
+        before, after = read_tensors(a / f), read_tensors(b / f)
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), f
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_multimodal_repo_trains_its_language_model_and_keeps_the_rest(moe, tmp_path, long_tokens):
+    hf_model = multimodal_repo(tmp_path / "in", moe)
+    index_in = json.loads((tmp_path / "in/model.safetensors.index.json").read_text())["weight_map"]
+    assert any(k.startswith("model.visual.") for k in index_in) and any(k.startswith("model.language_model.") for k in index_in)
+    ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
+    assert ckpt.model_type == ("QWEN3_5_MOE" if moe else "QWEN3_5")
+    model = load_model(tmp_path / "in").eval()
+    with torch.no_grad():
+        diff = (model(long_tokens) - hf_model(input_ids=long_tokens).logits).abs().max().item()
+    print(f"\nqwen3.5{'-moe' if moe else ''} multimodal repo, text: max |native - transformers| logit = {diff:.3g}")
+    assert diff <= 1e-5
+    out = ckpt.save_checkpoint(ckpt.load_checkpoint(), step=1)
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == index_in
+    assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "in/config.json").read_text())
+    assert_same_files(tmp_path / "in", out, set(index_in.values()))
+
+
+def test_lora_merged_from_a_multimodal_repo_keeps_the_vision_tower_and_loads_in_peft(tmp_path, long_tokens):
+    """LoRA on DeltaNet's and attention's projections and the MLP: the adapter names the multimodal model's modules
+    (PEFT over Qwen3_5ForConditionalGeneration gives our logits), merged/ is PEFT's merge in the input's files with
+    every tensor outside the language model (vision tower, MTP) bitwise the input's."""
+    from peft import PeftModel
+
+    base = tmp_path / "base"
+    hf_model = multimodal_repo(base)
+    ckpt = HFCheckpointer(base, output_dir=tmp_path / "out")
+    with torch.device("meta"):
+        model = from_hf_config(ckpt.config)
+    load_into(model, ckpt.load_checkpoint()["model"])
+    wrapped = apply_lora(model, ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "output_proj", "w1", "w2"], 4, 8.0)
+    assert {"layers.0.attn.in_proj_qkv", "layers.0.attn.out_proj", "layers.1.attn.q_proj", "layers.2.mlp.w2"} <= set(wrapped)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    adapter = save_adapter(tmp_path / "adapter", model, ckpt.hf_converter(), str(base))
+    keys = read_tensors(adapter / "adapter_model.safetensors")
+    assert "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight" in keys
+    peft_model = PeftModel.from_pretrained(hf_model, adapter).eval()
+    with torch.no_grad():
+        diff = (model.eval()(long_tokens) - peft_model(input_ids=long_tokens).logits).abs().max().item()
+    print(f"\nqwen3.5 multimodal LoRA vs PEFT: max |logits diff| = {diff:.3g}")
+    assert diff <= 1e-5
+    merged_dir = ckpt.save_to({"model": merged_state(model)}, tmp_path / "merged")
+    merged = hf_weights(merged_dir)
+    peft_merged = peft_model.merge_and_unload().state_dict()
+    assert set(peft_merged) <= set(merged)
+    assert max((merged[k] - peft_merged[k]).abs().max().item() for k in peft_merged) <= 1e-6
+    index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
+    assert json.loads((merged_dir / "model.safetensors.index.json").read_text())["weight_map"] == index
+    untouched = [k for k in index if not k.startswith("model.language_model.") and k != "lm_head.weight"]
+    assert any(k.startswith("model.visual.") for k in untouched) and "mtp.fc.weight" in untouched
+    original = hf_weights(base)
+    assert all(torch.equal(merged[k], original[k]) for k in untouched)
+
+
+def test_packed_documents_do_not_leak_state(tmp_path):
+    """Documents packed in one row give each token the logits (and the loss) it has alone: the delta rule's state and
+    the convolution's window restart at each document."""
+    write_family_checkpoint(tmp_path / "in", tiny_family_config("qwen3_5"))
+    model = load_model(tmp_path / "in").eval()
+    gen = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 128, (n,), generator=gen) for n in (70, 3, 90)]
+    packed = torch.cat(docs)[None]
+    documents = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        together = model(packed, positions=positions, document_ids=documents)[0]
+        alone = torch.cat([model(d[None])[0] for d in docs])
+        leaky = model(packed)[0]
+        losses = (model(packed, positions=positions, document_ids=documents, labels=packed.masked_fill(positions == 0, -100)),
+                  sum(model(d[None], labels=d[None]) for d in docs))
+    diff = (together - alone).abs().max().item()
+    print(f"\nqwen3.5 packed vs alone: max |logits diff| = {diff:.3g}; losses {losses[0].item():.6f} vs {losses[1].item():.6f}")
+    assert diff <= 1e-5 and (leaky[70:] - alone[70:]).abs().max() > 1e-2  # without document ids it would leak
+    assert torch.allclose(*losses, rtol=1e-6)
+
+
+def test_generation_through_the_recurrent_state_matches_the_whole_sequence(tmp_path):
+    write_family_checkpoint(tmp_path / "in", tiny_family_config("qwen3_5"))
+    model = load_model(tmp_path / "in").eval()
+    tokens = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(6))
+    cache = KVCache(len(model.layers))
+    with torch.no_grad():
+        whole = model(tokens)
+        steps = [model(tokens[:, :70], cache=cache)] + [model(tokens[:, i:i + 1], cache=cache) for i in range(70, 80)]
+    assert (torch.cat(steps, 1) - whole).abs().max() <= 1e-5
+
+
+def test_qwen3_next_fused_projections_split_and_refuse_lora(tmp_path):
+    from waypoint.checkpointers.peft_adapter import check_targets
+
+    write_family_checkpoint(tmp_path / "in", tiny_family_config("qwen3_next"))
+    ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
+    native = ckpt.load_checkpoint()["model"]
+    assert native["layers.0.attn.in_proj_qkv.weight"].shape == (2 * 16 + 48, 64) and "layers.0.attn.in_proj_z.weight" in native
+    model = load_model(tmp_path / "in")
+    apply_lora(model, ["in_proj_qkv"], rank=2, alpha=4)
+    with pytest.raises(CheckpointError, match="in_proj_qkv") as e:
+        check_targets(model, ckpt.hf_converter(), ckpt.family)
+    assert "\n" not in str(e.value)
+
+
+def test_config_defaults_and_interval_read_as_transformers():
+    from transformers import Qwen3_5TextConfig
+
+    required = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4)
+    ours = model_args_from_hf_config({"model_type": "qwen3_5_text", **required, "full_attention_interval": 4})
+    theirs = model_args_from_hf_config(Qwen3_5TextConfig(**required).to_dict())
+    assert ours == theirs and ours.linear_attention_layers == (0, 1, 2, 4, 5, 6) and ours.rotary_dim == 64
+    assert HYBRID["linear_num_value_heads"] % HYBRID["linear_num_key_heads"] == 0
