@@ -98,6 +98,13 @@ CASES = [
                                               "+quantize_base=mxfp4", "dtype=bf16"), base="gpt_oss_mxfp4", needs=FAMILY),
     Case("qwen3-fp8-lora", recipe("lora_finetune", "tiny_lora", "lora.targets=[q_proj,v_proj]", "+quantize_base=fp8",
                                   "dtype=bf16"), base="qwen3_fp8", needs=FAMILY),
+    # hybrid Gated DeltaNet + gated attention: packed (the state restarts per document), LoRA on DeltaNet's projections
+    Case("qwen3.5-full-packed", recipe("full_finetune", "tiny", "packed=true"), base="qwen3_5", needs=FAMILY),
+    Case("qwen3.5-lora-bf16", recipe("lora_finetune", "tiny_lora", "lora.targets=[in_proj_qkv,out_proj,q_proj,w2]", "dtype=bf16"),
+         base="qwen3_5", needs=FAMILY),
+    Case("qwen3.5-moe-lora", recipe("lora_finetune", "tiny_lora", "lora.targets=[in_proj_qkv,in_proj_z,q_proj,v_proj]"),
+         base="qwen3_5_moe", needs=FAMILY),
+    Case("qwen3-next-full-bf16", recipe("full_finetune", "tiny", "dtype=bf16"), base="qwen3_next", needs=FAMILY),
 ]
 
 
@@ -106,7 +113,8 @@ def write_base(kind: str, path: Path) -> Path:
     sys.path.insert(0, str(ROOT))
     from tests.conftest import tiny_family_config, write_family_checkpoint, write_fp8_checkpoint, write_mxfp4_checkpoint
 
-    family = {"qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "gpt_oss_mxfp4": "gpt_oss", "qwen3_fp8": "qwen3"}[kind]
+    family = {"qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "gpt_oss_mxfp4": "gpt_oss", "qwen3_fp8": "qwen3",
+              "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next"}[kind]
     config = tiny_family_config(family, vocab_size=512, max_position_embeddings=256)
     if kind == "gpt_oss_mxfp4":
         write_mxfp4_checkpoint(path, config)
