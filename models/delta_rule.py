@@ -9,13 +9,13 @@ Per value head, a state ``S`` [k_dim, v_dim] is decayed, corrected and read at e
 with ``q``, ``k`` l2-normalised and ``q`` scaled by ``k_dim ** -0.5``. Token by token that is a Python loop over the
 sequence; here it runs ``chunk_size`` tokens at a time (the WY/UT form of the DeltaNet papers and of
 flash-linear-attention): within a chunk every quantity is a batched matrix product over all chunks at once, and the
-only sequential part is one ``[k_dim, k_dim] @ [k_dim, v_dim]`` product per chunk, ``S_next = M_n S + C_n``:
+only sequential part is two products per chunk (``V = U - W S``, ``S = exp(G_last) S + K_dec^T V``):
 
 - ``L = I + strict_lower(beta_i k_i.k_j exp(G_i - G_j))`` per chunk (``G``: the gates' cumulative sum in the chunk);
   ``U = L^-1 (beta v)`` and ``W = L^-1 (beta k exp(G))`` (one triangular solve for both);
-- the state entering chunk ``n`` is read by ``Q_eff = q exp(G) - A W`` (``A``: the chunk's causal, decayed ``q.k``),
-  the chunk's own tokens by ``A U``: ``o = Q_eff S_n + A U``;
-- ``M_n = exp(G_last) I - K_dec^T W`` and ``C_n = K_dec^T U`` with ``K_dec = k exp(G_last - G)``.
+- the chunk's output ``o = q exp(G) S_n + A V``, for all chunks at once after the scan (``A``: the chunk's causal,
+  decayed ``q.k``; ``S_n`` the state entering it), with ``K_dec = k exp(G_last - G)``;
+- ``k.k`` and ``q.k`` once per key head, shared by its value heads by broadcasting (no copies of q and k per value head).
 
 Everything is fp32 (as transformers' and flash-linear-attention's kernels compute it) and differentiable by autograd;
 the results agree with transformers' ``torch_chunk_gated_delta_rule`` to fp32 rounding.
@@ -44,58 +44,63 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     v_heads, v_dim = v.shape[-2:]
     if v_heads % k_heads:
         raise ValueError(f"{v_heads} value heads are not a multiple of {k_heads} key heads")
-    repeat = v_heads // k_heads
-    # [batch, heads, seq, dim] in fp32, q and k normalised (then shared by their value heads)
-    q, k = (l2norm(x.transpose(1, 2).float()) for x in (q, k))
-    q = q * k_dim ** -0.5
-    if repeat > 1:
-        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
-    v = v.transpose(1, 2).float()
-    g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()
-
+    share = v_heads // k_heads
     size = min(chunk_size, seq)
     pad = -seq % size
-    if pad:  # zero tokens at the end: no update (beta 0), no decay (g 0), read by nothing kept
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
     n = (seq + pad) // size
-    q, k, v = (x.unflatten(2, (n, size)) for x in (q, k, v))  # [b, h, n, c, d]
-    g, beta = g.unflatten(2, (n, size)), beta.unflatten(2, (n, size))  # [b, h, n, c]
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [batch, seq, heads, ...] -> [batch, heads, chunks, size, ...] fp32
+        x = x.float().transpose(1, 2)
+        if pad:  # zero tokens at the end: no update (beta 0), no decay (g 0), read by nothing kept
+            x = F.pad(x, (0, 0) * (x.ndim - 3) + (0, pad))
+        return x.unflatten(2, (n, size))
+
+    # q and k per key head [b, hk, 1, n, c, d] (shared by their value heads by broadcasting), the rest per value
+    # head [b, hk, share, n, c, ...]
+    q, k = (chunked(l2norm(x.float())).unsqueeze(2) for x in (q, k))
+    q = q * k_dim ** -0.5
+    v = chunked(v).unflatten(1, (k_heads, share))
+    g, beta = (chunked(x).unflatten(1, (k_heads, share)) for x in (g, beta))
 
     G = g.cumsum(-1)
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(G_i - G_j), j <= i
-    k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    rhs = torch.cat([v * beta[..., None], k_beta * G.exp()[..., None]], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    U, W = solved.split([v_dim, k_dim], dim=-1)
-    A = (q @ k.transpose(-1, -2)) * decay
-    q_eff = q * G.exp()[..., None] - A @ W  # reads the state entering the chunk
-    inner = A @ U  # the chunk's own tokens
+    k_t = k.transpose(-1, -2)
+    system = (k @ k_t) * decay * beta[..., None]  # beta_i k_i.k_j exp(G_i - G_j); its diagonal is taken as 1
+    rhs = torch.cat([v * beta[..., None], (k * (beta * G.exp())[..., None])], dim=-1)
+    U, W = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([v_dim, k_dim], dim=-1)
+    A = (q @ k_t) * decay  # the chunk's causal, decayed q.k
+    q_dec = q * G.exp()[..., None]
     last = G[..., -1:]
-    k_dec = k * (last - G).exp()[..., None]
-    eye = torch.eye(k_dim, dtype=q.dtype, device=q.device)
-    M = last.exp()[..., None] * eye - k_dec.transpose(-1, -2) @ W  # [b, h, n, k, k]
-    C = k_dec.transpose(-1, -2) @ U  # [b, h, n, k, v]
+    k_dec_t = (k * (last - G).exp()[..., None]).transpose(-1, -2)
+    carry = last.exp()[..., None]  # [b, hk, share, n, 1, 1]
 
-    state = (torch.zeros(batch, v_heads, k_dim, v_dim, dtype=q.dtype, device=q.device) if initial_state is None
-             else initial_state.to(q.dtype))
-    entering = []
-    for M_i, C_i in zip(M.unbind(2), C.unbind(2)):  # unbind: one backward for all chunks (indexing: one each)
+    state = (q.new_zeros(batch, k_heads, share, k_dim, v_dim) if initial_state is None
+             else initial_state.float().unflatten(1, (k_heads, share)))
+    entering, corrected = [], []
+    # unbind: one backward for all chunks (indexing would zero-fill a full-size gradient per chunk)
+    for U_i, W_i, K_i, c_i in zip(U.unbind(3), W.unbind(3), k_dec_t.unbind(3), carry.unbind(3)):
         entering.append(state)
-        state = torch.baddbmm(C_i.flatten(0, 1), M_i.flatten(0, 1), state.flatten(0, 1)).view_as(C_i)
-    out = q_eff @ torch.stack(entering, dim=2) + inner  # [b, h, n, c, v]
-    out = out.flatten(2, 3)[:, :, :seq].transpose(1, 2).to(dtype)
-    return out, (state if output_final_state else None)
+        v_new = U_i - W_i @ state  # the chunk's updates, less what the state already predicts (the delta rule)
+        corrected.append(v_new)
+        state = state * c_i + K_i @ v_new
+    out = q_dec @ torch.stack(entering, dim=3) + A @ torch.stack(corrected, dim=3)  # [b, hk, share, n, c, v]
+    out = out.flatten(3, 4)[..., :seq, :].flatten(1, 2).transpose(1, 2).to(dtype)
+    return out, (state.flatten(1, 2) if output_final_state else None)
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The depthwise causal convolution, then SiLU: ``x`` [batch, channels, seq], ``weight`` [channels, 1, kernel];
-    ``state`` [batch, channels, kernel - 1]: the inputs before ``x`` (generation; None: zeros). Returns the output and
-    the last ``kernel - 1`` inputs (the next call's state)."""
+    """The depthwise causal convolution, then SiLU: ``x`` [batch, seq, channels] (channels last, as the projection
+    gives them), ``weight`` [channels, 1, kernel]; ``state`` [batch, kernel - 1, channels]: the inputs before ``x``
+    (generation; None: zeros). Returns the output and the last ``kernel - 1`` inputs (the next call's state).
+
+    A sum of ``kernel`` shifted, weighted copies rather than ``F.conv1d``: no transposes to channels-first and back,
+    and a backward of the same few element-wise passes (the depthwise convolution's is several times slower here)."""
     width = weight.shape[-1] - 1
-    history = x.new_zeros(x.shape[0], x.shape[1], width) if state is None else state.to(x.dtype)
-    full = torch.cat([history, x], dim=-1)
-    out = F.conv1d(full.to(weight.dtype), weight, groups=x.shape[1])
-    return F.silu(out).to(x.dtype), full[..., full.shape[-1] - width:]
+    history = x.new_zeros(x.shape[0], width, x.shape[2]) if state is None else state.to(x.dtype)
+    full = torch.cat([history, x], dim=1).to(weight.dtype)
+    seq, taps = x.shape[1], weight[:, 0].t()  # [kernel, channels]
+    out = full[:, :seq] * taps[0]
+    for j in range(1, width + 1):  # fused multiply-adds, in the taps' order, as the convolution's kernel rounds them
+        out = torch.addcmul(out, full[:, j:j + seq], taps[j])
+    return F.silu(out).to(x.dtype), full[:, full.shape[1] - width:]

@@ -83,8 +83,8 @@ class GatedDeltaNet(nn.Module):
             where = unpack(documents)
             qkv, beta, g = (where.rows(t) for t in (qkv, beta, g))
         conv_state, state = cache.states[layer] if cache is not None and cache.states[layer] is not None else (None, None)
-        mixed, conv_state = causal_conv(qkv.transpose(1, 2), self.conv1d.weight, conv_state)
-        q, k, v = mixed.transpose(1, 2).split([self.k_heads * self.k_dim] * 2 + [self.v_heads * self.v_dim], dim=-1)
+        mixed, conv_state = causal_conv(qkv, self.conv1d.weight, conv_state)
+        q, k, v = mixed.split([self.k_heads * self.k_dim] * 2 + [self.v_heads * self.v_dim], dim=-1)
         rows, length = q.shape[:2]
         out, state = chunk_gated_delta_rule(q.view(rows, length, self.k_heads, self.k_dim),
                                             k.view(rows, length, self.k_heads, self.k_dim),

@@ -13,6 +13,9 @@ The same Llama-shaped model (random weights), the same batch of random tokens an
   transformers  ``LlamaForCausalLM`` (sdpa), its own loss (``labels=``)
   torchtune     ``torchtune.models.llama2.llama2`` and its ``CEWithChunkedOutputLoss`` (when installed)
 
+Shape ``qwen3.5`` builds Qwen3.5's hybrid layers instead (``Qwen3_5ForCausalLM`` for transformers: on a CPU, or a GPU
+without flash-linear-attention installed, its torch path of the delta rule; torchtune has none).
+
 on random tokens, every position supervised (``small``, ``vocab128k``) or, as in chat data, only each sequence's
 second half (``chat``: the prompts' labels -100), each in a fresh process: warm-up steps, then the median of the timed steps (forward, backward,
 optimizer step, zero_grad), tokens/s, the peak memory over the steps (resident set on CPU, reset after the
@@ -41,9 +44,14 @@ SHAPES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads, batch
     "small": (32000, 512, 1376, 4, 8, 4, 4, 256),
     "vocab128k": (128256, 512, 1376, 2, 8, 4, 2, 1024),  # Llama 3's vocabulary: the logits dominate
     "chat": (32000, 512, 1376, 4, 8, 4, 4, 256),  # small, the first half of each sequence a prompt (labels -100)
+    "qwen3.5": (32000, 512, 1376, 4, 8, 2, 2, 1024),  # Qwen3.5's hybrid layers (HYBRID): 16 delta-rule chunks a sequence
 }
+# shapes of Qwen3.5's hybrid layers (Qwen3_5ForCausalLM; transformers' torch path, as without flash-linear-attention):
+# three Gated DeltaNet layers to one gated-attention layer, head_dim 64 rotated over a quarter, DeltaNet heads 4/8 of 64
+HYBRID = {"qwen3.5": dict(head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                          linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4)}
 PROMPT = {"chat": 0.5}  # the share of each sequence whose labels are -100, as chat data's prompts (train_on_input: false)
-STEPS = {"small": 8, "vocab128k": 3, "chat": 8}  # timed steps unless --steps (a vocab128k step takes ~10 s on 2 CPU cores)
+STEPS = {"small": 8, "vocab128k": 3, "chat": 8, "qwen3.5": 4}  # timed steps unless --steps (a vocab128k step takes ~10 s on 2 CPU cores)
 IMPLS = ("ours", "ours-plain", "ours-ac", "ours-fused-adamw", "transformers", "transformers-fused-adamw", "torchtune")
 FUSED_ADAMW = "-fused-adamw"  # an impl with AdamW(fused=True) in place of foreach
 WARMUP = 2
@@ -51,10 +59,13 @@ WARMUP = 2
 
 def hf_config(shape: str) -> dict:
     vocab, hidden, inter, layers, heads, kv, _, seq = SHAPES[shape]
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
-            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-            "num_key_value_heads": kv, "max_position_embeddings": max(seq, 2048), "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0, "tie_word_embeddings": False}
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "max_position_embeddings": max(seq, 2048), "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": False}
+    if shape in HYBRID:
+        config.update(HYBRID[shape], architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text")
+    return config
 
 
 def peak_rss_gb() -> float:
@@ -90,9 +101,10 @@ def build(impl: str, shape: str, device, dtype):
             loss, _, _ = forward_backward(model, [{"tokens": tokens, "labels": labels}], device, single, loss_chunk=chunk)
             return loss
     elif impl == "transformers":
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        model = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa"))
+        fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **fields), attn_implementation="sdpa")
 
         def step(tokens, labels):
             loss = model(input_ids=tokens, labels=labels).loss
@@ -186,6 +198,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown impl or shape {', '.join(unknown)}; impls: {', '.join(IMPLS)}; shapes: {', '.join(SHAPES)}")
     impls = [i for i in args.impls.split(",") if i != "torchtune" or importlib.util.find_spec("torchtune")]
+    every = impls
     if importlib.util.find_spec("transformers") is None:
         impls = [i for i in impls if not i.startswith("transformers")]
     print(f"device {args.device}, {dtype}, AdamW (foreach unless -fused-adamw); the median step after {WARMUP} warm-up, "
@@ -195,6 +208,7 @@ def main() -> None:
         prompt = f", the first {PROMPT[shape]:.0%} of each sequence a prompt (labels -100)" if shape in PROMPT else ""
         print(f"\n{shape}: vocab {vocab}, hidden {hidden}, {layers} layers, heads {heads}/{kv}, batch {batch} x {seq}{prompt}, "
               f"{args.steps or STEPS[shape]} timed steps")
+        impls = [i for i in every if not (i == "torchtune" and shape in HYBRID)]  # torchtune has no Qwen3.5
         runs: dict[str, list[dict]] = {impl: [] for impl in impls}
         for _ in range(args.rounds):
             for impl in impls:
@@ -216,7 +230,8 @@ def main() -> None:
         for mine, theirs, label in pairs:
             if mine in runs and theirs in runs:
                 print(ratio_line(label, runs[mine], runs[theirs]))
-    print("\ntargets: >= 1.2x transformers' tokens/s; <= 0.8x its peak memory on vocab128k")
+    print("\ntargets: >= 1.2x transformers' tokens/s; <= 0.8x its peak memory on vocab128k; >= 1.5x its tokens/s on qwen3.5 "
+          "(CPU: transformers' torch path of the delta rule)")
 
 
 if __name__ == "__main__":
