@@ -12,8 +12,9 @@ Native parameter names are the HF ones (``in_proj_qkv``, ``in_proj_z``, ``in_pro
 ``dt_bias``, ``A_log``, ``norm``, ``out_proj``), so LoRA targets read the same in both (Qwen3-Next's fused
 ``in_proj_qkvz``/``in_proj_ba`` are split by its converter).
 
-Packed sequences: the state and the convolution's window start afresh at each document. The documents of a packed
-batch are laid out one per row (``unpack``), run as a batch, and put back: no token sees another document's state.
+Packed sequences: the state and the convolution's window start afresh at each document (``documents``): within each
+chunk, the delta rule masks what crosses a document's start (``delta_rule.Segments``), so a pack costs what its tokens
+do, however its documents are cut, and no token sees another document's state.
 With a cache (generation), each call continues from the state and the last inputs the previous call left.
 """
 
@@ -39,9 +40,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        work = torch.promote_types(x.dtype, torch.float32)
+        x32 = x.to(work)
         normed = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (normed * F.silu(gate.float())).to(x.dtype)
+        return (normed * F.silu(gate.to(work))).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -78,49 +80,15 @@ class GatedDeltaNet(nn.Module):
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x)
         beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if documents is not None and cache is None:
-            where = unpack(documents)
-            qkv, beta, g = (where.rows(t) for t in (qkv, beta, g))
+        work = torch.promote_types(x.dtype, torch.float32)
+        g = -self.A_log.to(work).exp() * F.softplus(self.in_proj_a(x).to(work) + self.dt_bias)
         conv_state, state = cache.states[layer] if cache is not None and cache.states[layer] is not None else (None, None)
-        mixed, conv_state = causal_conv(qkv, self.conv1d.weight, conv_state)
+        mixed, conv_state = causal_conv(qkv, self.conv1d.weight, conv_state, documents)
         q, k, v = mixed.split([self.k_heads * self.k_dim] * 2 + [self.v_heads * self.v_dim], dim=-1)
-        rows, length = q.shape[:2]
-        out, state = chunk_gated_delta_rule(q.view(rows, length, self.k_heads, self.k_dim),
-                                            k.view(rows, length, self.k_heads, self.k_dim),
-                                            v.view(rows, length, self.v_heads, self.v_dim), g, beta,
-                                            initial_state=state, output_final_state=cache is not None)
+        out, state = chunk_gated_delta_rule(q.unflatten(-1, (self.k_heads, self.k_dim)), k.unflatten(-1, (self.k_heads, self.k_dim)),
+                                            v.unflatten(-1, (self.v_heads, self.v_dim)), g, beta, initial_state=state,
+                                            output_final_state=cache is not None, documents=documents)
         if cache is not None:
             cache.states[layer] = (conv_state, state)
-        if documents is not None and cache is None:
-            out = where.packed(out, bsz, seq)
         out = self.norm(out.reshape(bsz, seq, self.v_heads, self.v_dim), z.view(bsz, seq, self.v_heads, self.v_dim))
         return self.out_proj(out.reshape(bsz, seq, -1))
-
-
-class Unpacked:
-    """Where each token of a packed batch goes when its documents are laid out one per row: ``rows(t)`` [batch,
-    seq, ...] -> [documents, longest, ...] (zeros after each document's end), ``packed`` the way back."""
-
-    def __init__(self, document: torch.Tensor, position: torch.Tensor, count: int, longest: int) -> None:
-        self.document, self.position, self.count, self.longest = document, position, count, longest
-
-    def rows(self, t: torch.Tensor) -> torch.Tensor:
-        flat = t.flatten(0, 1)
-        out = flat.new_zeros(self.count, self.longest, *flat.shape[1:])
-        return out.index_put((self.document, self.position), flat)
-
-    def packed(self, t: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
-        return t[self.document, self.position].unflatten(0, (batch, seq))
-
-
-def unpack(documents: torch.Tensor) -> Unpacked:
-    """Each run of equal ids in a row of ``documents`` [batch, seq] is one document (a pack's samples, its padding)."""
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    flat = starts.flatten()
-    document = flat.cumsum(0) - 1
-    index = torch.arange(flat.numel(), device=documents.device)
-    first = torch.zeros(int(document[-1]) + 1, dtype=torch.long, device=documents.device).index_copy(0, document[flat], index[flat])
-    position = index - first[document]
-    return Unpacked(document, position, first.numel(), int(position.max()) + 1)
