@@ -2,10 +2,10 @@
 
 The template is untrusted input (it comes with a checkpoint from the Hub), so it runs in jinja2's sandbox as
 transformers sets it up, with a step and a size limit on each rendering (``waypoint.text.template_sandbox``).
-A template is rendered with ``messages``, ``tools=None``, ``documents=None``,
-``add_generation_prompt`` and the tokenizer's named special tokens (``bos_token``, ``eos_token``, ...). The text
-is tokenized as ``apply_chat_template(tokenize=True)`` does it: no BOS/EOS added, the special tokens written
-in the text read as those tokens.
+A template is rendered with ``messages``, ``tools`` (None unless ``render`` is given tool definitions),
+``documents=None``, ``add_generation_prompt`` and the tokenizer's named special tokens (``bos_token``,
+``eos_token``, ...). The text is tokenized as ``apply_chat_template(tokenize=True)`` does it: no BOS/EOS added,
+the special tokens written in the text read as those tokens.
 
 Assistant masks (which tokens a model is trained on) come from rendering, whether or not the template marks
 the assistant's text with ``{% generation %}``:
@@ -128,13 +128,14 @@ class ChatTemplate:
 
     # Rendering --------------------------------------------------------------------------------------------
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as text, as ``apply_chat_template(messages, tokenize=False)`` writes it."""
-        return self._render(messages, add_generation_prompt)[0]
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+        """The conversation as text, as ``apply_chat_template(messages, tokenize=False, tools=tools)`` writes it
+        (``tools``: JSON-schema tool definitions, as the template reads them)."""
+        return self._render(messages, add_generation_prompt, tools=tools)[0]
 
-    def _render(self, messages, add_generation_prompt, track=False) -> tuple[str, list[tuple[int, int]]]:
+    def _render(self, messages, add_generation_prompt, track=False, tools=None) -> tuple[str, list[tuple[int, int]]]:
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
-        variables = {**self.variables, "messages": messages, "tools": None, "documents": None,
+        variables = {**self.variables, "messages": messages, "tools": tools, "documents": None,
                      "add_generation_prompt": add_generation_prompt}
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
