@@ -13,8 +13,11 @@ the assistant's text with ``{% generation %}``:
 * A template with ``{% generation %}`` blocks: the characters they render, as transformers takes them.
 * Otherwise, for each assistant message: its turn starts where the prompt for it ends, the rendering of the
   messages before it with ``add_generation_prompt=True`` (when that is a prefix of the whole conversation's
-  rendering; when it is not, as with templates that move the system message, at the place before the content
-  where the conversation's text agrees longest with the end of that prompt, else where the content starts),
+  rendering; when it is not but the messages before it render as a prefix, after the part of the generation prompt
+  the conversation writes there, cut at whitespace: Qwen3.5 writes earlier turns as ``<|im_start|>assistant\\n``
+  without the prompt's ``<think>\\n``; else, as with templates that move the system message, at the place before
+  the content where the conversation's text agrees longest with the end of that prompt, else where the content
+  starts),
   and ends with its end-of-turn text: the content is rendered
   between private-use marker characters to find where it ends, and the end-of-turn text is what follows up to
   and including the first control token (``<|eot_id|>``, ``<|im_end|>``, ``<end_of_turn>``, ``</s>``,
@@ -207,7 +210,9 @@ class ChatTemplate:
             if from_prompt:
                 start = len(prompt)
             else:  # the prompt for this turn renders differently from the conversation: where it ends in the latter
-                start = _prompt_end(marked, previous_end, content_at, prompt or "")
+                start = self._header_end(marked_messages[:i], prompt, marked, previous_end, content_at)
+                if start is None:
+                    start = _prompt_end(marked, previous_end, content_at, prompt or "")
                 if start is None and open_ < 0:
                     raise self._cannot(f"the start of assistant message {number} (message {i + 1}) is not found")
                 start = open_ + 1 if start is None else start
@@ -224,6 +229,23 @@ class ChatTemplate:
             previous_end = end
             spans.append((plain(start), plain(end)))
         return text, spans
+
+    def _header_end(self, before: list[dict], prompt: str | None, marked: str, low: int, high: int) -> int | None:
+        """Where a turn's header ends in ``marked[low:high]`` when the conversation renders the messages ``before`` it
+        as they render alone but writes the turn's header unlike the generation prompt (Qwen3.5's earlier turns:
+        ``<|im_start|>assistant\\n`` without the prompt's ``<think>\\n``): after the part of the generation prompt it
+        writes, cut at whitespace when they part mid-way; None when that is not so."""
+        base = self._render_or_none(before)
+        if prompt is None or base is None or not prompt.startswith(base) or not marked.startswith(base) \
+                or not low <= len(base) <= high:
+            return None
+        generation_prompt, header = prompt[len(base):], marked[len(base):high]
+        common = 0
+        while common < min(len(generation_prompt), len(header)) and generation_prompt[common] == header[common]:
+            common += 1
+        if common < len(generation_prompt):  # they part mid-way: keep whole whitespace-separated pieces
+            common = max((p + 1 for p in range(common) if header[p].isspace()), default=0)
+        return len(base) + common if common else None
 
     def _render_or_none(self, messages: list[dict]) -> str | None:
         try:
