@@ -2,10 +2,10 @@
 
 The template is untrusted input (it comes with a checkpoint from the Hub), so it runs in jinja2's sandbox as
 transformers sets it up, with a step and a size limit on each rendering (``waypoint.text.template_sandbox``).
-A template is rendered with ``messages``, ``tools=None``, ``documents=None``,
-``add_generation_prompt`` and the tokenizer's named special tokens (``bos_token``, ``eos_token``, ...). The text
-is tokenized as ``apply_chat_template(tokenize=True)`` does it: no BOS/EOS added, the special tokens written
-in the text read as those tokens.
+A template is rendered with ``messages``, ``tools`` (None unless ``render`` is given tool definitions),
+``documents=None``, ``add_generation_prompt`` and the tokenizer's named special tokens (``bos_token``,
+``eos_token``, ...). The text is tokenized as ``apply_chat_template(tokenize=True)`` does it: no BOS/EOS added,
+the special tokens written in the text read as those tokens.
 
 Assistant masks (which tokens a model is trained on) come from rendering, whether or not the template marks
 the assistant's text with ``{% generation %}``:
@@ -13,8 +13,11 @@ the assistant's text with ``{% generation %}``:
 * A template with ``{% generation %}`` blocks: the characters they render, as transformers takes them.
 * Otherwise, for each assistant message: its turn starts where the prompt for it ends, the rendering of the
   messages before it with ``add_generation_prompt=True`` (when that is a prefix of the whole conversation's
-  rendering; when it is not, as with templates that move the system message, at the place before the content
-  where the conversation's text agrees longest with the end of that prompt, else where the content starts),
+  rendering; when it is not but the messages before it render as a prefix, after the part of the generation prompt
+  the conversation writes there, cut at whitespace: Qwen3.5 writes earlier turns as ``<|im_start|>assistant\\n``
+  without the prompt's ``<think>\\n``; else, as with templates that move the system message, at the place before
+  the content where the conversation's text agrees longest with the end of that prompt, else where the content
+  starts),
   and ends with its end-of-turn text: the content is rendered
   between private-use marker characters to find where it ends, and the end-of-turn text is what follows up to
   and including the first control token (``<|eot_id|>``, ``<|im_end|>``, ``<end_of_turn>``, ``</s>``,
@@ -128,13 +131,14 @@ class ChatTemplate:
 
     # Rendering --------------------------------------------------------------------------------------------
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as text, as ``apply_chat_template(messages, tokenize=False)`` writes it."""
-        return self._render(messages, add_generation_prompt)[0]
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None) -> str:
+        """The conversation as text, as ``apply_chat_template(messages, tokenize=False, tools=tools)`` writes it
+        (``tools``: JSON-schema tool definitions, as the template reads them)."""
+        return self._render(messages, add_generation_prompt, tools=tools)[0]
 
-    def _render(self, messages, add_generation_prompt, track=False) -> tuple[str, list[tuple[int, int]]]:
+    def _render(self, messages, add_generation_prompt, track=False, tools=None) -> tuple[str, list[tuple[int, int]]]:
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
-        variables = {**self.variables, "messages": messages, "tools": None, "documents": None,
+        variables = {**self.variables, "messages": messages, "tools": tools, "documents": None,
                      "add_generation_prompt": add_generation_prompt}
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
@@ -206,7 +210,9 @@ class ChatTemplate:
             if from_prompt:
                 start = len(prompt)
             else:  # the prompt for this turn renders differently from the conversation: where it ends in the latter
-                start = _prompt_end(marked, previous_end, content_at, prompt or "")
+                start = self._header_end(marked_messages[:i], prompt, marked, previous_end, content_at)
+                if start is None:
+                    start = _prompt_end(marked, previous_end, content_at, prompt or "")
                 if start is None and open_ < 0:
                     raise self._cannot(f"the start of assistant message {number} (message {i + 1}) is not found")
                 start = open_ + 1 if start is None else start
@@ -223,6 +229,23 @@ class ChatTemplate:
             previous_end = end
             spans.append((plain(start), plain(end)))
         return text, spans
+
+    def _header_end(self, before: list[dict], prompt: str | None, marked: str, low: int, high: int) -> int | None:
+        """Where a turn's header ends in ``marked[low:high]`` when the conversation renders the messages ``before`` it
+        as they render alone but writes the turn's header unlike the generation prompt (Qwen3.5's earlier turns:
+        ``<|im_start|>assistant\\n`` without the prompt's ``<think>\\n``): after the part of the generation prompt it
+        writes, cut at whitespace when they part mid-way; None when that is not so."""
+        base = self._render_or_none(before)
+        if prompt is None or base is None or not prompt.startswith(base) or not marked.startswith(base) \
+                or not low <= len(base) <= high:
+            return None
+        generation_prompt, header = prompt[len(base):], marked[len(base):high]
+        common = 0
+        while common < min(len(generation_prompt), len(header)) and generation_prompt[common] == header[common]:
+            common += 1
+        if common < len(generation_prompt):  # they part mid-way: keep whole whitespace-separated pieces
+            common = max((p + 1 for p in range(common) if header[p].isspace()), default=0)
+        return len(base) + common if common else None
 
     def _render_or_none(self, messages: list[dict]) -> str | None:
         try:
