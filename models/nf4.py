@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")  # the frozen base linears of every block
+# the frozen base linears of every block (Gated DeltaNet's big three too: its per-head in_proj_b / in_proj_a stay)
+LINEARS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "in_proj_qkv", "in_proj_z", "out_proj")
 QUANTIZE_BASE = ("nf4", "mxfp4", "fp8")  # what quantize_base accepts (null: the base in the compute dtype); mxfp4: models/mxfp4_weight.py, fp8: models/fp8_weight.py
 _registered = False
 

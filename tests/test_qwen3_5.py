@@ -241,3 +241,43 @@ def test_config_defaults_and_interval_read_as_transformers():
     theirs = model_args_from_hf_config(Qwen3_5TextConfig(**required).to_dict())
     assert ours == theirs and ours.linear_attention_layers == (0, 1, 2, 4, 5, 6) and ours.rotary_dim == 64
     assert HYBRID["linear_num_value_heads"] % HYBRID["linear_num_key_heads"] == 0
+
+
+def blocks(scale: torch.Tensor, shape, block: int = 32) -> torch.Tensor:
+    """A block-FP8 scale [.., rows / block, cols / block] spread over its weight's elements (partial blocks cut)."""
+    return scale.repeat_interleave(block, -2)[..., : shape[-2], :].repeat_interleave(block, -1)[..., : shape[-1]]
+
+
+@pytest.mark.parametrize("fam", ["qwen3_5", "qwen3_5_moe"])
+def test_block_fp8_release_loads_and_is_written_back_byte_for_byte(fam, tmp_path, long_tokens):
+    """A ``-FP8`` release (DeltaNet's and attention's projections and the experts in float8 with 32-blocks of scales):
+    dense, transformers' dequantized reading's logits; MoE, whose packed FP8 experts transformers 5.24 does not read
+    (their scales are "unexpected" to it), each expert weight is its float8 values times its blocks' scales. A save of
+    the untouched model writes every file back byte for byte."""
+    from tests.conftest import write_fp8_checkpoint
+
+    # value heads of 16 and a shared expert of 64: whole 32-blocks along every quantized weight's columns, as every
+    # release's are (transformers' dequantizing reader mis-scales partial blocks; ours reads them as the format says)
+    moe = fam.endswith("moe")
+    config = tiny_family_config(fam, linear_value_head_dim=16, **(dict(shared_expert_intermediate_size=64) if moe else {}))
+    oracle = write_fp8_checkpoint(tmp_path / "in", config, packed=moe)
+    model = load_model(tmp_path / "in").eval()
+    if moe:
+        disk = hf_weights(tmp_path / "in")
+        for i in range(3):
+            stem = f"model.layers.{i}.mlp.experts."
+            gate_up = disk[stem + "gate_up_proj"].float() * blocks(disk[stem + "gate_up_proj_scale_inv"], disk[stem + "gate_up_proj"].shape)
+            down = disk[stem + "down_proj"].float() * blocks(disk[stem + "down_proj_scale_inv"], disk[stem + "down_proj"].shape)
+            moe_layer = model.layers[i].moe
+            assert torch.equal(torch.cat([moe_layer.w1, moe_layer.w3], 1), gate_up) and torch.equal(moe_layer.w2, down)
+    else:
+        with torch.no_grad():
+            expected = oracle(input_ids=long_tokens).logits
+            diff = (model(long_tokens) - expected).abs().max().item()
+        print(f"\n{fam} block FP8: max |native - transformers dequantized| logit = {diff:.3g}")
+        assert diff <= 1e-5
+    ckpt = HFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
+    out = ckpt.save_checkpoint(ckpt.load_checkpoint(), step=1)
+    files = sorted(p.name for p in (tmp_path / "in").glob("*.safetensors"))
+    assert sorted(p.name for p in out.glob("*.safetensors")) == files
+    assert all((tmp_path / "in" / f).read_bytes() == (out / f).read_bytes() for f in files)
