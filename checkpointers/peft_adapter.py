@@ -77,6 +77,8 @@ def to_layout(adapter: Mapping[str, torch.Tensor], converter: Converter, prefix:
             stem = prefix + (peft_module(converter, module, parameters) if converter.lora_parameters else module)
             for part in ("lora_A", "lora_B"):
                 out[f"{stem}.{part}.weight"] = adapter[f"{module}.{part}.weight"].contiguous()
+            if module.rsplit(".", 1)[-1] in converter.lora_halves:  # interleaved gate/up rows -> halves
+                out[f"{stem}.lora_B.weight"] = interleaved_to_halves(out[f"{stem}.lora_B.weight"])
             continue
         rule, hf_key = _single_rule(converter, f"{module}.weight", "native")
         path = prefix + hf_key.removesuffix(".weight")
@@ -84,6 +86,12 @@ def to_layout(adapter: Mapping[str, torch.Tensor], converter: Converter, prefix:
         (out[f"{path}.lora_B.weight"],) = rule.op.inverse([adapter[f"{module}.lora_B.weight"]])
         out[f"{path}.lora_B.weight"] = out[f"{path}.lora_B.weight"].contiguous()
     return out
+
+
+def interleaved_to_halves(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rows ``[g0, u0, g1, u1, ...]`` -> ``[g0, g1, ..., u0, u1, ...]`` (``inverse``: back)."""
+    shape = (2, -1) if inverse else (-1, 2)
+    return rows.unflatten(0, shape).transpose(0, 1).flatten(0, 1).contiguous()
 
 
 def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source: str = ADAPTER_WEIGHTS,
@@ -107,6 +115,8 @@ def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source:
         native_module = native_module_of(converter, module, parameters)
         if native_module is not None:
             check_shapes(key, part, tuple(t.shape), base, native_module, rank, source)
+            if part == "lora_B" and native_module.rsplit(".", 1)[-1] in converter.lora_halves:
+                t = interleaved_to_halves(t, inverse=True)
             out[f"{native_module}.{part}.weight"] = t
             continue
         try:

@@ -82,6 +82,9 @@ class Converter:
     # transformers' module registers them (``checkpointers.peft_parameters``)
     lora_parameters: dict[str, str] = field(default_factory=dict)
     buffers: tuple[str, ...] = ()  # regexes of HF keys holding buffers, not parameters (not in total_parameters)
+    # native LoRA parameter targets whose HF parameter holds gate and up as halves (all gate rows, then all up rows:
+    # Qwen3.5-MoE's gate_up_proj), where the native lora_B interleaves them (gpt-oss's order): its rows are regrouped
+    lora_halves: frozenset[str] = frozenset()
     _compiled: dict = field(default_factory=dict, init=False, repr=False)
 
     # -- planning (keys only) -------------------------------------------------

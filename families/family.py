@@ -50,6 +50,7 @@ class Family:
     # LoRA targets on stacked expert weights -> the HF parameter PEFT names (``target_parameters``), in the order the
     # transformers module registers them (which decides PEFT's nesting of its wrappers)
     lora_parameters: Mapping[str, str] = field(default_factory=dict)
+    lora_halves: frozenset[str] = frozenset()  # of those, the ones whose HF parameter holds gate and up as halves
     # HF keys of layers the native model does not run, carried untouched through a fine-tune (DeepSeek-V3's
     # multi-token-prediction layer ``model.layers.{num_hidden_layers}.*``): config.json -> their key regex, or None
     carried: Callable[[Mapping[str, Any]], str | None] | None = None
@@ -66,5 +67,5 @@ class Family:
 
     def converter(self, args: ModelArgs) -> Converter:
         return Converter(rules=self.rules(args), ignore=self.ignore, tied_embeddings=args.tie_embeddings,
-                         variants=self.layouts(args) if self.layouts else {}, lora_parameters=dict(self.lora_parameters),
+                         variants=self.layouts(args) if self.layouts else {}, lora_parameters=dict(self.lora_parameters), lora_halves=self.lora_halves,
                          buffers=self.buffers)

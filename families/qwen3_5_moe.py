@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_fields
+from waypoint.families.hf_rules import LAYER
 from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
 from waypoint.families.moe_rules import packed_rules, per_expert_rules
 from waypoint.families.qwen2_moe import shared_expert_rules
@@ -42,6 +43,10 @@ def hf_config(args: ModelArgs) -> dict:
     return fields
 
 
+# LoRA on the routed experts: PEFT's target_parameters on transformers' packed parameters (gate and up as halves)
+EXPERT_PARAMETERS = {"experts_gate_up": LAYER + "mlp.experts.gate_up_proj", "experts_down": LAYER + "mlp.experts.down_proj"}
+
+
 def expert_layouts(args: ModelArgs) -> dict:
     return {"packed": packed_rules(args), "per_expert": per_expert_rules(args, "mlp.", "gate_proj", "up_proj", "down_proj")}
 
@@ -53,7 +58,8 @@ FAMILY = Family(
                   shared_expert_intermediate_size=512, router_aux_loss_coef=0.001),
     fixed=dict(attention_bias=False),
     model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + shared_expert_rules(),
-    layouts=expert_layouts, lora_targets=LORA_TARGETS, hf_prefixes=(MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config",
+    layouts=expert_layouts, lora_targets=LORA_TARGETS + tuple(EXPERT_PARAMETERS), lora_parameters=EXPERT_PARAMETERS,
+    lora_halves=frozenset({"experts_gate_up"}), hf_prefixes=(MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config",
     carried=lambda config: MTP,
 )
 

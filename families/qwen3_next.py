@@ -13,7 +13,7 @@ from waypoint.families.hf_rules import mlp_rules
 from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, LORA_TARGETS, at, hybrid_args, hybrid_fields, hybrid_rules
 from waypoint.families.qwen2_moe import shared_expert_rules
 from waypoint.families.qwen3_5 import MTP
-from waypoint.families.qwen3_5_moe import expert_layouts, moe_args, moe_fields
+from waypoint.families.qwen3_5_moe import EXPERT_PARAMETERS, expert_layouts, moe_args, moe_fields
 from waypoint.families.qwen3_moe import dense_layers
 from waypoint.models.args import ModelArgs
 from waypoint.models.transformer import Transformer
@@ -41,7 +41,8 @@ FAMILY = Family(
                   mlp_only_layers=[], intermediate_size=5632),
     fixed=dict(attention_bias=False),
     model_args=model_args, hf_config=hf_config, rules=rules, layouts=expert_layouts,
-    lora_targets=tuple(t for t in LORA_TARGETS if t not in ("in_proj_qkv", "in_proj_z")), carried=lambda config: MTP,
+    lora_targets=tuple(t for t in LORA_TARGETS if t not in ("in_proj_qkv", "in_proj_z")) + tuple(EXPERT_PARAMETERS),
+    lora_parameters=EXPERT_PARAMETERS, lora_halves=frozenset({"experts_gate_up"}), carried=lambda config: MTP,
 )
 
 

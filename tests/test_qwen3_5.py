@@ -281,3 +281,41 @@ def test_block_fp8_release_loads_and_is_written_back_byte_for_byte(fam, tmp_path
     files = sorted(p.name for p in (tmp_path / "in").glob("*.safetensors"))
     assert sorted(p.name for p in out.glob("*.safetensors")) == files
     assert all((tmp_path / "in" / f).read_bytes() == (out / f).read_bytes() for f in files)
+
+
+@pytest.mark.parametrize("fam", ["qwen3_5_moe", "qwen3_next"])
+def test_lora_on_the_routed_experts_is_peft_s_target_parameters(fam, tmp_path, long_tokens):
+    """LoRA on the stacked experts (``experts_gate_up``, ``experts_down``) with DeltaNet and attention: PEFT's
+    ``target_parameters`` adapter over transformers' packed experts (gate and up as halves), our logits, read back
+    as written, and PEFT's merge in the input's files."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from waypoint.checkpointers.peft_adapter import load_adapter
+    from waypoint.models.lora import adapter_state
+
+    base = tmp_path / "base"
+    write_family_checkpoint(base, tiny_family_config(fam), packed=True)
+    ckpt = HFCheckpointer(base, output_dir=tmp_path / "out")
+    model = load_model(base)
+    apply_lora(model, ["q_proj", "out_proj", "experts_gate_up", "experts_down"], rank=4, alpha=6)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    adapter = save_adapter(tmp_path / "adapter", model, ckpt.hf_converter(), str(base))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    with torch.no_grad():
+        diff = (model.eval()(long_tokens) - peft_model(input_ids=long_tokens).logits).abs().max().item()
+    print(f"\n{fam} LoRA on experts + DeltaNet + attention vs PEFT: max |logits diff| = {diff:.3g}")
+    assert diff <= 1e-5
+    back, _ = load_adapter(adapter, ckpt.hf_converter())
+    mine = adapter_state(model)
+    assert sorted(back) == sorted(mine) and all(torch.equal(back[k], mine[k]) for k in mine)
+    merged = hf_weights(ckpt.save_to({"model": merged_state(model)}, tmp_path / "merged"))
+    peft_merged = peft_model.merge_and_unload().state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in merged
+    assert max((merged[k] - peft_merged[k]).abs().max().item() for k in peft_merged) <= 1e-6
