@@ -17,7 +17,7 @@ import torch
 from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, json_bytes, read_json
-from waypoint.checkpointers.hf_source import HFSource
+from waypoint.checkpointers.hf_source import HFSource, converter_key, disk_key
 from waypoint.checkpointers.load_report import fold_keys
 from waypoint.checkpointers.quantization import QuantizedOutput, dequantizing_to
 from waypoint.checkpointers.shard_layout import ShardLayout, discover, plan_files, plan_layout, read_files, write_files
@@ -86,13 +86,17 @@ class HFCheckpointer(Checkpointer):
         return model_args_from_hf_config(self.config)
 
     def hf_source(self) -> HFSource:
+        """The input as a conversion's source: its config and files, every key as on disk; a block-FP8 input's scales
+        (so that converting back writes the untouched weights' very bytes); the tensors outside the model (a vision
+        tower, MTP layers) and how it nests the model's keys, so that converting back writes them where they were."""
         layout = self.layout
-        if layout.weight_map is not None and self._prefixes:
-            layout = ShardLayout(layout.files, {self._disk_key(k): f for k, f in layout.weight_map.items()},
-                                 layout.index_name, dict(layout.index_metadata))
-        # block FP8: the input's scales too, so that a conversion back writes the untouched weights' very bytes
+        if layout.weight_map is not None and (self._prefixes or self._passthrough):
+            weight_map = {self._disk_key(k): f for k, f in layout.weight_map.items()}
+            weight_map.update({k: f for k, (_, f) in self._passthrough.items()})
+            layout = ShardLayout(layout.files, weight_map, layout.index_name, dict(layout.index_metadata))
         scales = {self._disk_key(k): t for k, t in self._source.items() if self.quantized.method == "fp8" and k.endswith("_scale_inv")}
-        return HFSource(dict(self.config), layout, scales or None)
+        passthrough = {k: t for k, (t, _) in self._passthrough.items()}
+        return HFSource(dict(self.config), layout, scales or None, passthrough or None, dict(self._prefixes) or None)
 
     def hf_converter(self) -> Converter:
         """A block-FP8 input's rules without the scales: transformers' module names (a multimodal repo's, where the
@@ -169,17 +173,11 @@ class HFCheckpointer(Checkpointer):
                     and any(k.startswith(("embed_tokens.", "layers.")) for k in keys))
         return {"": BASE_MODEL_PREFIX} if headless else {}
 
-    def _converter_key(self, disk_key: str) -> str:
-        for disk, ours in self._prefixes.items():
-            if disk_key.startswith(disk):
-                return ours + disk_key[len(disk):]
-        return disk_key
+    def _converter_key(self, key: str) -> str:
+        return converter_key(self._prefixes, key)
 
     def _disk_key(self, key: str) -> str:
-        for disk, ours in self._prefixes.items():
-            if key.startswith(ours):
-                return disk + key[len(ours):]
-        return key
+        return disk_key(self._prefixes, key)
 
     # -- save like the input ------------------------------------------------------------
     def _model_writer(self, native: Mapping[str, torch.Tensor], adapted: frozenset[str] = frozenset()):
@@ -236,15 +234,17 @@ class HFCheckpointer(Checkpointer):
     @classmethod
     def write_new(cls, stage: StagedDir, native: Mapping[str, torch.Tensor], conversion: Conversion) -> None:
         source: HFSource | None = conversion.source
+        passthrough = dict(source.passthrough or {}) if source is not None else {}
+        scales = {source.converter_key(k): t for k, t in (source.scales or {}).items()} if source is not None else {}
         if source is not None:
             config = dict(source.config)
             converter = get_converter(detect_model_type(config), config)
             quantized = None
             if source.layout and source.layout.weight_map:
+                keys = [source.converter_key(k) for k in source.layout.weight_map if k not in passthrough]
                 quantized = QuantizedOutput(dequantizing_to(converter, config), config, None)
-                dtypes = {k: t.dtype for k, t in (source.scales or {}).items()}
-                converter = quantized.adopt(list(source.layout.weight_map), dtypes)  # the source's FP8 weights, if any
-                converter.plan(list(source.layout.weight_map), "hf")  # the source's expert layout, if it has a choice
+                converter = quantized.adopt(keys, {k: t.dtype for k, t in scales.items()})  # the source's FP8 weights, if any
+                converter.plan(keys, "hf")  # the source's expert layout, if it has a choice
         else:
             dtypes = {t.dtype for t in native.values() if t.is_floating_point()}
             dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
@@ -253,9 +253,11 @@ class HFCheckpointer(Checkpointer):
                       "dtype": dtype_name(dtype) if dtype in HF_DTYPES else "float32"}
             converter = get_converter(conversion.model_type, config)
         tensors = converter.from_native(native)
-        if source is not None and source.scales and quantized is not None:  # block FP8: untouched weights as they came
+        if scales and quantized is not None:  # block FP8: untouched weights as they came
             groups = converter.plan(converter.native_keys_to_save(native), "native")
-            tensors = quantized.keep_input_scales(groups, tensors, native, source.scales)
+            tensors = quantized.keep_input_scales(groups, tensors, native, scales)
+        if source is not None:  # nested as the source was (a multimodal repo), beside what it held outside the model
+            tensors = {source.disk_key(k): t for k, t in tensors.items()} | passthrough
         layout = None
         if source is not None and not conversion.resharded and source.layout and source.layout.weight_map \
                 and set(source.layout.weight_map) == set(tensors):

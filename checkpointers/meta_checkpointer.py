@@ -22,7 +22,7 @@ from waypoint import console
 from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tensors
-from waypoint.checkpointers.hf_source import SCALES_FILE, SOURCE_FILE, HFSource
+from waypoint.checkpointers.hf_source import SIDE_FILES, SOURCE_FILE, HFSource
 from waypoint.checkpointers.shard_layout import listed_files
 from waypoint.converters import CheckpointError, Converter, Group
 from waypoint.converters.meta import EMBEDDING, meta_converter, model_parallel_dim, vocab_parallel
@@ -122,7 +122,7 @@ class MetaCheckpointer(Checkpointer):
 
     def hf_source(self) -> HFSource | None:
         source = HFSource.read(self.checkpoint_dir)
-        return source.with_scales_from(self.checkpoint_dir) if source is not None else None
+        return source.with_tensors_from(self.checkpoint_dir) if source is not None else None
 
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
@@ -221,8 +221,9 @@ class MetaCheckpointer(Checkpointer):
         def write(stage: StagedDir) -> None:
             write_model_parallel(stage, self.files, self.converter, groups, native, self.split_dims.get,
                                  self.cast_for_output, self.passthrough, order)
-            if (self.checkpoint_dir / SCALES_FILE).is_file():  # a block-FP8 source's scales travel with it
-                stage.copy_file(self.checkpoint_dir / SCALES_FILE)
+            for side in SIDE_FILES:  # a block-FP8 source's scales, a multimodal one's vision tower, travel with it
+                if (self.checkpoint_dir / side).is_file():
+                    stage.copy_file(self.checkpoint_dir / side)
         return write
 
     # -- a new Meta checkpoint ------------------------------------------------------------
@@ -246,4 +247,4 @@ class MetaCheckpointer(Checkpointer):
         stage.write_bytes(PARAMS_FILE, json_bytes(meta_params(args)))
         if conversion.source is not None:
             stage.write_bytes(SOURCE_FILE, json_bytes(conversion.source.to_json()))
-            conversion.source.write_scales(stage)
+            conversion.source.write_tensors(stage)

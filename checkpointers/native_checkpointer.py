@@ -21,7 +21,7 @@ import torch
 from waypoint.checkpointers.base import Checkpointer, Conversion
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import SAFETENSORS, TORCH, json_bytes, read_json
-from waypoint.checkpointers.hf_source import SCALES_FILE, HFSource
+from waypoint.checkpointers.hf_source import SIDE_FILES, HFSource
 from waypoint.checkpointers.shard_layout import ShardLayout, discover, plan_files, plan_layout, read_files, write_files
 from waypoint.converters import CheckpointError, Converter, Rule
 from waypoint.families import MODEL_TYPES, family_named
@@ -54,7 +54,8 @@ def describe(args: ModelArgs, model_type: str | None = None, source: HFSource | 
     description = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "model_args": dataclasses.asdict(args)}
     kept = source.to_json() if source is not None else {}
     return (description | ({"model_type": model_type} if model_type else {})
-            | ({"hf_config": kept["config"]} if "config" in kept else {}) | ({"hf_layout": kept["layout"]} if "layout" in kept else {}))
+            | ({"hf_config": kept["config"]} if "config" in kept else {}) | ({"hf_layout": kept["layout"]} if "layout" in kept else {})
+            | ({"hf_prefixes": kept["prefixes"]} if "prefixes" in kept else {}))
 
 
 def file_metadata(tied: bool, keys, metadata: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -106,8 +107,9 @@ class NativeCheckpointer(Checkpointer):
     def hf_source(self) -> HFSource | None:
         if "hf_config" not in self.config:
             return None
-        source = HFSource.from_json({"config": self.config["hf_config"], "layout": self.config.get("hf_layout")})
-        return source.with_scales_from(self.checkpoint_dir)
+        source = HFSource.from_json({"config": self.config["hf_config"], "layout": self.config.get("hf_layout"),
+                                     "prefixes": self.config.get("hf_prefixes")})
+        return source.with_tensors_from(self.checkpoint_dir)
 
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
@@ -134,8 +136,9 @@ class NativeCheckpointer(Checkpointer):
                         lambda name, tensors: file_metadata(self.args.tie_embeddings, tensors, self._file_metadata.get(source_of[name])),
                         total_bytes=sum(nbytes(native, k) for k in native))
             stage.write_bytes(MODEL_FILE, json_bytes(self.config))
-            if (self.checkpoint_dir / SCALES_FILE).is_file():  # a block-FP8 source's scales travel with it
-                stage.copy_file(self.checkpoint_dir / SCALES_FILE)
+            for side in SIDE_FILES:  # a block-FP8 source's scales, a multimodal one's vision tower, travel with it
+                if (self.checkpoint_dir / side).is_file():
+                    stage.copy_file(self.checkpoint_dir / side)
         return write
 
     # -- a new native checkpoint ----------------------------------------------------------
@@ -149,4 +152,4 @@ class NativeCheckpointer(Checkpointer):
                     lambda name, written: file_metadata(args.tie_embeddings, written), total_bytes=sum(sizes.values()))
         stage.write_bytes(MODEL_FILE, json_bytes(describe(args, conversion.model_type, conversion.source)))
         if conversion.source is not None:
-            conversion.source.write_scales(stage)
+            conversion.source.write_tensors(stage)

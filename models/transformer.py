@@ -17,6 +17,9 @@ Parameter names (the native checkpoint format)::
     layers.{i}.moe.shared.{w1,w2,w3}.weight, layers.{i}.moe.shared_gate.weight   (a shared expert: Qwen2-MoE)
     layers.{i}.attn.{q_a,q_b,kv_a,kv_b,output}_proj.weight, layers.{i}.attn.{q_a,kv_a}_norm.weight   (with
                              ``kv_lora_rank``: DeepSeek's latent attention, see :mod:`waypoint.models.mla`)
+    layers.{i}.attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}.weight, layers.{i}.attn.conv1d.weight,
+    layers.{i}.attn.{dt_bias,A_log}, layers.{i}.attn.norm.weight   (the ``linear_attention_layers``: Gated DeltaNet,
+                             Qwen3-Next and Qwen3.5/3.6, see :mod:`waypoint.models.gated_deltanet`)
 
 Rotary embeddings rotate interleaved pairs ``(x0, x1), (x2, x3), ...`` as in
 Meta's reference code; Hugging Face rotates the two halves of each head, which
@@ -31,7 +34,8 @@ defaults are Llama's: ``qkv_bias`` (Qwen2); ``qk_norm`` (Qwen3, Gemma 3);
 family whose transformers class applies it; gpt-oss, Qwen2.5/3 long context); ``rope_type="linear"`` and
 ``local_rope_theta`` (Gemma 3); ``sliding_window`` / ``full_attention_layers`` (Mistral,
 Phi-3, Qwen2, Gemma 2, 3), ``resid_dropout`` (Phi-3) and the mixture-of-experts fields from
-``n_experts`` on (Mixtral, Qwen3-MoE). Each is computed the way
+``n_experts`` on (Mixtral, Qwen3-MoE); ``linear_attention_layers`` with Gated DeltaNet's shapes, ``attn_output_gate``
+and ``partial_rotary_factor`` (Qwen3-Next, Qwen3.5/3.6). Each is computed the way
 transformers computes it, so logits agree with it in fp32.
 
 :class:`ModelArgs` and the activations live in :mod:`waypoint.models.args`; RMSNorm, the RoPE rotation, the masks

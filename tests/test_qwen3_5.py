@@ -92,6 +92,15 @@ def test_training_gradients_match_transformers(tmp_path, long_tokens):
     assert worst <= 1e-4
 
 
+def randomize(model, part: str, std: float, seed: int = 1) -> None:
+    """Every parameter whose name holds ``part`` drawn anew."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if part in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
 def multimodal_repo(path, moe: bool = False, seed: int = 0):
     """A tiny Qwen3_5(Moe)ForConditionalGeneration saved by transformers, plus an ``mtp.*`` shard as the releases
     carry (transformers neither loads nor writes those)."""
@@ -113,6 +122,8 @@ def multimodal_repo(path, moe: bool = False, seed: int = 0):
     save_file(mtp, path / "mtp.safetensors", metadata={"format": "pt"})
     index = json.loads((path / "model.safetensors.index.json").read_text())
     index["weight_map"].update({k: "mtp.safetensors" for k in mtp})
+    index["metadata"]["total_size"] += sum(t.numel() * t.element_size() for t in mtp.values())  # as a release counts them
+    index["metadata"]["total_parameters"] += sum(t.numel() for t in mtp.values())
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return model
 
@@ -139,6 +150,15 @@ def test_multimodal_repo_trains_its_language_model_and_keeps_the_rest(moe, tmp_p
     assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] == index_in
     assert json.loads((out / "config.json").read_text()) == json.loads((tmp_path / "in/config.json").read_text())
     assert_same_files(tmp_path / "in", out, set(index_in.values()))
+    # through the native format and back: the vision tower and MTP layers travel beside the native weights
+    from scripts import convert
+
+    assert convert.main([str(tmp_path / "in"), str(tmp_path / "native"), "--to", "native"]) == 0
+    assert convert.main([str(tmp_path / "native"), str(tmp_path / "back"), "--to", "hf"]) == 0
+    back = tmp_path / "back"
+    for f in ("config.json", "model.safetensors.index.json"):
+        assert json.loads((back / f).read_text()) == json.loads((tmp_path / "in" / f).read_text()), f
+    assert_same_files(tmp_path / "in", back, set(index_in.values()))
 
 
 def test_lora_merged_from_a_multimodal_repo_keeps_the_vision_tower_and_loads_in_peft(tmp_path, long_tokens):
@@ -155,11 +175,7 @@ def test_lora_merged_from_a_multimodal_repo_keeps_the_vision_tower_and_loads_in_
     load_into(model, ckpt.load_checkpoint()["model"])
     wrapped = apply_lora(model, ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj", "output_proj", "w1", "w2"], 4, 8.0)
     assert {"layers.0.attn.in_proj_qkv", "layers.0.attn.out_proj", "layers.1.attn.q_proj", "layers.2.mlp.w2"} <= set(wrapped)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    randomize(model, "lora_B", 0.1)  # PEFT starts B at zero: random, so the adapters count
     adapter = save_adapter(tmp_path / "adapter", model, ckpt.hf_converter(), str(base))
     keys = read_tensors(adapter / "adapter_model.safetensors")
     assert "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight" in keys
@@ -299,11 +315,7 @@ def test_lora_on_the_routed_experts_is_peft_s_target_parameters(fam, tmp_path, l
     ckpt = HFCheckpointer(base, output_dir=tmp_path / "out")
     model = load_model(base)
     apply_lora(model, ["q_proj", "out_proj", "experts_gate_up", "experts_down"], rank=4, alpha=6)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    randomize(model, ".lora_", 0.2)
     adapter = save_adapter(tmp_path / "adapter", model, ckpt.hf_converter(), str(base))
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
