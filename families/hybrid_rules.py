@@ -89,3 +89,6 @@ HYBRID_DEFAULTS = dict(rms_norm_eps=1e-6, max_position_embeddings=32768, tie_wor
                        num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
                        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
                        full_attention_interval=4, partial_rotary_factor=0.25)
+# what the native model reproduces only one way (the releases' config.json say attn_output_gate: true; transformers
+# gates whatever it says)
+HYBRID_FIXED = dict(attention_bias=False, attn_output_gate=True)

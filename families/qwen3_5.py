@@ -12,7 +12,7 @@ from __future__ import annotations
 from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_fields
 from waypoint.families.hf_rules import mlp_rules
-from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
+from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, HYBRID_FIXED, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
 from waypoint.models.args import ModelArgs
 from waypoint.models.transformer import Transformer
 
@@ -31,7 +31,7 @@ def hf_config(args: ModelArgs) -> dict:
 FAMILY = Family(
     name="qwen3_5", hf_model_types=("qwen3_5_text", "qwen3_5"), model_types=("QWEN3_5",), architecture="Qwen3_5ForCausalLM",
     defaults=dict(HYBRID_DEFAULTS, num_key_value_heads=4),
-    fixed=dict(attention_bias=False),
+    fixed=HYBRID_FIXED,
     model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + mlp_rules(),
     lora_targets=LORA_TARGETS, hf_prefixes=(MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config", carried=lambda config: MTP,
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_fields
 from waypoint.families.hf_rules import LAYER
-from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
+from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, HYBRID_FIXED, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
 from waypoint.families.moe_rules import packed_rules, per_expert_rules
 from waypoint.families.qwen2_moe import shared_expert_rules
 from waypoint.families.qwen3_5 import MTP, MULTIMODAL, _shape
@@ -31,8 +31,8 @@ def moe_fields(args: ModelArgs) -> dict:
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:
-    # Qwen3_5MoeTextConfig has no intermediate_size (no dense layer): the experts' width stands in for it
-    cfg = HFConfig({"intermediate_size": cfg["moe_intermediate_size"], **cfg.raw}, cfg.defaults)
+    # Qwen3_5MoeTextConfig has no intermediate_size (no layer is dense): the experts' width stands in for it
+    cfg = HFConfig({**cfg.raw, "intermediate_size": cfg["moe_intermediate_size"]}, cfg.defaults)
     hybrid = hybrid_args(cfg, "qwen3_5_moe")
     return ModelArgs(**hybrid, **moe_args(cfg, normalize=True))  # its router always renormalises the top-k
 
@@ -56,7 +56,7 @@ FAMILY = Family(
     architecture="Qwen3_5MoeForCausalLM",
     defaults=dict(HYBRID_DEFAULTS, intermediate_size=None, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                   shared_expert_intermediate_size=512, router_aux_loss_coef=0.001),
-    fixed=dict(attention_bias=False),
+    fixed=HYBRID_FIXED,
     model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + shared_expert_rules(),
     layouts=expert_layouts, lora_targets=LORA_TARGETS + tuple(EXPERT_PARAMETERS), lora_parameters=EXPERT_PARAMETERS,
     lora_halves=frozenset({"experts_gate_up"}), hf_prefixes=(MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_fields
 from waypoint.families.hf_rules import mlp_rules
-from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, LORA_TARGETS, at, hybrid_args, hybrid_fields, hybrid_rules
+from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, HYBRID_FIXED, LORA_TARGETS, at, hybrid_args, hybrid_fields, hybrid_rules
 from waypoint.families.qwen2_moe import shared_expert_rules
 from waypoint.families.qwen3_5 import MTP
 from waypoint.families.qwen3_5_moe import EXPERT_PARAMETERS, expert_layouts, moe_args, moe_fields
@@ -39,7 +39,7 @@ FAMILY = Family(
     defaults=dict(HYBRID_DEFAULTS, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
                   shared_expert_intermediate_size=512, norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1,
                   mlp_only_layers=[], intermediate_size=5632),
-    fixed=dict(attention_bias=False),
+    fixed=HYBRID_FIXED,
     model_args=model_args, hf_config=hf_config, rules=rules, layouts=expert_layouts,
     lora_targets=tuple(t for t in LORA_TARGETS if t not in ("in_proj_qkv", "in_proj_z")) + tuple(EXPERT_PARAMETERS),
     lora_parameters=EXPERT_PARAMETERS, lora_halves=frozenset({"experts_gate_up"}), carried=lambda config: MTP,

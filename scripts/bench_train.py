@@ -47,9 +47,11 @@ SHAPES = {  # name: (vocab, hidden, intermediate, layers, heads, kv heads, batch
     "qwen3.5": (32000, 512, 1376, 4, 8, 2, 2, 1024),  # Qwen3.5's hybrid layers (HYBRID): 16 delta-rule chunks a sequence
 }
 # shapes of Qwen3.5's hybrid layers (Qwen3_5ForCausalLM; transformers' torch path, as without flash-linear-attention):
-# three Gated DeltaNet layers to one gated-attention layer, head_dim 64 rotated over a quarter, DeltaNet heads 4/8 of 64
-HYBRID = {"qwen3.5": dict(head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
-                          linear_value_head_dim=64, linear_conv_kernel_dim=4, full_attention_interval=4)}
+# three Gated DeltaNet layers to one gated-attention layer, in Qwen3.6-35B-A3B's proportions at a quarter of its width
+# (its hidden 2048, DeltaNet key/value widths 2048/4096 in heads of 128, attention 16 heads of 256 over a quarter
+# rotated), with a dense MLP: hidden 512, DeltaNet heads 4/8 of 128, attention 8 heads of 128
+HYBRID = {"qwen3.5": dict(head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
+                          linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4)}
 PROMPT = {"chat": 0.5}  # the share of each sequence whose labels are -100, as chat data's prompts (train_on_input: false)
 STEPS = {"small": 8, "vocab128k": 3, "chat": 8, "qwen3.5": 4}  # timed steps unless --steps (a vocab128k step takes ~10 s on 2 CPU cores)
 IMPLS = ("ours", "ours-plain", "ours-ac", "ours-fused-adamw", "transformers", "transformers-fused-adamw", "torchtune")

@@ -23,3 +23,19 @@ def test_every_row_reports_and_ours_start_from_one_loss(monkeypatch):
     for impl, row in rows.items():
         assert row["tokens"] == 64 and row["median_s"] > 0 and row["peak_gb"] > 0 and row["faults"] >= 0, impl
         assert math.isfinite(row["first_loss"]), impl
+
+
+def test_the_hybrid_shape_builds_qwen3_5_on_both_sides(monkeypatch):
+    """The qwen3.5 shape's rows build Qwen3.5's hybrid layers: ours and transformers' Qwen3_5ForCausalLM, each a fresh
+    model about uniform over the vocabulary."""
+    monkeypatch.setitem(bench_train.SHAPES, "tiny-hybrid", (512, 32, 64, 4, 4, 2, 2, 80))
+    monkeypatch.setitem(bench_train.HYBRID, "tiny-hybrid", dict(bench_train.HYBRID["qwen3.5"], head_dim=8, linear_key_head_dim=8,
+                                                                linear_value_head_dim=8))
+    config = bench_train.hf_config("tiny-hybrid")
+    assert config["model_type"] == "qwen3_5_text" and config["linear_num_value_heads"] == 8
+    for impl in ("ours", "transformers"):
+        row = bench_train.child(impl, "tiny-hybrid", 1, "cpu", "fp32")
+        assert row["tokens"] == 160 and abs(row["first_loss"] - math.log(512)) < 0.5, impl
+    from waypoint.families import from_hf_config
+
+    assert from_hf_config(config).args.linear_attention_layers == (0, 1, 2)

@@ -331,3 +331,20 @@ def test_lora_on_the_routed_experts_is_peft_s_target_parameters(fam, tmp_path, l
     peft_merged = peft_model.merge_and_unload().state_dict()
     assert "model.layers.0.mlp.experts.gate_up_proj" in merged
     assert max((merged[k] - peft_merged[k]).abs().max().item() for k in peft_merged) <= 1e-6
+
+
+@pytest.mark.parametrize("fam", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_config_json_written_for_a_native_checkpoint_reads_back_in_ours_and_transformers(fam):
+    import transformers
+
+    from waypoint.families import family_named
+
+    config = tiny_family_config(fam)
+    args = model_args_from_hf_config(config.to_dict())
+    written = json.loads(json.dumps(family_named(fam).hf_config(args)))
+    assert model_args_from_hf_config(written) == args
+    theirs = type(config)(**{k: v for k, v in written.items() if k not in ("architectures", "model_type")})
+    assert model_args_from_hf_config(theirs.to_dict()) == args and theirs.layer_types == config.layer_types
+    assert hasattr(transformers, written["architectures"][0])
+    with pytest.raises(ValueError, match="attn_output_gate=false"):
+        model_args_from_hf_config({**config.to_dict(), "attn_output_gate": False})
