@@ -1,7 +1,7 @@
 """Waypoint: every import name of this project lives under ``waypoint``.
 
 The subpackages are the repository's top-level folders, each ``waypoint.<name>`` is ``<name>/``:
-``checkpointers``, ``cli``, ``converters``, ``families``, ``models``, ``run``, ``text`` and ``training``
+``checkpointers``, ``cli``, ``converters``, ``families``, ``models``, ``rewards``, ``run``, ``text`` and ``training``
 (pyproject.toml's ``package-dir`` maps them). Generic top-level names such as ``models`` are
 left to other distributions (``llama-models`` installs one).
 
