@@ -44,12 +44,14 @@ BELOW = {
     "families": {"errors", "lazy", "models", "converters", "mxfp4", "fp8"},
     "checkpointers": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families"},
     "text": {"errors"},
+    "rewards": {"errors"},  # an online-RL run's reward functions (plain Python over completions)
     "run": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers"},
     "training": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text"},
-    "cli": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run", "training"},
+    "cli": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run", "training",
+            "rewards"},
     # lm-evaluation-harness over a loaded checkpoint (recipes/eval.py): the top, above cli (an adapter's base name)
     "evaluation": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run",
-                   "training", "cli"},
+                   "training", "cli", "rewards"},
 }
 PACKAGES = [p for p in BELOW if p not in ("errors", "lazy", "mxfp4", "fp8", "console")]
 
