@@ -7,7 +7,7 @@ Generation stops at any of ``stop_ids`` (the end-of-sequence and end-of-turn tok
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,25 +27,49 @@ class Sampling:
             raise ValueError("sampling: temperature >= 0, top_k >= 0, 0 < top_p <= 1, repetition_penalty > 0")
 
 
-def next_token(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """The next token from the last position's ``logits`` [vocab] (fp32), given the ``seen`` token ids."""
+def process_logits(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """transformers' processors on a batch: ``logits`` [rows, vocab] (fp32), ``seen`` [rows, tokens] each row's token
+    ids so far; each row is processed on its own (the same as that row alone)."""
     if sampling.repetition_penalty != 1.0:  # transformers' RepetitionPenaltyLogitsProcessor
-        picked = logits[seen]
-        logits = logits.scatter(0, seen, torch.where(picked < 0, picked * sampling.repetition_penalty,
+        picked = logits.gather(1, seen)
+        logits = logits.scatter(1, seen, torch.where(picked < 0, picked * sampling.repetition_penalty,
                                                      picked / sampling.repetition_penalty))
     if sampling.temperature == 0:
-        return int(logits.argmax())
+        return logits
     logits = logits / sampling.temperature
     if sampling.top_k:
-        kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
+        kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:  # transformers' TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p
         ordered, order = torch.sort(logits, descending=False)
         cumulative = ordered.softmax(-1).cumsum(-1)
         remove = cumulative <= 1 - sampling.top_p
-        remove[-1] = False
-        logits = logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        remove[:, -1] = False
+        logits = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    return logits
+
+
+def sample_rows(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling,
+                generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """The next token of each row [rows] (int64): ``logits`` [rows, vocab] (fp32) of the last position, ``seen``
+    [rows, tokens], row ``i`` drawing from ``generators[i]`` (None: torch's default generator).
+
+    Greedy (``temperature=0``) draws nothing. Sampling draws, for each row, exactly what ``torch.multinomial(probs, 1,
+    generator=g)`` draws and picks the same token: one ``exponential_`` fill of a vocabulary-sized vector from ``g``,
+    then the arg-max of ``probs / q`` (torch's own one-sample path), so a row's tokens depend only on its generator."""
+    logits = process_logits(logits, seen, sampling)
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    probs = logits.softmax(-1)
+    q = probs.new_empty(probs.shape)  # contiguous rows, as the one multinomial fills
+    for row, generator in enumerate(generators):
+        q[row].exponential_(generator=generator)
+    return (probs / q).argmax(-1)
+
+
+def next_token(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The next token from the last position's ``logits`` [vocab] (fp32), given the ``seen`` token ids."""
+    return int(sample_rows(logits[None], seen[None], sampling, [generator])[0])
 
 
 @torch.no_grad()
