@@ -90,5 +90,11 @@ def mlp_rules(layer: str = LAYER) -> list[Rule]:
     ]
 
 
+def at(layers, rules: list[Rule]) -> list[Rule]:
+    """``rules`` (``{i}`` patterns) for the listed layers only (a MoE model's dense layers, a hybrid's linear ones)."""
+    return [Rule(tuple(k.replace("{i}", str(i)) for k in r.hf), tuple(k.replace("{i}", str(i)) for k in r.native), r.op)
+            for i in layers for r in rules]
+
+
 def llama_rules(args: ModelArgs) -> list[Rule]:
     return outer_rules() + norm_rules() + attention_rules(args) + mlp_rules()

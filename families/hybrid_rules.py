@@ -14,19 +14,13 @@ from typing import Any
 from waypoint.converters.ops import HeadGroups
 from waypoint.converters.table import Rule
 from waypoint.families.hf_config import FULL, HFConfig, common_args, rope_fields
-from waypoint.families.hf_rules import LAYER, NATIVE, norm_rules, outer_rules
+from waypoint.families.hf_rules import LAYER, NATIVE, at, norm_rules, outer_rules
 from waypoint.models.args import ModelArgs
 
 LINEAR = "linear_attention"
 DELTANET = ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")  # renamed as they are
 SPLIT = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")  # Qwen3.5's, fused in Qwen3-Next
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "in_proj_qkv", "in_proj_z", "out_proj", "w1", "w2", "w3", "output")
-
-
-def at(layers, rules: list[Rule]) -> list[Rule]:
-    """``rules`` (``{i}`` patterns) for the listed layers only."""
-    return [Rule(tuple(k.replace("{i}", str(i)) for k in r.hf), tuple(k.replace("{i}", str(i)) for k in r.native), r.op)
-            for i in layers for r in rules]
 
 
 def deltanet_rules(args: ModelArgs, fused: bool) -> list[Rule]:

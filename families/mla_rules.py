@@ -28,7 +28,7 @@ from typing import Any
 
 from waypoint.converters.table import Rule
 from waypoint.families.hf_config import HFConfig, common_args, common_fields
-from waypoint.families.hf_rules import LAYER, NATIVE, mlp_rules, norm_rules, outer_rules
+from waypoint.families.hf_rules import LAYER, NATIVE, at, mlp_rules, norm_rules, outer_rules
 from waypoint.models.args import ModelArgs
 
 ATTN, SELF = NATIVE + "attn.", LAYER + "self_attn."
@@ -87,7 +87,7 @@ def attention_rules(args: ModelArgs) -> list[Rule]:
 
 def deepseek_rules(args: ModelArgs) -> list[Rule]:
     """Everything but the experts' own weights and the router (``moe_rules``' layouts)."""
-    dense = [Rule(r.hf[0].replace("{i}", str(i)), r.native[0].replace("{i}", str(i))) for i in args.dense_layers for r in mlp_rules()]
+    dense = at(args.dense_layers, mlp_rules())
     shared = LAYER + "mlp.shared_experts."
     shared_rules = [Rule(shared + "gate_proj.weight", NATIVE + "moe.shared.w1.weight"),
                     Rule(shared + "up_proj.weight", NATIVE + "moe.shared.w3.weight"),

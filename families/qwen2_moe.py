@@ -16,7 +16,7 @@ from __future__ import annotations
 from waypoint.converters.table import Rule
 from waypoint.families.family import Family
 from waypoint.families.hf_config import FULL, SLIDING, HFConfig, common_args, common_fields, layer_types, layer_window_args
-from waypoint.families.hf_rules import LAYER, NATIVE, attention_rules, mlp_rules, norm_rules, outer_rules, qkv_bias_rules
+from waypoint.families.hf_rules import LAYER, NATIVE, at, attention_rules, mlp_rules, norm_rules, outer_rules, qkv_bias_rules
 from waypoint.families.moe_rules import packed_rules, per_expert_rules
 from waypoint.families.qwen3_moe import dense_layers
 from waypoint.models.args import ModelArgs
@@ -70,7 +70,7 @@ def shared_expert_rules() -> list[Rule]:
 
 
 def rules(args: ModelArgs) -> list[Rule]:
-    dense = [Rule(r.hf[0].replace("{i}", str(i)), r.native[0].replace("{i}", str(i))) for i in args.dense_layers for r in mlp_rules()]
+    dense = at(args.dense_layers, mlp_rules())
     return (outer_rules() + norm_rules() + attention_rules(args) + (qkv_bias_rules(args) if args.qkv_bias else [])
             + dense + shared_expert_rules())
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_args, common_fields
-from waypoint.families.hf_rules import attention_rules, mlp_rules, norm_rules, outer_rules, qk_norm_rules
+from waypoint.families.hf_rules import at, attention_rules, mlp_rules, norm_rules, outer_rules, qk_norm_rules
 from waypoint.families.mixtral import ATTENTION_TARGETS
 from waypoint.families.moe_rules import packed_rules, per_expert_rules
 from waypoint.families.qwen2 import qwen_window_args, qwen_window_fields
@@ -39,7 +39,7 @@ def hf_config(args: ModelArgs) -> dict:
 
 
 def rules(args: ModelArgs) -> list[Rule]:
-    dense = [Rule(r.hf[0].replace("{i}", str(i)), r.native[0].replace("{i}", str(i))) for i in args.dense_layers for r in mlp_rules()]
+    dense = at(args.dense_layers, mlp_rules())
     return outer_rules() + norm_rules() + attention_rules(args) + qk_norm_rules(args) + dense
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_fields
-from waypoint.families.hf_rules import mlp_rules
-from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, HYBRID_FIXED, LORA_TARGETS, at, hybrid_args, hybrid_fields, hybrid_rules
+from waypoint.families.hf_rules import at, mlp_rules
+from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, HYBRID_FIXED, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
 from waypoint.families.qwen2_moe import shared_expert_rules
 from waypoint.families.qwen3_5 import MTP
 from waypoint.families.qwen3_5_moe import EXPERT_PARAMETERS, expert_layouts, moe_args, moe_fields
