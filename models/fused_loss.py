@@ -135,13 +135,16 @@ def _row_sums(hidden, weight, targets, index, batch, seq, chunk, softcap, buffer
     return placed.index_copy_(0, index, losses).view(batch, seq - 1).sum(1)
 
 
-def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight, buffer=None, losses=None, scale=None):
+def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight, buffer=None, losses=None, scale=None,
+            temperature=1.0, entropies=None):
     """(loss sum, its gradient with respect to ``hidden`` or None, to ``weight`` in fp32 or None), a chunk at a time;
     every row of ``hidden`` supervised by its label. Every [chunk, vocab] tensor is a view of ``buffer`` (a
     :class:`ChunkBuffer`; None: one for this call), each step written in place in the order the out-of-place
     formulas take (the same bits). ``losses``: an fp32 [rows] tensor that takes each row's loss as well.
     ``scale``: fp32 [rows], each row's factor on the gradients (the upstream gradient of each row's loss, applied to
-    softmax minus one-hot in fp32, where autograd applies it in the plain path)."""
+    softmax minus one-hot in fp32, where autograd applies it in the plain path). ``temperature``: the (capped)
+    logits are divided by it, in fp32, before the log-softmax (the sampling distribution's log-probs, as online RL
+    takes them). ``entropies``: an fp32 [rows] tensor that takes each row's entropy of that distribution."""
     buffer = buffer if buffer is not None else ChunkBuffer()
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -157,7 +160,12 @@ def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight, bu
         # out= variant), then the gradient over it
         if logits.dtype != torch.float32:
             logits = take("fp32", dtype=torch.float32).copy_(logits)
+        if temperature != 1.0:
+            logits = logits.div_(temperature)
         log_probs = torch._log_softmax(logits, -1, False, out=logits)
+        if entropies is not None:  # -sum(p log p), through a buffer of its own (the log-probs are still needed)
+            p_log_p = take("entropy", dtype=torch.float32).copy_(log_probs).exp_().mul_(log_probs)
+            torch.neg(p_log_p.sum(-1), out=entropies[start: start + chunk])
         picked = log_probs.gather(1, y[:, None])
         total += picked.sum().neg()
         if losses is not None:
@@ -168,6 +176,8 @@ def _chunks(hidden, weight, labels, chunk, softcap, need_hidden, need_weight, bu
         g[torch.arange(len(y), device=g.device), y] -= 1.0
         if scale is not None:
             g.mul_(scale[start: start + chunk, None])
+        if temperature != 1.0:
+            g.div_(temperature)
         if g.dtype != h.dtype:  # back to h's dtype, into a buffer whose contents are no longer needed
             g = take("capped" if softcap is not None else "logits", dtype=h.dtype).copy_(g)
         if softcap is not None:  # through tanh(l / c) * c as autograd goes: (g * c) * (1 - tanh * tanh) / c

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from waypoint.models.args import ACTIVATIONS, ROPE_TYPES, ModelArgs
+from waypoint.models.token_logps import linear_token_logps, token_logps_from_logits
 from waypoint.models.fused_loss import (ChunkBuffer, linear_cross_entropy_rows, linear_cross_entropy_sum, next_token_loss_rows,
                                         next_token_loss_sum)
 from waypoint.models.attention import Attention, RMSNorm, apply_rope, document_mask, sliding_window_mask, softcapped_attention
@@ -255,15 +256,17 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 labels: torch.Tensor | None = None, loss_chunk: int | None = None,
-                per_sequence: bool = False) -> torch.Tensor:
+                per_sequence: bool = False, per_token: bool = False, temperature: float = 1.0) -> torch.Tensor:
         """``tokens`` [batch, seq] -> logits [batch, seq, vocab]. Packed sequences (``training.packing``) also give
         each token's ``positions`` (restarting per sample) and ``document_ids`` (attention stays within one).
         With a ``cache`` (generation), ``tokens`` follow the cached ones and the cache takes their keys and values.
         With ``labels`` [batch, seq]: the next-token loss sum instead (``fused_loss``: the output projection fused
         with the loss, ``loss_chunk`` tokens at a time, default by the vocabulary's size; 0: the full logits).
-        With ``labels`` and ``per_sequence``: each sequence's loss sum, a [batch] vector, by the same two paths."""
-        if per_sequence and labels is None:
-            raise ValueError("per_sequence needs labels")
+        With ``labels`` and ``per_sequence``: each sequence's loss sum, a [batch] vector, by the same two paths.
+        With ``labels`` and ``per_token``: (each next label's log-prob, its distribution's entropy), [batch, seq - 1]
+        each, 0 where the label is ignored, of the logits divided by ``temperature`` (``models.token_logps``)."""
+        if (per_sequence or per_token) and labels is None:
+            raise ValueError("per_sequence and per_token need labels")
         start = cache.length if cache is not None else 0
         if start + tokens.shape[1] > self.rope.shape[0]:
             raise ValueError(f"sequence length {start + tokens.shape[1]} exceeds max_seq_len {self.rope.shape[0]}")
@@ -302,9 +305,14 @@ class Transformer(nn.Module):
             # the chunks' buffer is kept from step to step on the CPU, whose allocator hands a freed chunk back to the
             # system; CUDA's caching allocator keeps the freed block itself, for the next chunk and other tensors alike
             buffer = self.loss_buffer if h.device.type == "cpu" else None
+            if per_token:
+                return linear_token_logps(h, self.output.weight, labels, loss_chunk, self.args.final_softcap,
+                                          temperature, buffer)
             fused = linear_cross_entropy_rows if per_sequence else linear_cross_entropy_sum
             return fused(h, self.output.weight, labels, loss_chunk, self.args.final_softcap, buffer)
         logits = self.output(h)
+        if per_token:
+            return token_logps_from_logits(self._capped(logits), labels, temperature)
         if labels is not None:
             return (next_token_loss_rows if per_sequence else next_token_loss_sum)(self._capped(logits), labels)
         return self._capped(logits)

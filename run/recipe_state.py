@@ -72,6 +72,7 @@ run id, ``waypoint.run.trackers``), which a resumed run continues."""
     rng_per_rank: list | None = None
     optimizer_param_groups: list | None = None
     reference_logps: dict | None = None  # a preference run's reference table (waypoint.run.reference_logps)
+    sampling_rng: Any = None  # an online-RL run's sampling generator (torch.Generator.get_state())
     trackers: dict | None = None  # the metric_loggers' runs, to continue on resume (waypoint.run.trackers)
 
     def as_dict(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ kill the process).
   rank 0 alone, and torchrun then stops the other ranks, as when a node dies.
 - ``kill-in-upload STEP -``: SIGKILL once step STEP's first file is in the object store, before its manifest.
 - ``kill-in-reference PAIRS -``: SIGKILL once a preference run's reference pass has done PAIRS pairs.
+- ``kill-in-generation CALLS -``: SIGKILL as an online-RL run samples its CALLS-th group of completions.
 """
 
 from __future__ import annotations
@@ -150,8 +151,25 @@ def kill_in_reference(pairs: int, _: str) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def kill_in_generation(calls: int, _: str) -> Iterator[None]:
+    from waypoint.training import grpo_step
+
+    generate_group = grpo_step.generate_group
+    done = {"n": 0}
+
+    def patched(*args, **kw):
+        done["n"] += 1
+        if done["n"] == calls:
+            _kill()
+        return generate_group(*args, **kw)
+    with mock.patch.object(grpo_step, "generate_group", patched):
+        yield
+
+
 FAULTS = {"signal-at-step": signal_at_step, "signal-twice": signal_twice, "kill-in-save": kill_in_save,
-          "kill-group-at-step": kill_group_at_step, "kill-in-upload": kill_in_upload, "kill-in-reference": kill_in_reference}
+          "kill-group-at-step": kill_group_at_step, "kill-in-upload": kill_in_upload, "kill-in-reference": kill_in_reference,
+          "kill-in-generation": kill_in_generation}
 
 
 def kills(fault: list[str] | tuple[str, ...]) -> bool:

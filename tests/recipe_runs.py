@@ -22,7 +22,7 @@ from pathlib import Path
 from tests.faults import injected, kills
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = {"full": "full_finetune", "lora": "lora_finetune", "dpo": "dpo_finetune"}
+RECIPES = {"full": "full_finetune", "lora": "lora_finetune", "dpo": "dpo_finetune", "grpo": "grpo_finetune"}
 
 
 @dataclass

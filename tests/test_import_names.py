@@ -46,7 +46,8 @@ BELOW = {
     "text": {"errors"},
     "rewards": {"errors"},  # an online-RL run's reward functions (plain Python over completions)
     "run": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers"},
-    "training": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text"},
+    "training": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text",
+                 "rewards"},  # an online-RL step scores its samples
     "cli": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run", "training",
             "rewards"},
     # lm-evaluation-harness over a loaded checkpoint (recipes/eval.py): the top, above cli (an adapter's base name)

@@ -27,6 +27,13 @@ def check_data(dataset: Dataset, tokenizer, vocab_size: int, name: str, say: Cal
         raise CheckpointError(_does_not_fit(f"the padding id {pad_id}", tokenizer, vocab_size))
     if len(dataset) and PAIR_KEYS <= set(dataset[0]):
         return _check_pairs(dataset, tokenizer, vocab_size, name, say, required)
+    if len(dataset) and "prompt_ids" in dataset[0]:  # online RL's prompts: the completions are sampled
+        for index in range(len(dataset)):
+            top = max(dataset[index]["prompt_ids"], default=0)
+            if top >= vocab_size:
+                raise CheckpointError(_does_not_fit(f"{_where(dataset, index, name)}: token id {top} "
+                                                    f"({tokenizer.decode([top])!r})", tokenizer, vocab_size))
+        return None
     unsupervised = 0
     for index in range(len(dataset)):
         item = dataset[index]

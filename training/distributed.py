@@ -74,6 +74,14 @@ class Distributed:
         dist.gather_object(obj, out, dst=0, group=group)
         return out
 
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` as a list, on every rank, in rank order."""
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def run_on_main(self, fn: Callable[[], Any], others: Callable[[], Any] | None = None) -> Any:
         """``fn()`` on rank 0 (decisions about output_dir, writing a checkpoint) and ``others()`` meanwhile on
         the other ranks (serving rank 0's gathers); rank 0's result on every rank, and its CheckpointError

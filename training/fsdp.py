@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -48,6 +49,30 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Every FSDP2 unit's parameters whole for the length of the block, and kept whole across its forwards: each rank
+    may then run any number of forwards of its own (sampling, whose length differs from rank to rank) with no
+    collective among them. One all-gather per unit on entry; back in their shards on exit. Unsharded: nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    kept = []
+    for unit in units:
+        group = unit._get_fsdp_state()._fsdp_param_group
+        kept.append(group.post_forward_mesh_info if group is not None else None)
+        unit.set_reshard_after_forward(False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit, mesh_info in zip(units, kept):
+            group = unit._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                group.post_forward_mesh_info = mesh_info
+            unit.reshard()
 
 
 def grad_norm_value(norm: torch.Tensor) -> float:

@@ -1,0 +1,16 @@
+"""The reward of the tiny online-RL example (configs/tiny_grpo.yaml), a user's reward file as TRL takes one: a
+function ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``, here found by its import path
+``assets.tiny_grpo_rewards.letter_share`` from the repository's root (the working directory is searched first).
+
+The task: each prompt asks for one letter (the record's ``letter`` column); a completion earns the share of its
+characters that are that letter, so a random model's rewards differ within a group and the policy can learn to
+write the asked letter."""
+
+
+def letter_share(prompts, completions, completion_ids, letter, **kwargs):
+    rewards = []
+    for completion, wanted in zip(completions, letter):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        kept = [c for c in text if not c.isspace()]
+        rewards.append(sum(c == wanted for c in kept) / len(kept) if kept else 0.0)
+    return rewards

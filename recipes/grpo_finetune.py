@@ -1,0 +1,306 @@
+"""Online RL with verifiable rewards (GRPO, DAPO, Dr. GRPO, GSPO...) of a model, full or LoRA/QLoRA; outputs in the input's format.
+
+    python recipes/grpo_finetune.py --config configs/tiny_grpo.yaml [key=value ...]
+
+The third stage after supervised fine-tuning and preference tuning: prompts only (TRL's formats), completions sampled
+from the policy as it trains, scored by reward functions. The same loop, config keys, checkpoints, resume, preemption
+and torchrun support as the other recipes, with what online RL adds:
+
+- a step takes ``batch_size`` prompts per micro-batch (``gradient_accumulation_steps`` micro-batches per process) and
+  samples ``generation.num_generations`` completions of each from the policy with its KV cache
+  (``waypoint.models.sample_group``), deterministically from the run's seed and the step: the sampling generator is
+  part of every step's recipe_state.pt, so a resumed run samples what the uninterrupted one sampled;
+- ``reward_funcs`` score them (``waypoint.rewards``: built-ins, or ``module.function`` from the working directory, TRL's
+  signature), ``reward_weights`` weigh them, and the rewards become group advantages (``loss.scale_rewards``);
+- the loss is TRL's for ``loss.loss_type`` (dapo by default; grpo, bnpo, dr_grpo, cispo, sapo, luspo, vespo), per
+  token or per sequence (``importance_sampling_level``, GSPO), clipped by ``epsilon``/``epsilon_high``; each sample
+  batch serves ``num_iterations`` optimizer steps; ``beta`` > 0 adds the KL to the input model (for LoRA the base
+  with the adapters switched off; for a full run a frozen copy of the input, the one case with two models in memory);
+- it logs TRL's metric names (``reward``, ``reward_std``, ``rewards/<func>/mean``, ``completions/*``, ``kl``,
+  ``clip_ratio/*``, ``entropy``, ``frac_reward_zero_std``) beside loss, lr, tokens/s, and ``val_reward`` on held-out
+  prompts (``validation``);
+- full runs write the policy in the input's format and files; LoRA runs the PEFT adapter and ``merged/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+if importlib.util.find_spec("waypoint") is None:  # a checkout that is not installed: its root holds `waypoint`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from waypoint.checkpointers import CheckpointError, load_into
+from waypoint.checkpointers.load_model import load_sharded_into
+from waypoint.checkpointers.peft_adapter import check_targets, load_adapter
+from waypoint.cli.entry import run_recipe
+from waypoint.cli.grpo_option_checks import GRPO
+from waypoint.cli.hub import base_model_name
+from waypoint.cli.option_checks import COMMON, LORA, check_options
+from waypoint.cli.run_config import config_as_given
+from waypoint.models.lora import adapter_state_keys, adapters_disabled, apply_lora, init_adapters, load_adapter_state
+from waypoint.rewards import resolve
+from waypoint.run.metrics import MetricsLog
+from waypoint.run.output_dir import RunDir
+from waypoint.run.plan import RunPlan
+from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.run.progress import TrainingProgress
+from waypoint.run.recipe_state import capture_recipe_state
+from waypoint.run.resume import RunStart, refusing
+from waypoint.run.savers import SaveOptions, WholeStepSaver
+from waypoint.run.sharded_saver import ShardedSaver
+from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step, model_step
+from waypoint.run.trackers import kept_at, open_trackers
+from waypoint.text.stop_tokens import stop_token_ids
+from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
+from waypoint.training.distributed import Distributed
+from waypoint.training.fsdp import shard_model
+from waypoint.training.grpo_loss import GRPOLossOptions
+from waypoint.training.grpo_step import GRPOStep, RolloutOptions, step_seed
+from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
+from waypoint.training.quantize import NF4Options, quantize_base
+from waypoint.training.run_data import run_data
+from waypoint.training.seed import seed_everything
+
+# beside waypoint.run.resume.BREAKING_KEYS: another adapter or base, a LoRA run resumed as a full one, another group size
+GRPO_BREAKING = ("lora", "quantize_base", "nf4", "generation.num_generations")
+
+
+def train(cfg: DictConfig, dist: Distributed) -> int:
+    """The run; ``run_recipe`` has checked the config, started the process group (under torchrun) and holds
+    ``output_dir`` for it."""
+    device, main = dist.device, dist.is_main
+    say = print if main else (lambda *a, **k: None)  # noqa: E731
+    lora = cfg.get("lora")
+    if lora:
+        check_options(cfg, LORA)
+    elif cfg.get("quantize_base"):
+        raise CheckpointError("quantize_base: a 4-bit base is frozen, so it needs a lora section (QLoRA); "
+                              "set quantize_base=null for full fine-tuning")
+    generation = OmegaConf.to_container(cfg.generation, resolve=True)
+    generation["stop_strings"] = tuple(generation.get("stop_strings") or ())
+    try:
+        rollout = RolloutOptions(**generation)
+        options = GRPOLossOptions(**OmegaConf.to_container(cfg.loss, resolve=True),
+                                  max_completion_length=rollout.max_completion_length,
+                                  gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    except (TypeError, ValueError) as e:  # an unknown key (TypeError names it) or a value out of range
+        raise CheckpointError(f"generation/loss: {e}") from None
+    reward_funcs = resolve(cfg.reward_funcs)  # a bad name or import fails here, before the model loads
+    reward_weights = cfg.get("reward_weights")
+    config = config_as_given(cfg)
+    run_dir = RunDir(Path(cfg.output_dir), cfg.get("output_store"))
+    saving = SaveOptions(keep_last_n=cfg.keep_last_n_checkpoints, asynchronous=cfg.get("async_checkpoint", False))
+
+    # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
+    start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist, check=refusing(GRPO_BREAKING))
+    seed_everything(cfg.seed)
+
+    # Model, on the meta device, sharded (FSDP2) under torchrun, then given its tensors (as the DPO recipe).
+    checkpointer = instantiate(cfg.checkpointer)
+    state = checkpointer.load_checkpoint()
+    if start.checkpoint and not start.sharded and not lora:
+        state = instantiate(cfg.checkpointer, checkpoint_dir=start.path).load_checkpoint()
+        state["model"].update(start.state.get("model") or {})
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    if lora:
+        wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
+        nf4 = NF4Options(**(cfg.get("nf4") or {})) if cfg.get("quantize_base") == "nf4" else None
+        for line in quantize_base(model, cfg.dtype, cfg.get("quantize_base"), nf4, dist.world_size, checkpointer):
+            say(line)
+    if dist.enabled:
+        shard_model(model, dist.mesh, cfg.get("mixed_precision"))
+    if start.sharded and not lora:
+        report = load_sharded_into(model, start.path, dtype=cfg.dtype, device=device)
+    else:
+        report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
+                           key_prefix_map=cfg.key_prefix_map, fill_later=list(adapter_state_keys(model)) if lora else ())
+    say("\n".join(report.lines() + checkpointer.notes))
+    if lora:
+        init_adapters(model, device)
+        original, sources = state["model"], report.sources  # the merge reads the input's full-precision base again
+        converter = checkpointer.hf_converter()
+        check_targets(model, converter, checkpointer.family)
+        if start.checkpoint:
+            load_adapter_state(model, load_adapter(start.path, converter)[0])
+        say(f"lora: {len(wrapped)} layers ({', '.join(lora.targets)}), rank {lora.rank}, alpha {lora.alpha}")
+    del state
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model.activation_checkpointing = cfg.enable_activation_checkpointing
+    model.train()
+
+    # The reference of beta > 0: LoRA's base with the adapters off; a full run's frozen copy of the input model.
+    reference = None
+    if options.beta != 0.0:
+        if lora:
+            reference = lambda: _disabled(model)  # noqa: E731
+        else:
+            with torch.device("meta"):
+                frozen = instantiate(cfg.model)
+            if dist.enabled:
+                shard_model(frozen, dist.mesh, cfg.get("mixed_precision"))
+            load_into(frozen, checkpointer.load_checkpoint()["model"], dtype=cfg.dtype, device=device,
+                      strict=cfg.strict, key_prefix_map=cfg.key_prefix_map)
+            frozen.requires_grad_(False)
+            frozen.eval()
+            reference = lambda: contextlib.nullcontext(frozen)  # noqa: E731
+            say("beta > 0: a frozen copy of the input model is the KL's reference (a second model in memory)")
+
+    # Data: prompts (held-out ones for val_reward); a global batch of batch_size x gradient_accumulation_steps x
+    # processes prompts per step, each num_generations completions.
+    tokenizer = instantiate(cfg.tokenizer)
+    def make_dataset(**source):
+        return instantiate(cfg.dataset, tokenizer=tokenizer, **source)
+    dataset, validation = run_data(make_dataset, tokenizer, checkpointer, cfg.get("validation"), cfg.seed,
+                                   packed_to=None, vocab_size=model.args.vocab_size, say=say)
+    longest = max(len(dataset[i]["prompt_ids"]) for i in range(len(dataset))) + rollout.max_completion_length
+    if longest > model.args.max_seq_len:
+        raise CheckpointError(f"the longest prompt and generation.max_completion_length={rollout.max_completion_length} "
+                              f"make {longest} tokens, past the model's max_seq_len={model.args.max_seq_len}; set "
+                              "dataset.max_prompt_length or lower generation.max_completion_length")
+    template = getattr(_origin(dataset), "prompt_format", None)
+    step = GRPOStep(rollout, options, reward_funcs, reward_weights, tokenizer, stop_token_ids(tokenizer, template),
+                    conversational=bool(getattr(_origin(dataset), "conversational", False)), device=device, dist=dist,
+                    loss_chunk=None if cfg.get("fused_loss", True) else 0)
+    accumulate = cfg.gradient_accumulation_steps
+    steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
+                                                cfg.max_steps_per_epoch)
+    plan = RunPlan(steps_per_epoch, cfg.epochs, cfg.batch_size, accumulate, dist.world_size, cfg.seed,
+                   save_every_n_steps=cfg.save_every_n_steps or 0, save_every_epoch=cfg.save_every_epoch)
+
+    optimizer = instantiate(cfg.optimizer, params=trainable)
+    scheduler = instantiate(cfg.lr_scheduler, optimizer=optimizer,
+                            num_training_steps=plan.total_steps * options.num_iterations)
+    position = start.restore(optimizer, scheduler, model, plan, say)
+    if position is None:
+        return 0
+    global_step, start_epoch, start_step = position
+    # the sampling generator: seeded by the run's seed, advanced one draw a step, carried in every recipe_state.pt
+    sampling = torch.Generator().manual_seed(cfg.seed)
+    if start.checkpoint:
+        sampling.set_state(start.state["sampling_rng"])
+
+    trackers = open_trackers(cfg.get("metric_loggers"), config, (start.state or {}).get("trackers"), run_dir.path,
+                             global_step, tqdm.write) if main else None
+    metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
+                         tensorboard_dir=cfg.get("log_dir"), trackers=trackers) if main else None
+    saver = (ShardedSaver if dist.enabled and not lora else WholeStepSaver)(dist, run_dir, saving, report=tqdm.write)
+    reload = ExportReload(build=lambda: instantiate(cfg.model), strict=cfg.strict, key_prefix_map=cfg.key_prefix_map,
+                          read=lambda path: instantiate(cfg.checkpointer, checkpoint_dir=str(path)).load_checkpoint()["model"])
+    verify = reload if cfg.get("verify_export", True) else None
+    save_merged = "never" if cfg.get("save_adapter_weights_only", False) else cfg.get("save_merged", "final")
+
+    def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
+        check_weights_finite(model, global_step, dist.any)
+        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, trackers)
+        recipe.sampling_rng = sampling.get_state()
+        if lora:
+            content = adapter_step(model, optimizer, recipe, checkpointer, converter=converter,
+                                   base_name=base_model_name(checkpointer.checkpoint_dir),
+                                   max_lora_rank=cfg.get("max_lora_rank", 16), layout=checkpointer.adapter_layout(),
+                                   original=original, sources=sources, dist=dist, verify=verify, report=tqdm.write,
+                                   merge=save_merged == "every" or (save_merged == "final" and final))
+        else:
+            content = model_step(model, optimizer, checkpointer, recipe, final, dist, verify, tqdm.write)
+        return saver.save(global_step, content, final=final or preempted)
+
+    preemption = PreemptionWatch(cfg.preemption_signals)
+    progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main)
+    first_step, saved = global_step + 1, None
+    for epoch in range(start_epoch, cfg.epochs):
+        first = start_step if epoch == start_epoch else 0
+        batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=list,
+                                  start_batch=first * accumulate, rank=dist.rank, world_size=dist.world_size)
+        for step_in_epoch in range(first, plan.steps_per_epoch):
+            started = time.perf_counter()
+            prompts = [next(batches)[1] for _ in range(accumulate)]
+            # Sample and score (the policy as it is), then num_iterations optimizer steps on those samples.
+            rollouts, record, samples = step.rollouts(model, prompts, step_seed(sampling))
+            step.fill_fixed_logps(model, rollouts, reference)
+            global_step += 1
+            losses, loss_metrics = [], []
+            for iteration in range(options.num_iterations):
+                loss_value, logged = step.backward(model, rollouts)
+                grad_norm = clip_gradients(trainable, cfg.clip_grad_norm)
+                if step_is_finite(global_step, loss_value, grad_norm, model, cfg.get("on_nonfinite", "stop"),
+                                  tqdm.write, updated=global_step > first_step or iteration > 0):
+                    optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss_value)
+                loss_metrics.append(logged)
+            tokens = dist.sum(sum(int((r.tokens != tokenizer.pad_id).sum()) for r in rollouts))
+            record.update({k: sum(m[k] for m in loss_metrics) / len(loss_metrics) for k in loss_metrics[0]})
+            record = dict(step=global_step, epoch=epoch, loss=sum(losses) / len(losses), lr=scheduler.get_last_lr()[0],
+                          grad_norm=grad_norm, tokens_per_s=tokens / (time.perf_counter() - started), **record)
+            if start.checkpoint and global_step == first_step:
+                record["resumed"] = True
+            if main:
+                metrics.write(**record)
+            if validation and validation.due(global_step, plan.total_steps):
+                held_out = step.evaluate(model, validation.dataset, cfg.batch_size, cfg.seed)
+                record.update(held_out)
+                if main:
+                    metrics.write(step=global_step, **held_out)
+            progress.update(global_step, loss=f"{record['loss']:.4f}", reward=f"{record['reward']:.3f}",
+                            len=f"{record['completions/mean_length']:.0f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                            **({"val_reward": f"{record['val_reward']:.3f}"} if "val_reward" in record else {}))
+
+            # Checkpoints at step boundaries only (a step's samples never span a save); a signal on any rank stops
+            # every rank here.
+            saver.check()
+            preempted = dist.any(preemption.requested)
+            if plan.save_due(global_step, step_in_epoch, preempted):
+                saved = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted)
+            if preempted and global_step < plan.total_steps:
+                saver.close()
+                progress.close()
+                if metrics:
+                    metrics.close()
+                say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
+                    "rerun the same command to resume")
+                if cfg.requeue and main:
+                    requeue_slurm_job()
+                return PREEMPTED_EXIT_CODE
+    saver.close()
+    progress.close()
+    if metrics:
+        metrics.close(final_model=kept_at(run_dir, saved))
+    if lora:
+        merged = (f"; the merged model is {checkpointer.describe_output(saved / MERGED_DIR)}"
+                  if (saved / MERGED_DIR).is_dir() else "")
+        say(f"done: the adapter is {run_dir.stored_at(saved)}{saved} (PEFT format){merged}")
+    else:
+        say(f"done: the final model is {run_dir.stored_at(saved)}{checkpointer.describe_output(saved)}")
+    return 0
+
+
+@contextlib.contextmanager
+def _disabled(model):
+    with adapters_disabled(model):
+        yield model
+
+
+def _origin(dataset):
+    """The dataset a validation split's ``Subset`` was cut from."""
+    return getattr(dataset, "dataset", dataset)
+
+
+CHECKS = COMMON | GRPO  # the options this recipe's config must get right (`waypoint validate` checks them too)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_recipe(train, argv, description=__doc__.splitlines()[0], example="configs/tiny_grpo.yaml", checks=CHECKS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""One step of online RL (GRPO family): sample ``num_generations`` completions of every prompt from the policy, score
+them with the reward functions, turn the rewards into group advantages, and take ``num_iterations`` optimizer steps on
+TRL's loss over them (``waypoint.training.grpo_loss``).
+
+Determinism, whatever the number of processes: a step draws one seed from the run's sampling generator (kept in
+recipe_state.pt), and each prompt's group samples from a generator seeded by that seed and the prompt's index in the
+dataset, so the completions of a prompt depend on the run's seed, the step and the weights alone, never on which rank
+or micro-batch holds it (``group_generator``).
+
+Under FSDP2 the policy samples with its parameters gathered whole on every rank (``training.fsdp.gathered``): each
+rank generates its own prompts' completions, forwards of different numbers, with no collective among them. The
+rewards are gathered from every rank, as TRL gathers them, for the advantages ``scale_rewards: batch`` needs and for
+the logged metrics; the rest of the step is each rank's micro-batches, ``accumulate`` of them, as in SFT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from waypoint.models.fused_loss import IGNORE_INDEX
+from waypoint.models.generate import Sampling
+from waypoint.models.sample_group import generate_group
+from waypoint.rewards.scoring import reward_name, score
+from waypoint.training.fsdp import gathered, reshard
+from waypoint.training.grpo_loss import GRPOLossOptions, group_advantages, grpo_loss, rollout_metrics, weighted_rewards
+from waypoint.training.loss import backward_with_balance
+
+_MIX = 0x9E3779B97F4A7C15  # an odd 64-bit constant: prompt indices far apart in seed space
+
+
+def step_seed(generator: torch.Generator) -> int:
+    """The step's seed: one draw from the run's sampling generator (every rank draws the same)."""
+    return int(torch.randint(2 ** 62, (1,), generator=generator))
+
+
+def group_generator(seed: int, index: int) -> torch.Generator:
+    """The generator prompt ``index`` (its place in the dataset) samples its group from at the step of ``seed``."""
+    return torch.Generator().manual_seed((seed + index * _MIX) % 2 ** 63)
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    """How completions are sampled (TRL's ``GRPOConfig`` names)."""
+
+    num_generations: int = 8
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    stop_strings: tuple[str, ...] = ()
+    mask_truncated_completions: bool = False
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+
+
+@dataclass
+class Rollout:
+    """One micro-batch's completions, ready for the loss: ``tokens`` [N, L] (each prompt then a completion, padded
+    on the right), ``labels`` (-100 but at the completion's tokens), ``advantages`` [N]; ``old_logps`` and
+    ``ref_logps`` [N, L - 1] when the loss needs them."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return (self.labels[:, 1:] != IGNORE_INDEX).float()
+
+
+@dataclass
+class StepResult:
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: list[dict] = field(default_factory=list)  # the first completions of the step, as text, for a look
+
+
+class GRPOStep:
+    """A GRPO step's parts, set up once per run; :meth:`rollouts` samples and scores, :meth:`train` takes the
+    optimizer steps. ``engine``: None (sample with the policy, ``models.sample_group``), or a callable
+    ``engine(prompt_ids, n, generator) -> list[list[int]]`` in its place (an external engine such as vLLM, given the
+    policy's weights after each step by the caller)."""
+
+    def __init__(self, rollout: RolloutOptions, loss: GRPOLossOptions, reward_funcs: list[Callable],
+                 reward_weights, tokenizer, stop_ids: list[int], conversational: bool, device: torch.device, dist,
+                 loss_chunk: int | None = None, engine=None) -> None:
+        self.rollout, self.options, self.funcs, self.weights = rollout, loss, reward_funcs, reward_weights
+        self.names = [reward_name(f) for f in reward_funcs]
+        self.tokenizer, self.stop_ids, self.conversational = tokenizer, list(stop_ids), conversational
+        self.device, self.dist, self.loss_chunk, self.engine = device, dist, loss_chunk, engine
+
+    # Sampling and scoring ------------------------------------------------------------------------------------------
+
+    def _sample(self, model, prompt_ids: list[int], generator: torch.Generator) -> list[list[int]]:
+        r = self.rollout
+        if self.engine is not None:
+            return self.engine(prompt_ids, r.num_generations, generator)
+        return generate_group(model, prompt_ids, r.num_generations, r.max_completion_length, r.sampling, self.stop_ids,
+                              list(r.stop_strings), self._text if r.stop_strings else None, generator)
+
+    def _text(self, ids: list[int]) -> str:
+        stops = set(self.stop_ids) | {self.tokenizer.pad_id}
+        return self.tokenizer.decode([t for t in ids if t not in stops])
+
+    def rollouts(self, model, micro_batches: list[list[dict]], seed: int) -> tuple[list[Rollout], dict[str, float], list[dict]]:
+        """(one :class:`Rollout` per micro-batch of prompt items, TRL's reward and completion metrics of the whole
+        step, the first group's texts) for the step whose seed is ``seed``."""
+        r, n = self.rollout, self.rollout.num_generations
+        items = [item for batch in micro_batches for item in batch]
+        with gathered(model) if self.dist.enabled else contextlib.nullcontext():
+            completions = [c for item in items
+                           for c in self._sample(model, item["prompt_ids"], group_generator(seed, item["index"]))]
+        texts = [self._text(ids) for ids in completions]
+        terminated = torch.tensor([bool(ids) and (ids[-1] in self.stop_ids or self._stopped(ids)) for ids in completions])
+        prompts = [item["prompt"] for item in items for _ in range(n)]
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+        columns = {}
+        for key in {k for item in items for k in item["columns"]}:
+            columns[key] = [item["columns"].get(key) for item in items for _ in range(n)]
+        _, per_func = score(self.funcs, self.weights, prompts, shown, completions, columns)
+        lengths = torch.tensor([len(ids) for ids in completions])
+
+        # every rank's rewards, in rank order (TRL's gather), for the advantages and the metrics
+        local = torch.cat([per_func, lengths[:, None].float(), terminated[:, None].float()], dim=1)
+        everyone = torch.cat(self.dist.all_gather(local))
+        all_per_func = everyone[:, : len(self.funcs)]
+        weights = None if self.weights is None else torch.tensor(list(self.weights), dtype=torch.float32)
+        rewards = weighted_rewards(all_per_func, weights)
+        advantages, zero_std = group_advantages(rewards, n, self.options.scale_rewards)
+        metrics = rollout_metrics(all_per_func, self.names, everyone[:, -2], everyone[:, -1].bool(), weights)
+        metrics.update(zero_std)
+        start = self.dist.rank * len(completions)  # every rank samples as many
+        mine = advantages[start: start + len(completions)]
+
+        out, offset = [], 0
+        for batch in micro_batches:
+            rows = len(batch) * n
+            prompt_ids = [item["prompt_ids"] for item in batch for _ in range(n)]
+            keep = [not (r.mask_truncated_completions and not bool(terminated[offset + i])) for i in range(rows)]
+            out.append(self._pack(prompt_ids, completions[offset: offset + rows], keep, mine[offset: offset + rows]))
+            offset += rows
+        sample = [{"prompt": items[0]["prompt"], "completion": t, "reward": float(rewards[start + i])}
+                  for i, t in enumerate(texts[:n])]
+        return out, metrics, sample
+
+    def _stopped(self, ids: list[int]) -> bool:
+        return bool(self.rollout.stop_strings) and any(s in self._text(ids) for s in self.rollout.stop_strings)
+
+    def _pack(self, prompts: list[list[int]], completions: list[list[int]], keep: list[bool],
+              advantages: torch.Tensor) -> Rollout:
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        tokens = torch.full((len(prompts), width), self.tokenizer.pad_id, dtype=torch.long)
+        labels = torch.full((len(prompts), width), IGNORE_INDEX, dtype=torch.long)
+        for row, (p, c, kept) in enumerate(zip(prompts, completions, keep)):
+            tokens[row, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+            if kept and c:
+                labels[row, len(p): len(p) + len(c)] = torch.tensor(c, dtype=torch.long)
+        return Rollout(tokens, labels, advantages.clone())
+
+    def evaluate(self, model, prompts, batch_size: int, seed: int) -> dict[str, float]:
+        """``val_reward`` (and ``val_rewards/<func>/mean``, ``val_completions/mean_length``): the mean reward of
+        ``num_generations`` completions of every held-out prompt, sampled as in training from a generator fixed for
+        the run (each evaluation sees the same draws), each rank its share of the prompts."""
+        items = [prompts[i] for i in range(self.dist.rank, len(prompts), self.dist.world_size)]
+        n = self.rollout.num_generations
+        with gathered(model) if self.dist.enabled else contextlib.nullcontext():
+            completions = [c for item in items for c in self._sample(model, item["prompt_ids"],
+                                                                      group_generator(seed, item["index"]))]
+        per_func = torch.zeros(0, len(self.funcs))
+        if items:
+            texts = [self._text(ids) for ids in completions]
+            shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+            columns = {key: [item["columns"].get(key) for item in items for _ in range(n)]
+                       for key in {k for item in items for k in item["columns"]}}
+            _, per_func = score(self.funcs, self.weights, [item["prompt"] for item in items for _ in range(n)], shown,
+                                completions, columns)
+        lengths = torch.tensor([float(len(ids)) for ids in completions])
+        per_func = torch.cat(self.dist.all_gather(per_func))
+        lengths = torch.cat(self.dist.all_gather(lengths))
+        weights = None if self.weights is None else torch.tensor(list(self.weights), dtype=torch.float32)
+        out = {"val_reward": torch.nanmean(weighted_rewards(per_func, weights)).item(),
+               "val_completions/mean_length": lengths.mean().item()}
+        for i, name in enumerate(self.names):
+            out[f"val_rewards/{name}/mean"] = torch.nanmean(per_func[:, i]).item()
+        return out
+
+    # Log-probs and the loss --------------------------------------------------------------------------------------
+
+    def token_logps(self, model, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropies) [N, L - 1] of the completion tokens under ``model`` (the sampling temperature's)."""
+        return model(rollout.tokens.to(self.device), labels=rollout.labels.to(self.device), loss_chunk=self.loss_chunk,
+                     per_token=True, temperature=self.rollout.temperature or 1.0)
+
+    @torch.no_grad()
+    def fill_fixed_logps(self, model, rollouts: list[Rollout], reference: Callable | None) -> None:
+        """Before the updates: the sampling policy's log-probs when ``num_iterations`` > 1 (the ratio's denominator
+        for every iteration) and the reference's when ``beta`` > 0 (``reference``: a context in which ``model`` is
+        the reference, or a callable returning it)."""
+        if self.options.num_iterations > 1:
+            for rollout in rollouts:
+                rollout.old_logps = self.token_logps(model, rollout)[0]
+        if self.options.beta != 0.0:
+            with reference() as ref_model:
+                for rollout in rollouts:
+                    rollout.ref_logps = self.token_logps(ref_model, rollout)[0]
+        reshard(model)
+
+    def backward(self, model, rollouts: list[Rollout]) -> tuple[float, dict[str, float]]:
+        """One optimizer step's gradients over ``rollouts`` (this rank's micro-batches): each micro-batch's loss as
+        TRL computes it, scaled so that N processes train as one. Returns (the loss over every rank, TRL's loss
+        metrics averaged over micro-batches and ranks)."""
+        w, o = self.dist.world_size, self.options
+        num_items = None
+        if o.loss_type in ("dapo", "cispo", "vespo"):  # the step's completion tokens over every rank
+            num_items = torch.tensor(self.dist.sum(sum(float(r.mask.sum()) for r in rollouts)))
+        total, logged = 0.0, []
+        for rollout in rollouts:
+            logps, entropies = self.token_logps(model, rollout)
+            mask = rollout.mask.to(logps.device)
+            loss, metrics = grpo_loss(logps, None if rollout.old_logps is None else rollout.old_logps.to(logps.device),
+                                      None if rollout.ref_logps is None else rollout.ref_logps.to(logps.device),
+                                      rollout.advantages.to(logps.device), mask, o, entropies, num_items, w)
+            backward_with_balance(model, loss / w, self.dist, (rollout.tokens != self.tokenizer.pad_id), len(rollouts))
+            total += float(loss.detach()) / w
+            logged.append(metrics)
+        return self.dist.sum(total), reduce_metrics([m for ms in self.dist.all_gather(logged) for m in ms])
+
+
+def reduce_metrics(records: list[dict[str, float]]) -> dict[str, float]:
+    """The loss metrics of every micro-batch of every rank as one: ``*_min`` their least, ``*_max`` their greatest
+    (NaN, from a micro-batch without completion tokens, left out), the rest their mean."""
+    out = {}
+    for key in records[0] if records else ():
+        values = torch.tensor([r[key] for r in records], dtype=torch.float64)
+        kept = values[~torch.isnan(values)]
+        if key.endswith("_min"):
+            out[key] = float(kept.min()) if kept.numel() else float("nan")
+        elif key.endswith("_max"):
+            out[key] = float(kept.max()) if kept.numel() else float("nan")
+        else:
+            out[key] = float(values.mean())
+    return out
