@@ -1,6 +1,6 @@
 """The reward of the tiny online-RL example (configs/tiny_grpo.yaml), a user's reward file as TRL takes one: a
 function ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``, here found by its import path
-``assets.tiny_grpo_rewards.letter_share`` from the repository's root (the working directory is searched first).
+``waypoint.assets.tiny_grpo_rewards.letter_share`` (a file of your own beside where you run: ``my_rewards.f``).
 
 The task: each prompt asks for one letter (the record's ``letter`` column); a completion earns the share of its
 characters that are that letter, so a random model's rewards differ within a group and the policy can learn to

@@ -70,6 +70,9 @@ from waypoint.training.quantize import NF4Options, quantize_base
 from waypoint.training.run_data import run_data
 from waypoint.training.seed import seed_everything
 
+# the loss section's keys: GRPOLossOptions' but those set from elsewhere in the config
+LOSS_OPTIONS = [k for k in GRPOLossOptions.__dataclass_fields__
+                if k not in ("max_completion_length", "gradient_accumulation_steps", "steps_per_generation")]
 # beside waypoint.run.resume.BREAKING_KEYS: another adapter or base, a LoRA run resumed as a full one, another group size
 GRPO_BREAKING = ("lora", "quantize_base", "nf4", "generation.num_generations")
 
@@ -85,15 +88,19 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     elif cfg.get("quantize_base"):
         raise CheckpointError("quantize_base: a 4-bit base is frozen, so it needs a lora section (QLoRA); "
                               "set quantize_base=null for full fine-tuning")
-    generation = OmegaConf.to_container(cfg.generation, resolve=True)
+    generation, loss = (OmegaConf.to_container(cfg[key], resolve=True) for key in ("generation", "loss"))
     generation["stop_strings"] = tuple(generation.get("stop_strings") or ())
+    for section, given, known in (("generation", generation, RolloutOptions.__dataclass_fields__),
+                                  ("loss", loss, set(LOSS_OPTIONS))):
+        for key in given:
+            if key not in known:
+                raise CheckpointError(f"{section}.{key}: no such option (options: {', '.join(sorted(known))})")
     try:
         rollout = RolloutOptions(**generation)
-        options = GRPOLossOptions(**OmegaConf.to_container(cfg.loss, resolve=True),
-                                  max_completion_length=rollout.max_completion_length,
+        options = GRPOLossOptions(**loss, max_completion_length=rollout.max_completion_length,
                                   gradient_accumulation_steps=cfg.gradient_accumulation_steps)
-    except (TypeError, ValueError) as e:  # an unknown key (TypeError names it) or a value out of range
-        raise CheckpointError(f"generation/loss: {e}") from None
+    except ValueError as e:  # a value out of range the option checks let through
+        raise CheckpointError(f"loss.{e}") from None
     reward_funcs = resolve(cfg.reward_funcs)  # a bad name or import fails here, before the model loads
     reward_weights = cfg.get("reward_weights")
     config = config_as_given(cfg)

@@ -1,0 +1,233 @@
+"""recipes/grpo_finetune.py end to end: it writes the input's format (full) or a PEFT adapter and merged/ (LoRA), logs
+TRL's metric names, resumes bit-identically after a preemption or a SIGKILL during generation, between steps or during
+a save, refuses a bad reward function in one line with nothing lost, and two processes under torchrun train as one;
+the shipped tiny config learns its task on held-out prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipes.grpo_finetune import main as grpo_finetune
+from tests.conftest import ROOT, sigterm_at_step
+from waypoint.checkpointers.commit import verify
+
+FAST = ["epochs=1", "max_steps_per_epoch=4", "validation={fraction: 0.125, every_n_steps: 2}", "save_every_n_steps=2",
+        "keep_last_n_checkpoints=null", "progress=off"]
+TRL_METRICS = {"reward", "reward_std", "rewards/letter_share/mean", "rewards/letter_share/std", "completions/mean_length",
+               "completions/min_length", "completions/max_length", "completions/clipped_ratio", "frac_reward_zero_std",
+               "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+
+
+def args(config: str, out: Path, *more: str) -> list[str]:
+    return ["--config", str(ROOT / f"configs/{config}.yaml"), f"output_dir={out}", *FAST, *more]
+
+
+def run(config: str, out: Path, *more: str, stop_at: int | None = None) -> int:
+    with sigterm_at_step(stop_at):
+        return grpo_finetune(args(config, out, *more))
+
+
+def run_process(config: str, out: Path, *more: str, fault: list[str] | None = None, processes: int = 1,
+                cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    script = [str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [str(ROOT / "recipes/grpo_finetune.py")]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+                if processes > 1 else [sys.executable])
+    return subprocess.run([*launcher, *script, *args(config, out, *more)], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, start_new_session=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_RECIPE": "grpo",
+                               "PYTHONPATH": str(ROOT)})
+
+
+def final(out: Path) -> Path:
+    return max((p for p in out.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+
+
+def tensor_bytes(step: Path, pattern: str = "*.safetensors") -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(step.glob(pattern))}
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "resumed")} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    assert run("tiny_grpo", out) == 0
+    return out
+
+
+def test_full_run_writes_the_input_format_and_trl_metrics(full_run):
+    source = ROOT / "assets/tiny_llama"
+    last = final(full_run)
+    assert last.name == "step_4" and verify(last).ok
+    assert sorted(p.name for p in last.glob("*.safetensors")) == sorted(p.name for p in source.glob("*.safetensors"))
+    logged = records(full_run)
+    train = [r for r in logged if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert TRL_METRICS <= train[0].keys()
+    assert all(r["completions/max_length"] <= 6 for r in train)  # generation.max_completion_length
+    assert [r["step"] for r in logged if "val_reward" in r] == [2, 4]
+    state = torch.load(last / "recipe_state.pt", weights_only=True)
+    assert isinstance(state["sampling_rng"], torch.Tensor)  # the sampling generator travels with the step
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(last)
+
+
+def test_signal_then_the_same_command_is_bit_identical(full_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run("tiny_grpo", out, stop_at=3) == 75
+    capsys.readouterr()
+    assert run("tiny_grpo", out) == 0
+    assert "resuming from step_3" in capsys.readouterr().out
+    assert tensor_bytes(final(out)) == tensor_bytes(final(full_run))
+    assert without_timing(records(out)) == without_timing(records(full_run))  # the same completions and rewards
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [["kill-in-generation", "30", "-"],  # step 3: 16 groups, 8 held-out ones at step 2, 6 more
+                                   ["kill-group-at-step", "3", "-"],  # step 3 done, not saved
+                                   ["kill-in-save", "4", "before-rename"]],  # the final step half committed
+                         ids=["during-generation", "between-steps", "during-save"])
+def test_sigkill_then_rerun_is_bit_identical(full_run, tmp_path, fault):
+    out = tmp_path / "out"
+    killed = run_process("tiny_grpo", out, fault=fault)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert [p.name for p in out.glob("step_*")] == ["step_2"]  # the newest committed step
+    assert run("tiny_grpo", out) == 0
+    assert tensor_bytes(final(out)) == tensor_bytes(final(full_run))
+    assert without_timing(records(out)) == without_timing(records(full_run))
+
+
+def test_lora_with_beta_writes_a_peft_adapter_and_merged_model(tmp_path):
+    """LoRA and beta > 0: the KL's reference is the base with the adapters off, so the first step's KL is 0 (the
+    adapters start as zero) and later ones are not; the adapter loads in PEFT, merged/ in transformers."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    assert run("tiny_grpo_lora", out, "loss.beta=0.04", "max_steps_per_epoch=3", "save_every_n_steps=null") == 0
+    train = [r for r in records(out) if "loss" in r]
+    assert train[0]["kl"] == 0.0 and train[-1]["kl"] > 0
+    last = final(out)
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in last.iterdir()}
+    assert verify(last / "merged").ok
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ROOT / "assets/tiny_llama"), last)
+    AutoModelForCausalLM.from_pretrained(last / "merged")
+
+
+def test_full_run_with_beta_keeps_a_frozen_reference(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run("tiny_grpo", out, "loss.beta=0.04", "max_steps_per_epoch=2", "validation=null") == 0
+    assert "a frozen copy of the input model" in capsys.readouterr().out
+    train = [r for r in records(out) if "loss" in r]
+    assert train[0]["kl"] == 0.0 and train[1]["kl"] > 0
+
+
+@pytest.mark.parametrize("loss", ["grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"])
+def test_every_loss_type_trains(loss, tmp_path):
+    out = tmp_path / "out"
+    assert run("tiny_grpo", out, f"loss.loss_type={loss}", "max_steps_per_epoch=2", "validation=null",
+               "save_every_n_steps=null") == 0
+    train = [r for r in records(out) if "loss" in r]
+    assert len(train) == 2 and all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in train)
+
+
+def test_gspo_with_iterations_and_batch_scaling(tmp_path):
+    """Sequence-level ratios over num_iterations=2 optimizer steps per sample batch: the second step's ratio moves
+    off 1, so the clip metrics are defined; the scheduler counts optimizer steps."""
+    out = tmp_path / "out"
+    assert run("tiny_grpo", out, "loss.loss_type=grpo", "loss.importance_sampling_level=sequence", "loss.num_iterations=2",
+               "loss.scale_rewards=batch", "max_steps_per_epoch=2", "validation=null", "save_every_n_steps=null") == 0
+    state = torch.load(final(out) / "recipe_state.pt", weights_only=True)
+    assert state["lr_scheduler"]["last_epoch"] == 4
+
+
+def test_a_reward_function_that_raises_stops_in_one_line_and_keeps_the_steps(tmp_path, monkeypatch, capsys):
+    """A user's reward file beside where they run: it fails at step 3; the run stops with one line naming the
+    function, and step_2 (saved before) is intact."""
+    (tmp_path / "flaky_rewards_a.py").write_text(
+        "calls = 0\n"
+        "def flaky(prompts, completions, completion_ids, **kw):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls == 3:\n"
+        "        raise KeyError('answer')\n"
+        "    return [float(len(c)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    code = run("tiny_grpo", out, "reward_funcs=[flaky_rewards_a.flaky]", "validation=null")
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "reward function flaky raised KeyError: 'answer'" in err and "Traceback" not in err
+    assert [p.name for p in out.glob("step_*")] == ["step_2"] and verify(out / "step_2").ok
+
+
+@pytest.mark.parametrize("funcs, expected", [
+    ("[no_such_module.f]", "reward_funcs: no_such_module.f: no module no_such_module"),
+    ("[waypoint.assets.tiny_grpo_rewards.nope]", "has no nope"),
+    ("[answer_match]", "reward function answer_match"),  # the tiny data has no answer column
+])
+def test_bad_reward_functions_are_one_line(funcs, expected, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run("tiny_grpo", out, f"reward_funcs={funcs}", "validation=null") != 0
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("option, expected", [
+    ("generation.num_generation=4", "unknown option generation.num_generation (did you mean generation.num_generations"),
+    ("+loss.epsilon_low=0.1", "loss.epsilon_low: no such option"),
+    ("loss.loss_type=ppo", "loss.loss_type=ppo: expected one of"),
+    ("generation.num_generations=1", "generation.num_generations=1: expected an integer >= 2"),
+    ("generation.max_completion_length=600", "past the model's max_seq_len=512"),
+])
+def test_bad_options_are_one_line(option, expected, tmp_path, capsys):
+    try:
+        code = run("tiny_grpo", tmp_path / "out", option)
+    except SystemExit as e:  # the command line's own checks
+        code = e.code
+    assert code != 0
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("step_*"))
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one(full_run, tmp_path):
+    """torchrun, 2 CPU processes of 2 prompts per micro-batch: each prompt's completions are the same as in one
+    process of 4 (its generator is its dataset index's), so the rewards and metrics agree and the weights agree up to
+    the order of the sums."""
+    out = tmp_path / "two"
+    result = run_process("tiny_grpo", out, "batch_size=2", processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = records(full_run), records(out)
+    assert len(one) == len(two)
+    for a, b in zip(one, two):
+        for key in a.keys() - {"tokens_per_s"}:
+            assert b[key] == pytest.approx(a[key], abs=1e-5, rel=1e-5, nan_ok=True), (key, a, b)
+    from safetensors.torch import load_file
+    mine = {k: v for f in sorted(final(out).glob("model-*.safetensors")) for k, v in load_file(f).items()}
+    theirs = {k: v for f in sorted(final(full_run).glob("model-*.safetensors")) for k, v in load_file(f).items()}
+    assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs) < 1e-4
+
+
+@pytest.mark.slow
+def test_the_tiny_config_raises_the_held_out_reward(tmp_path):
+    """The shipped config as it is: the reward on held-out prompts (never trained on; the same draws at each
+    evaluation) at the end is several times the start's."""
+    out = tmp_path / "out"
+    assert grpo_finetune(["--config", str(ROOT / "configs/tiny_grpo.yaml"), f"output_dir={out}", "progress=off"]) == 0
+    val = [r["val_reward"] for r in records(out) if "val_reward" in r]
+    assert len(val) == 8 and val[-1] > 3 * val[0], val
