@@ -9,7 +9,9 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT
 from waypoint.cli.config import parse_config
+from waypoint.cli.grpo_option_checks import GRPO
 from waypoint.cli.option_checks import COMMON, LORA, PREFERENCE
+from waypoint.rewards import resolve
 
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem not in ("generate", "eval"))  # training configs
 
@@ -28,6 +30,9 @@ def test_config_composes_and_its_targets_import(path):
     checks = COMMON | LORA if raw.get("lora") else COMMON  # each with its recipe's checks
     if "PreferenceDataset" in raw.dataset._target_:  # recipes/dpo_finetune.py's
         checks = checks | PREFERENCE
+    if "PromptDataset" in raw.dataset._target_:  # recipes/grpo_finetune.py's: its reward functions import too
+        checks = checks | GRPO
+        resolve(raw.reward_funcs)
     cfg = OmegaConf.to_container(parse_config(["--config", str(path), "device=cpu"], checks=checks), resolve=True)  # GPU configs, checked here
     for key in ("output_dir", "seed", "epochs", "batch_size", "gradient_accumulation_steps", "checkpointer", "dataset",
                 "optimizer", "resume", "save_every_n_steps", "keep_last_n_checkpoints"):

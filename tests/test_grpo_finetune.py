@@ -231,3 +231,37 @@ def test_the_tiny_config_raises_the_held_out_reward(tmp_path):
     assert grpo_finetune(["--config", str(ROOT / "configs/tiny_grpo.yaml"), f"output_dir={out}", "progress=off"]) == 0
     val = [r["val_reward"] for r in records(out) if "val_reward" in r]
     assert len(val) == 8 and val[-1] > 3 * val[0], val
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_a_hybrid_family_samples_and_trains_conversational_prompts_with_lora(family, tmp_path, monkeypatch):
+    """Qwen3.5 (Gated DeltaNet's recurrent state in the sampler's cache, the MoE's routed experts): conversational
+    prompts rendered with a chat template, completions handed to the reward function as TRL hands them (a list with
+    one assistant message), LoRA on DeltaNet's projections; the adapter and merged/ are written."""
+    import shutil
+
+    from tests.conftest import tiny_family_config, write_family_checkpoint
+
+    base = tmp_path / "base"
+    write_family_checkpoint(base, tiny_family_config(family, vocab_size=512, max_position_embeddings=256))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "assets/tiny_llama" / name, base / name)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Write the letter {c}."}], "letter": c})
+                            + "\n" for c in "abcdefgh"))
+    (tmp_path / "chat_rewards_b.py").write_text(
+        "def letters(prompts, completions, completion_ids, letter, **kw):\n"
+        "    assert all(isinstance(p, list) and p[-1]['role'] == 'user' for p in prompts)\n"
+        "    assert all(isinstance(c, list) and len(c) == 1 and c[0]['role'] == 'assistant' for c in completions)\n"
+        "    return [c[0]['content'].count(x) / 6 for c, x in zip(completions, letter)]\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    targets = "[q_proj,v_proj,in_proj_qkv,in_proj_z,out_proj]"
+    assert grpo_finetune(["--config", str(ROOT / "configs/tiny_grpo_lora.yaml"), f"output_dir={out}",
+                          f"checkpointer.checkpoint_dir={base}", f"dataset.source={data}", "dataset.template=chatml",
+                          "reward_funcs=[chat_rewards_b.letters]", "validation=null", "epochs=1", "batch_size=2",
+                          f"lora.targets={targets}", "progress=off"]) == 0
+    last = final(out)
+    assert last.name == "step_2" and verify(last / "merged").ok
+    assert (last / "merged" / "chat_template.jinja").is_file()  # prompted as it trained
+    assert all(r["completions/mean_length"] > 0 for r in records(out) if "loss" in r)
