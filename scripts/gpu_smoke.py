@@ -77,6 +77,10 @@ CASES = [
     Case("dpo", recipe("dpo_finetune", "tiny_dpo")),
     Case("dpo-lora", recipe("dpo_finetune", "tiny_dpo_lora")),
     Case("dpo-qlora", recipe("dpo_finetune", "tiny_dpo_qlora"), needs=("torchao",)),
+    Case("grpo", recipe("grpo_finetune", "tiny_grpo", "batch_size=2")),
+    Case("grpo-lora-beta-bf16", recipe("grpo_finetune", "tiny_grpo_lora", "batch_size=2", "loss.beta=0.04", "dtype=bf16")),
+    Case("grpo-qlora", recipe("grpo_finetune", "tiny_grpo_lora", "batch_size=2", "quantize_base=nf4"), needs=("torchao",)),
+    Case("torchrun-grpo", recipe("grpo_finetune", "tiny_grpo", "batch_size=2"), torchrun=True),
     Case("generate", ["recipes/generate.py", "--config", "configs/generate.yaml", "device={device}",
                       "checkpoint_dir={work}/full/step_3", "prompt=What is the capital of Peru?", "max_new_tokens=8"],
          after="full"),
@@ -104,6 +108,8 @@ CASES = [
          base="qwen3_5", needs=FAMILY),
     Case("qwen3.5-moe-lora", recipe("lora_finetune", "tiny_lora", "lora.targets=[in_proj_qkv,in_proj_z,q_proj,v_proj]"),
          base="qwen3_5_moe", needs=FAMILY),
+    Case("qwen3.5-grpo-lora", recipe("grpo_finetune", "tiny_grpo_lora", "batch_size=2",
+                                     "lora.targets=[in_proj_qkv,out_proj,q_proj,w2]"), base="qwen3_5", needs=FAMILY),
     Case("qwen3-next-full-bf16", recipe("full_finetune", "tiny", "dtype=bf16"), base="qwen3_next", needs=FAMILY),
 ]
 
