@@ -103,6 +103,9 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         raise CheckpointError(f"loss.{e}") from None
     reward_funcs = resolve(cfg.reward_funcs)  # a bad name or import fails here, before the model loads
     reward_weights = cfg.get("reward_weights")
+    if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+        raise CheckpointError(f"reward_weights: {len(reward_weights)} weights for {len(reward_funcs)} reward_funcs; "
+                              "give one per function (or null for all 1)")
     config = config_as_given(cfg)
     run_dir = RunDir(Path(cfg.output_dir), cfg.get("output_store"))
     saving = SaveOptions(keep_last_n=cfg.keep_last_n_checkpoints, asynchronous=cfg.get("async_checkpoint", False))

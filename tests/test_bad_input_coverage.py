@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests import (test_bad_input, test_chat_bad_input, test_config_errors, test_dpo_bad_input, test_eval_bad_input,
-                   test_generate_bad_input, test_script_bad_input)
+                   test_generate_bad_input, test_grpo_bad_input, test_script_bad_input)
 from tests.conftest import ROOT
+from waypoint.cli.grpo_option_checks import GRPO
 from waypoint.cli.option_checks import COMMON, EVAL, GENERATE, LORA, PREFERENCE
 
 DEVELOPER_TOOLS = {
@@ -33,6 +34,7 @@ COMMANDS = {
     "full_finetune": [test_config_errors.CASES, test_chat_bad_input.CASES, test_bad_input.CASES],
     "lora_finetune": [test_config_errors.LORA_CASES],
     "dpo_finetune": [test_dpo_bad_input.CASES],
+    "grpo_finetune": [test_grpo_bad_input.CASES],
     "generate": [test_generate_bad_input.CASES],
     "eval": [test_eval_bad_input.CASES],
     **{name: None for name in test_script_bad_input.SCRIPTS},
@@ -99,7 +101,9 @@ generate_rows = rows_of(test_generate_bad_input.CASES)
     (EVAL, rows_of(test_eval_bad_input.CASES)),
     (PREFERENCE, lambda tmp: [(case_id, test_dpo_bad_input.overrides_of(case_id, tmp, tmp / "d.jsonl"))
                               for case_id, _ in test_dpo_bad_input.CASES]),
-], ids=["common", "lora", "generate", "eval", "preference"])
+    (GRPO, lambda tmp: [(case_id, test_grpo_bad_input.overrides_of(case_id, tmp, tmp / "d.jsonl"))
+                        for case_id, _ in test_grpo_bad_input.CASES]),
+], ids=["common", "lora", "generate", "eval", "preference", "grpo"])
 def test_every_recipe_option_has_a_bad_value_row(options, rows, tmp_path):
     """An option is covered by a row whose id starts with it and whose overrides set it."""
     rows = rows(tmp_path)

@@ -174,34 +174,11 @@ def test_a_reward_function_that_raises_stops_in_one_line_and_keeps_the_steps(tmp
     assert [p.name for p in out.glob("step_*")] == ["step_2"] and verify(out / "step_2").ok
 
 
-@pytest.mark.parametrize("funcs, expected", [
-    ("[no_such_module.f]", "reward_funcs: no_such_module.f: no module no_such_module"),
-    ("[waypoint.assets.tiny_grpo_rewards.nope]", "has no nope"),
-    ("[answer_match]", "reward function answer_match"),  # the tiny data has no answer column
-])
-def test_bad_reward_functions_are_one_line(funcs, expected, tmp_path, capsys):
-    out = tmp_path / "out"
-    assert run("tiny_grpo", out, f"reward_funcs={funcs}", "validation=null") != 0
+def test_a_reward_function_given_a_column_the_data_lacks_is_one_line(tmp_path, capsys):
+    """answer_match reads the answer column, which the tiny data has not: one line at the first scoring."""
+    assert run("tiny_grpo", tmp_path / "out", "reward_funcs=[answer_match]", "validation=null") != 0
     err = capsys.readouterr().err
-    assert expected in err and "Traceback" not in err, err
-
-
-@pytest.mark.parametrize("option, expected", [
-    ("generation.num_generation=4", "unknown option generation.num_generation (did you mean generation.num_generations"),
-    ("+loss.epsilon_low=0.1", "loss.epsilon_low: no such option"),
-    ("loss.loss_type=ppo", "loss.loss_type=ppo: expected one of"),
-    ("generation.num_generations=1", "generation.num_generations=1: expected an integer >= 2"),
-    ("generation.max_completion_length=600", "past the model's max_seq_len=512"),
-])
-def test_bad_options_are_one_line(option, expected, tmp_path, capsys):
-    try:
-        code = run("tiny_grpo", tmp_path / "out", option)
-    except SystemExit as e:  # the command line's own checks
-        code = e.code
-    assert code != 0
-    err = capsys.readouterr().err
-    assert expected in err and "Traceback" not in err, err
-    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("step_*"))
+    assert "reward function answer_match raised" in err and "answer" in err and "Traceback" not in err, err
 
 
 @pytest.mark.slow
