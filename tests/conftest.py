@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +14,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: each worker one thread (and its children), one per core
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def tiny_llama_config(n_heads=4, n_kv_heads=2, head_dim=None, hidden=64, layers=2, vocab=128, tie=False):
