@@ -45,7 +45,8 @@ from waypoint.errors import CheckpointError  # noqa: E402
 from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
 
 METRICS_FILE = "metrics.jsonl"
-TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "aux_loss", "rewards/accuracies", "rewards/margins")
+TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "aux_loss", "rewards/accuracies", "rewards/margins", "reward",
+                "completions/mean_length")
 NAN = float("nan")
 
 
@@ -124,7 +125,7 @@ def read_run(arg: str | Path, smooth: float = 0.9, name: str | None = None) -> R
             continue
         is_train, val_loss = "loss" in record, _number(record.get("val_loss"))
         if not is_train and "val_loss" not in record:
-            run.skipped += 1
+            run.skipped += "val_reward" not in record  # online RL's held-out reward: a step record, not plotted
             continue
         if "val_loss" in record:
             val[step] = val_loss
@@ -186,6 +187,8 @@ PANELS = (  # series key, title, y label
     ("aux_loss", "MoE auxiliary loss", "aux loss"),
     ("rewards/accuracies", "preference: pairs whose chosen reward is the higher", "share"),  # recipes/dpo_finetune.py
     ("rewards/margins", "preference: reward margin (chosen - rejected)", "margin"),
+    ("reward", "online RL: mean reward of the step's completions", "reward"),  # recipes/grpo_finetune.py
+    ("completions/mean_length", "online RL: mean completion length", "tokens"),
 )
 
 
