@@ -234,7 +234,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             started = time.perf_counter()
             prompts = [next(batches)[1] for _ in range(accumulate)]
             # Sample and score (the policy as it is), then num_iterations optimizer steps on those samples.
-            rollouts, record, samples = step.rollouts(model, prompts, step_seed(sampling))
+            rollouts, record = step.rollouts(model, prompts, step_seed(sampling))
             step.fill_fixed_logps(model, rollouts, reference)
             global_step += 1
             losses, loss_metrics = [], []
@@ -257,7 +257,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             if main:
                 metrics.write(**record)
             if validation and validation.due(global_step, plan.total_steps):
-                held_out = step.evaluate(model, validation.dataset, cfg.batch_size, cfg.seed)
+                held_out = step.evaluate(model, validation.dataset, cfg.seed)
                 record.update(held_out)
                 if main:
                     metrics.write(step=global_step, **held_out)

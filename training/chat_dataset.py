@@ -94,18 +94,7 @@ class ChatDataset(Dataset):
                 raise ValueError(f"{where}: 'system' must be a string, got {type(system).__name__}")
             if system and ROLES.get(turns[0].get(role_key) if isinstance(turns[0], dict) else None) != "system":
                 messages.append({"role": "system", "content": system})
-        for n, turn in enumerate(turns, start=1):
-            if not isinstance(turn, dict):
-                raise ValueError(f"{where}: message {n}: expected an object, got {type(turn).__name__}")
-            for key in (role_key, content_key):
-                if key not in turn:
-                    raise ValueError(f"{where}: message {n}: missing key {key!r}")
-            role, content = turn[role_key], turn[content_key]
-            if not isinstance(role, str) or role not in ROLES:
-                raise ValueError(f"{where}: message {n}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
-            if not isinstance(content, str):
-                raise ValueError(f"{where}: message {n}: {content_key!r} must be a string, got {type(content).__name__}")
-            messages.append({"role": ROLES[role], "content": content})
+        messages += read_messages(turns, where, role_key, content_key)
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{where}: no assistant message (nothing to train on)")
         return messages
@@ -120,3 +109,25 @@ class ChatDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return self.items[index]
+
+
+def read_messages(turns: list, where: str, role_key: str = "role", content_key: str = "content",
+                  field: str | None = None) -> list[dict[str, str]]:
+    """``turns`` (a record's list of messages) as ``{"role", "content"}`` dicts with the roles' standard names; a
+    malformed message is a ``ValueError`` naming ``where`` (the file and record), ``field`` when given, and the
+    message's number."""
+    at = f"{where}: {field!r}" if field else where
+    messages = []
+    for n, turn in enumerate(turns, start=1):
+        if not isinstance(turn, dict):
+            raise ValueError(f"{at}: message {n}: expected an object, got {type(turn).__name__}")
+        for key in (role_key, content_key):
+            if key not in turn:
+                raise ValueError(f"{at}: message {n}: missing key {key!r}")
+        role, content = turn[role_key], turn[content_key]
+        if not isinstance(role, str) or role not in ROLES:
+            raise ValueError(f"{at}: message {n}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        if not isinstance(content, str):
+            raise ValueError(f"{at}: message {n}: {content_key!r} must be a string, got {type(content).__name__}")
+        messages.append({"role": ROLES[role], "content": content})
+    return messages

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -77,13 +77,6 @@ class Rollout:
         return (self.labels[:, 1:] != IGNORE_INDEX).float()
 
 
-@dataclass
-class StepResult:
-    loss: float
-    metrics: dict[str, float] = field(default_factory=dict)
-    samples: list[dict] = field(default_factory=list)  # the first completions of the step, as text, for a look
-
-
 class GRPOStep:
     """A GRPO step's parts, set up once per run; :meth:`rollouts` samples and scores, :meth:`train` takes the
     optimizer steps. ``engine``: None (sample with the policy, ``models.sample_group``), or a callable
@@ -111,9 +104,9 @@ class GRPOStep:
         stops = set(self.stop_ids) | {self.tokenizer.pad_id}
         return self.tokenizer.decode([t for t in ids if t not in stops])
 
-    def rollouts(self, model, micro_batches: list[list[dict]], seed: int) -> tuple[list[Rollout], dict[str, float], list[dict]]:
+    def rollouts(self, model, micro_batches: list[list[dict]], seed: int) -> tuple[list[Rollout], dict[str, float]]:
         """(one :class:`Rollout` per micro-batch of prompt items, TRL's reward and completion metrics of the whole
-        step, the first group's texts) for the step whose seed is ``seed``."""
+        step) for the step whose seed is ``seed``."""
         r, n = self.rollout, self.rollout.num_generations
         items = [item for batch in micro_batches for item in batch]
         with gathered(model) if self.dist.enabled else contextlib.nullcontext():
@@ -148,9 +141,7 @@ class GRPOStep:
             keep = [not (r.mask_truncated_completions and not bool(terminated[offset + i])) for i in range(rows)]
             out.append(self._pack(prompt_ids, completions[offset: offset + rows], keep, mine[offset: offset + rows]))
             offset += rows
-        sample = [{"prompt": items[0]["prompt"], "completion": t, "reward": float(rewards[start + i])}
-                  for i, t in enumerate(texts[:n])]
-        return out, metrics, sample
+        return out, metrics
 
     def _stopped(self, ids: list[int]) -> bool:
         return bool(self.rollout.stop_strings) and any(s in self._text(ids) for s in self.rollout.stop_strings)
@@ -166,7 +157,7 @@ class GRPOStep:
                 labels[row, len(p): len(p) + len(c)] = torch.tensor(c, dtype=torch.long)
         return Rollout(tokens, labels, advantages.clone())
 
-    def evaluate(self, model, prompts, batch_size: int, seed: int) -> dict[str, float]:
+    def evaluate(self, model, prompts, seed: int) -> dict[str, float]:
         """``val_reward`` (and ``val_rewards/<func>/mean``, ``val_completions/mean_length``): the mean reward of
         ``num_generations`` completions of every held-out prompt, sampled as in training from a generator fixed for
         the run (each evaluation sees the same draws), each rank its share of the prompts."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from waypoint.text.chat_template import ChatTemplate, load_chat_template
-from waypoint.training.chat_dataset import ROLES
+from waypoint.training.chat_dataset import read_messages
 from waypoint.training.records import Skipped, converted
 
 COLUMN_KEYS = ("prompt", "role", "content")
@@ -109,22 +109,8 @@ class PromptDataset(Dataset):
         return messages, list(self.tokenizer.encode_with_offsets(template.render(messages, add_generation_prompt=True))[0]), rest
 
     def _messages(self, turns: list, field: str, where: str) -> list[dict[str, str]]:
-        role_key, content_key = self.columns.get("role", "role"), self.columns.get("content", "content")
-        messages = []
-        for n, turn in enumerate(turns, start=1):
-            if not isinstance(turn, dict):
-                raise ValueError(f"{where}: {field!r}: message {n}: expected an object, got {type(turn).__name__}")
-            for key in (role_key, content_key):
-                if key not in turn:
-                    raise ValueError(f"{where}: {field!r}: message {n}: missing key {key!r}")
-            role, content = turn[role_key], turn[content_key]
-            if not isinstance(role, str) or role not in ROLES:
-                raise ValueError(f"{where}: {field!r}: message {n}: unknown role {role!r} "
-                                 f"(expected one of {', '.join(ROLES)})")
-            if not isinstance(content, str):
-                raise ValueError(f"{where}: {field!r}: message {n}: {content_key!r} must be a string, got "
-                                 f"{type(content).__name__}")
-            messages.append({"role": ROLES[role], "content": content})
+        messages = read_messages(turns, where, self.columns.get("role", "role"), self.columns.get("content", "content"),
+                                 field)
         if messages[-1]["role"] == "assistant":
             raise ValueError(f"{where}: {field!r} ends with an assistant message; a prompt ends where the completion "
                              "is to begin")
