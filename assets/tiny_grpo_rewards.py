@@ -2,9 +2,9 @@
 function ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``, here found by its import path
 ``waypoint.assets.tiny_grpo_rewards.letter_share`` (a file of your own beside where you run: ``my_rewards.f``).
 
-The task: each prompt asks for one letter (the record's ``letter`` column); a completion earns the share of its
-characters that are that letter, so a random model's rewards differ within a group and the policy can learn to
-write the asked letter."""
+The task: each prompt is one letter written a few times (the record's ``letter`` column: a or x); a completion earns
+the share of its (non-space) characters that are that letter, so a random model's rewards differ within a group and
+the policy can learn to answer each prompt with its own letter."""
 
 
 def letter_share(prompts, completions, completion_ids, letter, **kwargs):

@@ -18,7 +18,7 @@ from recipes.grpo_finetune import main as grpo_finetune
 from tests.conftest import ROOT, sigterm_at_step
 from waypoint.checkpointers.commit import verify
 
-FAST = ["epochs=1", "max_steps_per_epoch=4", "validation={fraction: 0.125, every_n_steps: 2}", "save_every_n_steps=2",
+FAST = ["epochs=1", "max_steps_per_epoch=4", "validation.every_n_steps=2", "save_every_n_steps=2",
         "keep_last_n_checkpoints=null", "progress=off"]
 TRL_METRICS = {"reward", "reward_std", "rewards/letter_share/mean", "rewards/letter_share/std", "completions/mean_length",
                "completions/min_length", "completions/max_length", "completions/clipped_ratio", "frac_reward_zero_std",
@@ -197,18 +197,21 @@ def test_two_processes_train_as_one(full_run, tmp_path):
     from safetensors.torch import load_file
     mine = {k: v for f in sorted(final(out).glob("model-*.safetensors")) for k, v in load_file(f).items()}
     theirs = {k: v for f in sorted(final(full_run).glob("model-*.safetensors")) for k, v in load_file(f).items()}
-    assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs) < 1e-4
+    # Adam at lr 1e-2 moves a weight whose gradient is near 0 by up to lr: the sums' order shows there, 1.3e-4 at most
+    assert max(float((mine[k] - theirs[k]).abs().max()) for k in theirs) < 1e-3
 
 
 @pytest.mark.slow
 def test_the_tiny_config_raises_the_held_out_reward(tmp_path):
-    """The shipped config as it is: the reward on held-out prompts (never trained on; the same draws at each
-    evaluation) at the end is several times the start's."""
+    """The shipped config as it is, its first 24 of 80 steps (stopped there as a preemption stops it, so its
+    schedule is the shipped run's): the reward on the held-out prompts (never trained on; the same draws at each
+    evaluation) rises several times over. (On the machine the suite was written on it goes 0.179, 0.513, 0.75: each
+    prompt answered with its own letter, past the 0.5 that one letter for every prompt earns.)"""
     out = tmp_path / "out"
-    assert grpo_finetune(["--config", str(ROOT / "configs/tiny_grpo.yaml"), f"output_dir={out}", "progress=off",
-                          "epochs=4"]) == 0  # half the shipped run: the rise is over by then
+    with sigterm_at_step(24):
+        assert grpo_finetune(["--config", str(ROOT / "configs/tiny_grpo.yaml"), f"output_dir={out}", "progress=off"]) == 75
     val = [r["val_reward"] for r in records(out) if "val_reward" in r]
-    assert len(val) == 4 and val[-1] > 3 * val[0], val
+    assert len(val) == 3 and val[-1] > 2.5 * val[0], val
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
