@@ -62,6 +62,9 @@ def rope_args(cfg: HFConfig, max_seq_len: int, supported: tuple[str, ...], model
         raise ValueError(f"rope type {rope_type!r} is not supported for model_type {model_type!r} "
                          f"(supported: {', '.join(supported)})")
     args: dict[str, Any] = dict(rope_theta=float(params["rope_theta"]), rope_type=rope_type)
+    if rope_type == "proportional":  # Gemma 4: its partial_rotary_factor is the share of frequency pairs that turn
+        return dict(args, rope_proportion=float(params.get("partial_rotary_factor", 1.0)),
+                    rope_factor=float(params.get("factor", 1.0)))
     if partial_rotary:
         args["partial_rotary_factor"] = float(params.get("partial_rotary_factor", 1.0))
     elif float(params.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -153,6 +156,10 @@ def rope_fields(args: ModelArgs) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_type": args.rope_type, "rope_theta": args.rope_theta}
     if args.rope_type == "linear":
         params["factor"] = args.rope_factor
+    if args.rope_type == "proportional":
+        params["partial_rotary_factor"] = args.rope_proportion
+        if args.rope_factor != 1.0:
+            params["factor"] = args.rope_factor
     if args.rope_type == "llama3":
         params.update(factor=args.rope_factor, low_freq_factor=args.rope_low_freq_factor,
                       high_freq_factor=args.rope_high_freq_factor, original_max_position_embeddings=args.rope_original_max_seq_len)

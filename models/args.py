@@ -17,9 +17,10 @@ ACTIVATIONS = {
     "gelu": F.gelu,  # exact (erf) GELU
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
 }
-ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "softmax_grouped")
+# "normed_softmax_topk": Gemma 4's (models.moe), the router's input RMS-normed and scaled, each expert's weight scaled
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped", "softmax_grouped", "normed_softmax_topk")
 GROUPED_ROUTINGS = ("sigmoid_grouped", "softmax_grouped")  # DeepSeek-V3, DeepSeek-V2 (models.grouped_routing)
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn", "proportional")
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,20 @@ class ModelArgs:
     linear_conv_kernel: int = 4
     attn_output_gate: bool = False  # q_proj emits [query, gate] per head; the output is times sigmoid(gate)
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * this dims of each q/k head (the rest pass)
+    # Gemma 4: the full-attention layers' own head width and k/v heads; rope_type "proportional" rotates the first
+    # rope_proportion of each head's frequency pairs (at base ** (-2i / head_dim)) and leaves the others still
+    global_head_dim: int | None = None  # None: head_dim
+    global_kv_heads: int | None = None  # None: n_kv_heads
+    rope_proportion: float = 1.0
+    attn_k_eq_v: bool = False  # full-attention layers take their keys (before k_norm and RoPE) as values: no v_proj
+    value_norm: bool = False  # a weightless RMSNorm over each value head
+    kv_shared_layers: int = 0  # the last N layers attend over the keys and values of the last earlier layer of their type
+    layer_scalar: bool = False  # each block's output times its own stored scalar (a buffer: in the checkpoint, not trained)
+    norm_fp32_weight: bool = False  # RMSNorm multiplies by its weight in fp32, then casts (Gemma 4; Llama casts first)
+    per_layer_dim: int = 0  # per-layer embeddings (models.per_layer_embeddings): each layer's width; 0: none
+    per_layer_vocab_size: int | None = None  # their table's rows (None: vocab_size)
+    moe_beside_mlp: bool = False  # every layer's experts run beside its dense MLP, each with its own norms, summed
+    double_wide_mlp: bool = False  # the kv-shared layers' dense MLP is twice hidden_dim wide
 
     @property
     def rotary_dim(self) -> int:
@@ -156,6 +171,24 @@ class ModelArgs:
             raise ValueError("local_rope_theta is the sliding layers' RoPE base, but sliding_window is None")
         check_mla_and_groups(self)
         check_linear_attention(self)
+        check_shared_kv(self)
+
+    def is_full_attention(self, layer: int) -> bool:
+        return self.sliding_window is None or layer in self.full_attention_layers
+
+    def attention_shape(self, layer: int) -> tuple[int, int]:
+        """Layer ``layer``'s (k/v heads, head_dim): the full-attention layers' own where Gemma 4 sets them."""
+        if self.is_full_attention(layer):
+            return self.global_kv_heads or self.n_kv_heads, self.global_head_dim or self.resolved_head_dim
+        return self.n_kv_heads, self.resolved_head_dim
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values layer ``layer`` attends over (``kv_shared_layers``), or None: its own."""
+        first = self.n_layers - self.kv_shared_layers
+        if layer < first:
+            return None
+        full = self.is_full_attention(layer)
+        return max(i for i in range(first) if self.is_full_attention(i) == full)
 
 
 def check_mla_and_groups(args: ModelArgs) -> None:
@@ -182,6 +215,28 @@ def check_mla_and_groups(args: ModelArgs) -> None:
             raise ValueError("sigmoid_grouped scores each group by its top-2 experts: groups need 2 experts or more")
         if not args.routed_scaling > 0:
             raise ValueError(f"routed_scaling={args.routed_scaling} must be positive")
+
+
+def check_shared_kv(args: ModelArgs) -> None:
+    """Gemma 4's fields: each kv-shared layer has an earlier layer of its type to share with."""
+    if not 0 <= args.kv_shared_layers < args.n_layers:
+        raise ValueError(f"kv_shared_layers={args.kv_shared_layers} must be between 0 and n_layers - 1 = {args.n_layers - 1}")
+    first = args.n_layers - args.kv_shared_layers
+    kinds = {args.is_full_attention(i) for i in range(first)}
+    if any(args.is_full_attention(i) not in kinds for i in range(first, args.n_layers)):
+        raise ValueError("a kv-shared layer's attention type (sliding or full) has no earlier layer to share keys and values with")
+    if not 0 < args.rope_proportion <= 1:
+        raise ValueError(f"rope_proportion={args.rope_proportion} must be in (0, 1]")
+    for name in ("global_head_dim", "global_kv_heads"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"{name}={value} must be positive (or None)")
+    if args.n_heads % (args.global_kv_heads or args.n_kv_heads):
+        raise ValueError(f"n_heads={args.n_heads} is not a multiple of global_kv_heads={args.global_kv_heads}")
+    if args.per_layer_dim < 0:
+        raise ValueError(f"per_layer_dim={args.per_layer_dim} must not be negative")
+    if args.moe_beside_mlp and not args.n_experts:
+        raise ValueError("moe_beside_mlp runs experts beside the dense MLP, but n_experts is 0")
 
 
 def check_linear_attention(args: ModelArgs) -> None:

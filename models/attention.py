@@ -9,6 +9,8 @@ lives here because the per-head norms use it; the blocks use it too.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,19 +20,27 @@ from waypoint.models.args import ModelArgs
 
 class RMSNorm(nn.Module):
     """``weight * normalize(x)``, or with ``plus_one`` Gemma's ``(1 + weight) * normalize(x)`` multiplied in fp32
-    before the cast back (Llama casts first, then multiplies; both as transformers does)."""
+    before the cast back (Llama casts first, then multiplies; both as transformers does); ``fp32_weight``: the weight
+    multiplied in fp32 too, and the root taken as transformers' Gemma 4 takes it (``pow(x, -0.5)``, not ``rsqrt``, which
+    may differ in the last bit); ``weight=False``: no weight at all (Gemma 4's value and router norms)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = False) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, plus_one: bool = False, fp32_weight: bool = False,
+                 weight: bool = True) -> None:
         super().__init__()
         self.eps = eps
-        self.plus_one = plus_one
-        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+        self.plus_one, self.fp32_weight = plus_one, fp32_weight
+        self.weight = (nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim)) if weight else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        mean_square = x32.pow(2).mean(-1, keepdim=True) + self.eps
+        normed = x32 * (torch.pow(mean_square, -0.5) if self.fp32_weight else torch.rsqrt(mean_square))
+        if self.weight is None:
+            return normed.to(x.dtype)
         if self.plus_one:
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        if self.fp32_weight:
+            return (normed * self.weight.float()).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
@@ -58,9 +68,10 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     Each pair ``(x0, x1)`` and its row ``(cos, sin)`` read as complex numbers: their product is
     ``(x0 cos - x1 sin, x0 sin + x1 cos)``, the rotation, in one kernel over views of the same memory (no
     stack, no copies per half; the same bits as those formulas written out, at a quarter of the time here)."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    dtype = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    pairs = torch.view_as_complex(x.to(dtype).unflatten(-1, (-1, 2)).contiguous())
     table = cache[:, :, None] if cache.dim() == 4 else cache[: x.shape[1], None]
-    return torch.view_as_real(pairs * torch.view_as_complex(table.float().contiguous())).flatten(-2).to(x.dtype)
+    return torch.view_as_real(pairs * torch.view_as_complex(table.to(dtype).contiguous())).flatten(-2).to(x.dtype)
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, *,
@@ -95,27 +106,39 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped k/v heads; ``forward(x [batch, seq, dim], rope, mask) -> [batch, seq, dim]``."""
+    """Multi-head attention with grouped k/v heads; ``forward(x [batch, seq, dim], rope, mask) -> [batch, seq, dim]``.
 
-    def __init__(self, args: ModelArgs) -> None:
+    Gemma 4's layers differ by ``layer_id``: full-attention ones take their own head width and k/v heads, may use
+    their keys as values (``attn_k_eq_v``: no ``v_proj``), and the last ``kv_shared_layers`` have no k/v projections
+    at all, attending over the keys and values an earlier layer of their type left in ``shared_kv``."""
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.resolved_head_dim
+        self.n_heads = args.n_heads
+        self.n_kv_heads, self.head_dim = args.attention_shape(layer_id)
         self.dropout = args.attn_dropout
         self.scale, self.softcap = args.attn_scale, args.attn_softcap
+        # Gemma 4: the layer whose keys and values this one reads (None: its own), and whether later layers read its
+        self.kv_source = args.kv_source(layer_id)
+        self.stores_kv = layer_id in {args.kv_source(i) for i in range(args.n_layers)}
+        own_kv = self.kv_source is None
         # Qwen3-Next / 3.5: each head's query rows followed by its gate's (attn_output_gate)
         self.gated = args.attn_output_gate
         self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim * (2 if self.gated else 1), bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias) if own_kv else None
+        keys_as_values = args.attn_k_eq_v and args.is_full_attention(layer_id)
+        self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias) if own_kv and not keys_as_values else None
         self.output_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=args.attn_output_bias)
         # gpt-oss: each head's learned logit in its softmax's denominator (None without attn_sinks)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if args.attn_sinks else None
         # per-head norms (weights in the interleaved order of the rows they scale); None without qk_norm
-        self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_plus_one) if args.qk_norm else None
+        norm = partial(RMSNorm, self.head_dim, args.norm_eps, args.norm_plus_one, args.norm_fp32_weight)
+        self.q_norm = norm() if args.qk_norm else None
+        self.k_norm = norm() if args.qk_norm and own_kv else None
+        self.v_norm = RMSNorm(self.head_dim, args.norm_eps, fp32_weight=True, weight=False) if args.value_norm and own_kv else None  # Gemma 4's weightless value norm
         # RoPE on the first rotary_dim dims of each head (all but Qwen3-Next / 3.5's); with rope_interleave false those
         # rows are HF's halves, regrouped into pairs on the activations (q and k alike: the dot product is unchanged)
-        self.rotary_dim, self.halves = args.rotary_dim, not args.rope_interleave
+        self.rotary_dim, self.halves = int(self.head_dim * args.partial_rotary_factor), not args.rope_interleave
 
     def _rotate(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == self.head_dim and not self.halves:
@@ -126,22 +149,35 @@ class Attention(nn.Module):
         return torch.cat([apply_rope(rot, rope), rest], dim=-1)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None, cache=None,
-                layer: int = 0) -> torch.Tensor:
+                layer: int = 0, shared_kv: dict | None = None) -> torch.Tensor:
         """``mask``: [seq, seq] or [batch, 1, seq, seq] bool (True: attend) replacing the plain causal mask: a sliding
         window, or packed documents. ``rope``: the table, or each token's rows (packed). ``cache``: a
-        ``kv_cache.KVCache`` whose keys and values this layer (``layer``) extends and attends over (``mask`` given)."""
+        ``kv_cache.KVCache`` whose keys and values this layer (``layer``) extends and attends over (``mask`` given).
+        ``shared_kv``: {layer: (keys, values)} of the layers whose keys and values later ones read (Gemma 4)."""
         bsz, seq, _ = x.shape
         q = self.q_proj(x).view(bsz, seq, self.n_heads, -1)
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
-        k = self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # before the rotation, as Qwen3 and Gemma 3
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotate(q, rope), self._rotate(k, rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if cache is not None:
-            k, v = cache.append(layer, k, v)
+            q = self.q_norm(q)
+        q = self._rotate(q, rope).transpose(1, 2)
+        if self.kv_source is not None:  # the keys and values of an earlier layer (after its cache, if any)
+            k, v = shared_kv[self.kv_source]
+        else:
+            k = self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+            # keys as values (Gemma 4's full layers): the k rows are in the interleaved order RoPE wants, the values'
+            # in transformers' (o_proj's columns are not permuted), so the halves are taken back apart
+            v = (self.v_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim) if self.v_proj is not None
+                 else k.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2))
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            if self.v_norm is not None:
+                v = self.v_norm(v)
+            k, v = self._rotate(k, rope).transpose(1, 2), v.transpose(1, 2)
+            if cache is not None:
+                k, v = cache.append(layer, k, v)
+            if self.stores_kv:
+                shared_kv[layer] = k, v
         dropout = self.dropout if self.training else 0.0
         if self.softcap is None and self.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from waypoint.models.args import ACTIVATIONS, GROUPED_ROUTINGS
+from waypoint.models.attention import RMSNorm
 from waypoint.models.grouped_routing import grouped_route
 from waypoint.models.grouped_mm import grouped_mm_fn, grouped_mm_layout_ok, grouped_mm_supported
 from waypoint.models.lora_experts import LoRAExperts, expert_update
@@ -77,7 +78,7 @@ class MoE(nn.Module):
                  router_bias: bool = False, expert_bias: bool = False, routing: str = "softmax_topk",
                  swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
                  shared_hidden_dim: int | None = None, shared_gate: bool = False,
-                 groups: tuple[int, int] = (1, 1), routed_scaling: float = 1.0) -> None:
+                 groups: tuple[int, int] = (1, 1), routed_scaling: float = 1.0, norm_eps: float = 1e-6) -> None:
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
@@ -99,6 +100,10 @@ class MoE(nn.Module):
             # loaded in the checkpoint's dtype whatever the model's (transformers keeps it in fp32): a bf16 run
             # neither rounds the selection nor writes the untrained bias back rounded
             self.router.keep_dtype = ("e_score_correction_bias",)
+        if routing == "normed_softmax_topk":  # Gemma 4: the router's input normed and scaled, each expert's weight too
+            self.router_norm = RMSNorm(dim, norm_eps, fp32_weight=True, weight=False)
+            self.router_scale = nn.Parameter(torch.ones(dim, device=self.router.weight.device))
+            self.expert_scale = nn.Parameter(torch.ones(n_experts, device=self.router.weight.device))
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
@@ -144,6 +149,8 @@ class MoE(nn.Module):
         """``x`` [tokens, dim] -> (router logits [tokens, E] in x's dtype, top-k weights [tokens, k], expert
         indices [tokens, k]), in transformers' order of operations (DeepSeek's: fp32 logits, ``grouped_routing``)."""
         replay = self.routes.pop(0).to(x.device) if self.routes is not None and self.replaying else None
+        if self.routing == "normed_softmax_topk":  # Gemma4TextRouter's scaled input
+            x = self.router_norm(x) * self.router_scale * self.dim ** -0.5
         logits = self.router(x) if self.routing not in GROUPED_ROUTINGS else None
         if self.routing in GROUPED_ROUTINGS:  # DeepSeek: fp32 logits and weights
             logits, weights, experts = grouped_route(x, self.router.weight, self.top_k, self.routing, *self.groups,
@@ -156,7 +163,10 @@ class MoE(nn.Module):
         else:
             probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
             weights, experts = torch.topk(probs, self.top_k, dim=-1) if replay is None else (probs.gather(-1, replay), replay)
-            weights = self._normalized(weights, logits.dtype)
+            if self.routing == "normed_softmax_topk":  # renormalised, then each expert's scale, all in fp32
+                weights = weights / weights.sum(dim=-1, keepdim=True) * self.expert_scale[experts]
+            else:
+                weights = self._normalized(weights, logits.dtype)
         if self.routes is not None and not self.replaying:
             self.routes.append(experts.detach())
         return logits, weights, experts
@@ -179,10 +189,11 @@ class MoE(nn.Module):
             return "grouped"
         return "padded"
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, route_input: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route_input``: what the router sees, where it is not ``x`` (Gemma 4 routes the un-normed residual)."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        logits, weights, experts = self.route(x)
+        logits, weights, experts = self.route(x if route_input is None else route_input.reshape(-1, self.dim))
         impl = self.resolved_impl(x)
         if x.shape[0] == 0:
             out = x.new_zeros(x.shape)

@@ -61,6 +61,7 @@ from waypoint.models.gated_deltanet import GatedDeltaNet
 from waypoint.models.mla import LatentAttention
 from waypoint.models.balance_loss import load_balancing_loss, load_balancing_stats
 from waypoint.models.moe import MoE
+from waypoint.models.per_layer_embeddings import PerLayerEmbeddings, PerLayerInput
 from waypoint.models.shared_expert import FeedForward
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
@@ -71,6 +72,8 @@ def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
     """The inverse frequencies [head_dim // 2] in fp32, scaled for ``rope_type="llama3"``, ``"linear"`` or ``"yarn"``
     exactly as transformers' ``_compute_llama3_parameters`` / ``_compute_linear_scaling_rope_parameters`` /
     ``_compute_yarn_parameters`` do (yarn's attention factor: :func:`rope_attention_factor`)."""
+    if args.rope_type == "proportional":
+        return _proportional_frequencies(args, device)
     head_dim = args.rotary_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
     if args.rope_type == "default":
@@ -89,6 +92,17 @@ def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _proportional_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
+    """Gemma 4's full-attention layers (transformers' ``_compute_proportional_rope_parameters``): of each head's
+    ``head_dim // 2`` pairs the first ``rope_proportion`` turn at ``base ** (-2i / head_dim)``, the rest not at all."""
+    head_dim = args.global_head_dim or args.resolved_head_dim  # the full-attention layers'
+    angles = int(args.rope_proportion * head_dim // 2)
+    exponents = torch.arange(0, 2 * angles, 2, device=device, dtype=torch.int64).float() / head_dim
+    rotated = 1.0 / (args.rope_theta ** exponents)
+    still = torch.zeros(head_dim // 2 - angles, device=device, dtype=torch.float32)
+    return torch.cat([rotated, still]) / args.rope_factor
 
 
 def _yarn_frequencies(args: ModelArgs, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -146,25 +160,36 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int = 0, mlp: nn.Module | None = None) -> None:
         super().__init__()
-        norm = partial(RMSNorm, args.dim, args.norm_eps, args.norm_plus_one)
+        norm = partial(RMSNorm, args.dim, args.norm_eps, args.norm_plus_one, args.norm_fp32_weight)
         self.sa_norm = norm()
         # the token mixer: attention, DeepSeek's latent attention, or Gated DeltaNet (Qwen3-Next / 3.5's linear layers)
         self.linear = layer_id in args.linear_attention_layers
-        self.attn = GatedDeltaNet(args) if self.linear else Attention(args) if args.kv_lora_rank is None else LatentAttention(args)
+        self.attn = (GatedDeltaNet(args) if self.linear else Attention(args, layer_id) if args.kv_lora_rank is None
+                     else LatentAttention(args))
         self.mlp_norm = norm()
-        # the dense gated MLP, or in a mixture-of-experts layer ``moe`` in its place (``mlp`` None)
+        # the dense gated MLP, or in a mixture-of-experts layer ``moe`` in its place (``mlp`` None), or beside it (Gemma 4)
         sparse = args.n_experts > 0 and layer_id not in args.dense_layers and mlp is None
-        self.mlp = None if sparse else mlp if mlp is not None else FeedForward(args.dim, args.hidden_dim, args.activation)
+        wide = 2 if args.double_wide_mlp and args.kv_source(layer_id) is not None else 1  # Gemma 4's kv-shared layers
+        self.mlp = (None if sparse and not args.moe_beside_mlp else mlp if mlp is not None
+                    else FeedForward(args.dim, args.hidden_dim * wide, args.activation))
         self.moe = MoE(args.dim, args.expert_hidden_dim or args.hidden_dim, args.n_experts, args.experts_per_token,
                        args.normalize_expert_weights, args.activation, fp32_routing_weights=args.expert_weights_fp32,
                        router_bias=args.router_bias, expert_bias=args.expert_bias, routing=args.routing,
                        groups=(args.expert_groups, args.topk_groups), routed_scaling=args.routed_scaling,
                        swiglu_limit=args.swiglu_limit, swiglu_alpha=args.swiglu_alpha,
-                       shared_hidden_dim=args.shared_expert_hidden_dim, shared_gate=args.shared_expert_gate) if sparse else None
+                       shared_hidden_dim=args.shared_expert_hidden_dim, shared_gate=args.shared_expert_gate,
+                       norm_eps=args.norm_eps) if sparse else None
         self.router_logits: torch.Tensor | None = None  # the MoE router's logits of the last forward
         # Gemma 2/3 also normalise the attention and MLP outputs before each residual add; None otherwise
         self.post_attn_norm = norm() if args.sandwich_norms else None
         self.post_mlp_norm = norm() if args.sandwich_norms else None
+        # Gemma 4's experts beside the MLP: the MLP's output normed, the experts' input and output normed
+        beside = sparse and args.moe_beside_mlp
+        self.post_dense_norm, self.moe_norm, self.post_moe_norm = (norm(), norm(), norm()) if beside else (None, None, None)
+        # Gemma 4: the per-layer embeddings' update (models.per_layer_embeddings), the output's stored scale
+        self.per_layer_input = PerLayerInput(args) if args.per_layer_dim else None
+        if args.layer_scalar:
+            self.register_buffer("layer_scalar", torch.ones(1))
         self.resid_dropout = args.resid_dropout
         # the window this layer's attention slides (None: full causal attention)
         self.sliding_window = args.sliding_window if layer_id not in args.full_attention_layers else None
@@ -175,12 +200,22 @@ class TransformerBlock(nn.Module):
         return x + (F.dropout(out, self.resid_dropout, training=True) if self.resid_dropout and self.training else out)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None, cache=None,
-                layer: int = 0) -> torch.Tensor:
-        h = self._residual(x, self.attn(self.sa_norm(x), rope, mask, cache, layer), self.post_attn_norm)
+                layer: int = 0, per_layer_input: torch.Tensor | None = None, shared_kv: dict | None = None) -> torch.Tensor:
+        attn_kwargs = {} if shared_kv is None else {"shared_kv": shared_kv}
+        h = self._residual(x, self.attn(self.sa_norm(x), rope, mask, cache, layer, **attn_kwargs), self.post_attn_norm)
         if self.moe is None:
-            return self._residual(h, self.mlp(self.mlp_norm(h)), self.post_mlp_norm)
-        out, self.router_logits = self.moe(self.mlp_norm(h))
-        return self._residual(h, out, self.post_mlp_norm)
+            out = self.mlp(self.mlp_norm(h))
+        elif self.mlp is None:
+            out, self.router_logits = self.moe(self.mlp_norm(h))
+        else:  # Gemma 4: the router reads the residual itself
+            sparse, self.router_logits = self.moe(self.moe_norm(h), route_input=h)
+            out = self.post_dense_norm(self.mlp(self.mlp_norm(h))) + self.post_moe_norm(sparse)
+        h = self._residual(h, out, self.post_mlp_norm)
+        if self.per_layer_input is not None:
+            h = h + self.per_layer_input(h, per_layer_input)
+        if hasattr(self, "layer_scalar"):
+            h = h * self.layer_scalar
+        return h
 
 
 class Transformer(nn.Module):
@@ -194,8 +229,10 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, _weight=torch.empty(args.vocab_size, args.dim))
         if not self.tok_embeddings.weight.is_meta:
             nn.init.normal_(self.tok_embeddings.weight)
+        # Gemma 4's per-layer embeddings (models.per_layer_embeddings); None without
+        self.per_layer = PerLayerEmbeddings(args) if args.per_layer_dim else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one, args.norm_fp32_weight)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.activation_checkpointing = False
         self.loss_buffer = ChunkBuffer()  # the fused loss's chunk logits on the CPU, reused by every step (not state)
@@ -228,7 +265,9 @@ class Transformer(nn.Module):
     def init_weights(self, std: float = 0.02) -> None:
         """Random initialisation for training from scratch (tests, tiny models)."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("router_scale", "expert_scale")):
+                nn.init.ones_(p)
+            elif name.endswith("norm.weight"):
                 (nn.init.zeros_ if self.args.norm_plus_one else nn.init.ones_)(p)
             elif name.endswith((".bias", "moe.b1", "moe.b2", "moe.b3")):
                 nn.init.zeros_(p)
@@ -287,15 +326,19 @@ class Transformer(nn.Module):
             full_mask = document_mask(document_ids)
             window_mask = document_mask(document_ids, window) if window is not None else None
             global_rope, local_rope = self.rope[positions], local_rope[positions]
+        per_layer = self.per_layer(tokens, h) if self.per_layer is not None else None
+        extra: dict = {"shared_kv": {}} if self.args.kv_shared_layers else {}  # Gemma 4: keys and values layers share
         for index, layer in enumerate(self.layers):
             sliding = layer.sliding_window is not None
             mask, rope = (window_mask, local_rope) if sliding else (full_mask, global_rope)
             if layer.linear:  # Gated DeltaNet: no positions; a packed batch's documents, not a mask
                 mask, rope = document_ids, None
+            if per_layer is not None:
+                extra["per_layer_input"] = per_layer[:, :, index]
             if self.activation_checkpointing and self.training:
-                h = torch.utils.checkpoint.checkpoint(layer, h, rope, mask, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(layer, h, rope, mask, None, index, **extra, use_reentrant=False)
             else:
-                h = layer(h, rope, mask, cache, index)
+                h = layer(h, rope, mask, cache, index, **extra)
         if cache is not None:
             cache.length += seq
         h = self.norm(h)

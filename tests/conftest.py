@@ -148,6 +148,13 @@ def tiny_family_config(family: str, **overrides):
         "qwen3_next": ("Qwen3NextConfig", dict(HYBRID, layer_types=["linear_attention", "full_attention", "linear_attention"],
                                                moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
                                                num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2])),
+        # Gemma 4: sliding layers (head_dim 16) around full ones with their own head width and k/v heads and proportional
+        # RoPE; no per-layer embeddings unless asked (Gemma4TextConfig's default is 256 per layer)
+        "gemma4": ("Gemma4TextConfig", dict(
+            head_dim=16, global_head_dim=32, tie_word_embeddings=True, num_hidden_layers=6, sliding_window=4, rms_norm_eps=1e-6,
+            final_logit_softcapping=30.0, hidden_size_per_layer_input=0, vocab_size_per_layer_input=128,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention",
+                         "full_attention"])),
     }
     class_name, fields = specific[family]
     return getattr(transformers, class_name)(**{**common, **fields, **overrides})

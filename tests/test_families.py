@@ -57,8 +57,15 @@ FAMILIES = {
     "qwen3.5-moe": ("qwen3_5_moe", {}, "QWEN3_5_MOE"),  # transformers writes its experts packed either way
     "qwen3-next": ("qwen3_next", {}, "QWEN3_NEXT"),  # fused in_proj_qkvz / in_proj_ba, a dense layer, experts per key
     "qwen3-next-packed": ("qwen3_next", {}, "QWEN3_NEXT"),
+    # Gemma 4 (more in tests/test_gemma4.py): E2B/E4B's per-layer embeddings, kv-shared layers with double-wide MLPs;
+    # 31B's keys as values on full layers with their own k/v heads; 26B-A4B's experts beside the MLP
+    "gemma4-e4b": ("gemma4", dict(hidden_size_per_layer_input=8, num_kv_shared_layers=2, use_double_wide_mlp=True), "GEMMA4"),
+    "gemma4-k-eq-v": ("gemma4", dict(attention_k_eq_v=True, num_global_key_value_heads=1), "GEMMA4"),
+    "gemma4-moe": ("gemma4", dict(attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,
+                                  top_k_experts=2, moe_intermediate_size=32), "GEMMA4"),
 }
-TIED = {"qwen2-tied", "gemma", "llama3.2-tied", "qwen3-tied", "gemma2", "gemma3", "qwen3.5-tied"}
+TIED = {"qwen2-tied", "gemma", "llama3.2-tied", "qwen3-tied", "gemma2", "gemma3", "qwen3.5-tied", "gemma4-e4b", "gemma4-k-eq-v",
+        "gemma4-moe"}
 
 
 def weight_files(path):
