@@ -118,7 +118,10 @@ class HFCheckpointer(Checkpointer):
 
     # -- load ---------------------------------------------------------------------
     def _load_model(self) -> dict[str, torch.Tensor]:
-        read = read_files(self.checkpoint_dir, self.layout, self.unmapped, packed=self.quantized.packed)
+        # the files' own layout: a load below replaces self.layout with the converter's keys (a nested repo's
+        # without their prefix), which a second load must not read the files by
+        self._disk_layout = getattr(self, "_disk_layout", None) or self.layout
+        read = read_files(self.checkpoint_dir, self._disk_layout, self.unmapped, packed=self.quantized.packed)
         self._file_metadata = read.metadata
         hf_state, where = read.tensors, read.where
         # A headless checkpoint (LlamaModel.save_pretrained) lacks the backbone's "model." prefix: add it for the

@@ -173,7 +173,12 @@ def check_targets(model: torch.nn.Module, converter: Converter, family=None) -> 
 
 def adapter_config(converter: Converter, native_modules: list[str], rank: int, alpha: float, dropout: float,
                    base_model_name_or_path: str) -> dict[str, Any]:
-    targets = sorted({hf_module(converter, m).rsplit(".", 1)[-1] for m in native_modules if not is_parameter_target(m)})
+    modules = [hf_module(converter, m) for m in native_modules if not is_parameter_target(m)]
+    targets: list[str] | str = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    nests = {m.split("layers.", 1)[0] for m in modules}
+    if len(nests) == 1 and next(iter(nests)) not in ("", "model."):  # a multimodal repo's language model (Gemma 4's
+        # "model.language_model."): PEFT's regex form, so that no vision or audio module of the same name is wrapped
+        targets = re.escape(next(iter(nests))) + r".*\.(?:" + "|".join(targets) + ")"
     parameters = parameter_names(converter, targeted(converter, native_modules))
     return {**({"target_parameters": parameters} if parameters else {}),
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": alpha, "lora_dropout": dropout,
@@ -182,6 +187,14 @@ def adapter_config(converter: Converter, native_modules: list[str], rank: int, a
         "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
         "alpha_pattern": {}, "revision": None,
     }
+
+
+def target_names(target_modules: list[str] | str | None) -> list[str]:
+    """The module names an adapter config's ``target_modules`` lists, or its regex form (``adapter_config``'s) ends with."""
+    if isinstance(target_modules, str):
+        match = re.search(r"\(\?:([\w|]+)\)$", target_modules)
+        return match.group(1).split("|") if match else []
+    return list(target_modules or [])
 
 
 def vllm_problems(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> list[str]:
@@ -194,7 +207,7 @@ def vllm_problems(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LO
         problems.append(f"vLLM: bias={config['bias']!r} is not supported (LoRA biases are ignored or refused); use bias='none'")
     if config.get("modules_to_save"):
         problems.append(f"vLLM: modules_to_save={config['modules_to_save']} is not supported; those modules would not be served")
-    unsupported = sorted(set(config.get("target_modules") or []) - VLLM_TARGETS)
+    unsupported = sorted(set(target_names(config.get("target_modules"))) - VLLM_TARGETS)
     if unsupported:
         problems.append(f"vLLM: target module(s) {', '.join(unsupported)} are not supported LoRA modules "
                         f"(supported: {', '.join(sorted(VLLM_TARGETS))})")

@@ -45,9 +45,11 @@ def _global_shape(cfg: HFConfig, types: list[str]) -> tuple[int, int | None]:
     """The full layers' (head_dim, k/v heads or None), from ``per_layer_config`` or the releases' fields."""
     per_layer = cfg.raw.get("per_layer_config")
     if per_layer:
+        # keys are layer indices, as ints or strings; v5.24's to_dict zero-pads them to one width ("05", "11")
+        per_layer = {int(k): v for k, v in per_layer.items()}
         full = [i for i, t in enumerate(types) if t == FULL]
-        overrides = [per_layer.get(str(i), per_layer.get(i)) or {} for i in full]
-        sliding = [k for k, v in per_layer.items() if v and types[int(k)] != FULL]
+        overrides = [per_layer.get(i) or {} for i in full]
+        sliding = [k for k, v in per_layer.items() if v and types[k] != FULL]
         if sliding or any(o != overrides[0] for o in overrides) or set(overrides[0]) - {"head_dim", "num_key_value_heads"}:
             raise ValueError("per_layer_config other than one head_dim / num_key_value_heads for every full_attention layer "
                              "is not supported")
@@ -114,10 +116,10 @@ def _attention_rules(args: ModelArgs, layers: list[int]) -> list[Rule]:
 def per_layer_rules() -> list[Rule]:
     return [
         Rule("model.embed_tokens_per_layer.weight", "per_layer.embeddings.weight"),
-        Rule("model.per_layer_model_projection.weight", "per_layer.projection.weight"),
+        Rule("model.per_layer_model_projection.weight", "per_layer.model_proj.weight"),
         Rule("model.per_layer_projection_norm.weight", "per_layer.norm.weight"),
-        Rule(LAYER + "per_layer_input_gate.weight", NATIVE + "per_layer_input.gate.weight"),
-        Rule(LAYER + "per_layer_projection.weight", NATIVE + "per_layer_input.projection.weight"),
+        Rule(LAYER + "per_layer_input_gate.weight", NATIVE + "per_layer_input.input_gate.weight"),
+        Rule(LAYER + "per_layer_projection.weight", NATIVE + "per_layer_input.input_proj.weight"),
         Rule(LAYER + "post_per_layer_input_norm.weight", NATIVE + "per_layer_input.norm.weight"),
     ]
 
@@ -160,8 +162,49 @@ FAMILY = Family(
                       FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}),
     fixed=dict(attention_bias=False),
     model_args=model_args, hf_config=hf_config, rules=rules,
-    lora_targets=LLAMA_LORA_TARGETS + ("per_layer_input.gate", "per_layer_input.projection") + tuple(EXPERT_PARAMETERS),
+    lora_targets=LLAMA_LORA_TARGETS + ("input_gate", "input_proj") + tuple(EXPERT_PARAMETERS),
     lora_parameters=EXPERT_PARAMETERS, lora_halves=frozenset({"experts_gate_up"}),
     buffers=(r"\.layer_scalar$",),
     hf_prefixes=(MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config",
 )
+
+
+# -- the published sizes: the text models of google/gemma-4-{E2B,E4B,26B-A4B,31B}(-it), their config.json's text_config
+# (transformers' convert_gemma4_weights.py _VARIANTS, google-deepmind/gemma's gemma/gm/nn/gemma4/_gemma4.py) ----------
+
+def _gemma4(pattern: int, **shape) -> Transformer:
+    """What every release shares: full attention every ``pattern``-th layer (the last one included), 512-wide full heads
+    with proportional RoPE (a quarter of their pairs turn, at base 1e6), sliding ones at base 1e4, logits capped at 30."""
+    full = tuple(i for i in range(shape["n_layers"]) if (i + 1) % pattern == 0)
+    return Transformer(ModelArgs(**{**dict(
+        vocab_size=262144, head_dim=256, norm_eps=1e-6, max_seq_len=131072, tie_embeddings=True, activation="gelu_pytorch_tanh",
+        embedding_scale=shape["dim"] ** 0.5, norm_fp32_weight=True, sandwich_norms=True, qk_norm=True, value_norm=True,
+        attn_scale=1.0, final_softcap=30.0, layer_scalar=True, full_attention_layers=full, global_head_dim=512,
+        rope_type="proportional", rope_theta=1e6, rope_factor=1.0, rope_proportion=0.25, local_rope_theta=10000.0), **shape}))
+
+
+def gemma4_e2b() -> Transformer:
+    """gemma-4-E2B: per-layer embeddings, four sliding layers to one full one, the last 20 layers kv-shared (and their
+    MLPs double-wide)."""
+    return _gemma4(5, dim=1536, n_layers=35, n_heads=8, n_kv_heads=1, hidden_dim=6144, sliding_window=512,
+                   kv_shared_layers=20, double_wide_mlp=True, per_layer_dim=256, per_layer_vocab_size=262144)
+
+
+def gemma4_e4b() -> Transformer:
+    """gemma-4-E4B: per-layer embeddings, the last 18 layers kv-shared."""
+    return _gemma4(6, dim=2560, n_layers=42, n_heads=8, n_kv_heads=2, hidden_dim=10240, sliding_window=512,
+                   kv_shared_layers=18, per_layer_dim=256, per_layer_vocab_size=262144)
+
+
+def gemma4_26b_a4b() -> Transformer:
+    """gemma-4-26B-A4B: 128 experts (top 8, each 704 wide) beside every layer's 2112-wide dense MLP; the full layers'
+    keys are their values, with 2 k/v heads."""
+    return _gemma4(6, dim=2816, n_layers=30, n_heads=16, n_kv_heads=8, hidden_dim=2112, sliding_window=1024,
+                   max_seq_len=262144, global_kv_heads=2, attn_k_eq_v=True, n_experts=128, experts_per_token=8,
+                   expert_hidden_dim=704, moe_beside_mlp=True, routing="normed_softmax_topk", expert_weights_fp32=True)
+
+
+def gemma4_31b() -> Transformer:
+    """gemma-4-31B (dense): the full layers' keys are their values, with 4 k/v heads."""
+    return _gemma4(6, dim=5376, n_layers=60, n_heads=32, n_kv_heads=16, hidden_dim=21504, sliding_window=1024,
+                   max_seq_len=262144, global_kv_heads=4, attn_k_eq_v=True)

@@ -29,11 +29,13 @@ from waypoint.models.lora_experts import EXPERT_TARGETS, LoRAExperts, add_expert
 HALF = (torch.bfloat16, torch.float16)
 TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output", *EXPERT_TARGETS,
            "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj",  # latent attention's (models.mla)
-           "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # Gated DeltaNet's (models.gated_deltanet)
+           "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",  # Gated DeltaNet's (models.gated_deltanet)
+           "input_gate", "input_proj")  # Gemma 4's per-layer inputs (models.per_layer_embeddings)
 HF_NAMES = {"o_proj": "output_proj", "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "lm_head": "output",  # also accepted
             "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down",
             "kv_a_proj_with_mqa": "kv_a_proj", "linear_attn.in_proj_qkv": "in_proj_qkv", "linear_attn.in_proj_z": "in_proj_z",
-            "linear_attn.out_proj": "out_proj"}
+            "linear_attn.out_proj": "out_proj", "per_layer_input_gate": "input_gate", "per_layer_projection": "input_proj",
+            "experts.gate_up_proj": "experts_gate_up", "experts.down_proj": "experts_down"}
 
 
 class LoRALinear(LoRAFactors):

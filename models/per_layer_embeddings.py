@@ -4,15 +4,15 @@ added into that layer's residual stream through a small gated projection.
 Native parameters (transformers' names after the arrow)::
 
     per_layer.embeddings.weight  [per_layer_vocab, n_layers * per_layer_dim]   <- model.embed_tokens_per_layer.weight
-    per_layer.projection.weight  [n_layers * per_layer_dim, dim]               <- model.per_layer_model_projection.weight
+    per_layer.model_proj.weight  [n_layers * per_layer_dim, dim]               <- model.per_layer_model_projection.weight
     per_layer.norm.weight        [per_layer_dim]                               <- model.per_layer_projection_norm.weight
-    layers.{i}.per_layer_input.gate.weight        [per_layer_dim, dim]         <- model.layers.{i}.per_layer_input_gate.weight
-    layers.{i}.per_layer_input.projection.weight  [dim, per_layer_dim]         <- model.layers.{i}.per_layer_projection.weight
+    layers.{i}.per_layer_input.input_gate.weight  [per_layer_dim, dim]         <- model.layers.{i}.per_layer_input_gate.weight
+    layers.{i}.per_layer_input.input_proj.weight  [dim, per_layer_dim]         <- model.layers.{i}.per_layer_projection.weight
     layers.{i}.per_layer_input.norm.weight        [dim]                        <- model.layers.{i}.post_per_layer_input_norm.weight
 
 As ``Gemma4TextModel.get_per_layer_inputs`` / ``project_per_layer_inputs`` and ``Gemma4TextDecoderLayer`` compute them:
-each layer's input is ``(norm(projection(h) / sqrt(dim)) + embeddings(tokens) * sqrt(per_layer_dim)) / sqrt(2)``, ``h``
-the scaled token embeddings; after its MLP a layer adds ``norm(projection(act(gate(h)) * input))``. The table is by far
+each layer's input is ``(norm(model_proj(h) / sqrt(dim)) + embeddings(tokens) * sqrt(per_layer_dim)) / sqrt(2)``, ``h``
+the scaled token embeddings; after its MLP a layer adds ``norm(input_proj(act(input_gate(h)) * input))``. The table is by far
 the model's largest tensor (E4B: 262144 x 42 * 256): it is looked up, never copied or multiplied as a whole.
 """
 
@@ -41,12 +41,12 @@ class PerLayerEmbeddings(nn.Module):
         self.embeddings = nn.Embedding(rows, cols, _weight=torch.empty(rows, cols))
         if not self.embeddings.weight.is_meta:
             nn.init.normal_(self.embeddings.weight)
-        self.projection = nn.Linear(args.dim, cols, bias=False)
+        self.model_proj = nn.Linear(args.dim, cols, bias=False)
         self.norm = RMSNorm(args.per_layer_dim, args.norm_eps, args.norm_plus_one, args.norm_fp32_weight)
 
     def forward(self, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         looked_up = _scaled(self.embeddings(tokens), self.width ** 0.5).unflatten(-1, (self.n_layers, self.width))
-        projected = (self.projection(h) * self.dim ** -0.5).unflatten(-1, (self.n_layers, self.width))
+        projected = (self.model_proj(h) * self.dim ** -0.5).unflatten(-1, (self.n_layers, self.width))
         return (self.norm(projected) + looked_up) * 2.0 ** -0.5
 
 
@@ -55,10 +55,10 @@ class PerLayerInput(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate = nn.Linear(args.dim, args.per_layer_dim, bias=False)
-        self.projection = nn.Linear(args.per_layer_dim, args.dim, bias=False)
+        self.input_gate = nn.Linear(args.dim, args.per_layer_dim, bias=False)
+        self.input_proj = nn.Linear(args.per_layer_dim, args.dim, bias=False)
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one, args.norm_fp32_weight)
         self.act = ACTIVATIONS[args.activation]
 
     def forward(self, h: torch.Tensor, per_layer_input: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.projection(self.act(self.gate(h)) * per_layer_input))
+        return self.norm(self.input_proj(self.act(self.input_gate(h)) * per_layer_input))
