@@ -219,8 +219,8 @@ def check_mla_and_groups(args: ModelArgs) -> None:
 
 def check_shared_kv(args: ModelArgs) -> None:
     """Gemma 4's fields: each kv-shared layer has an earlier layer of its type to share with."""
-    if not 0 <= args.kv_shared_layers < args.n_layers:
-        raise ValueError(f"kv_shared_layers={args.kv_shared_layers} must be between 0 and n_layers - 1 = {args.n_layers - 1}")
+    if args.kv_shared_layers and not 0 < args.kv_shared_layers < args.n_layers:
+        raise ValueError(f"kv_shared_layers={args.kv_shared_layers} must be 0, or less than n_layers={args.n_layers}")
     first = args.n_layers - args.kv_shared_layers
     kinds = {args.is_full_attention(i) for i in range(first)}
     if any(args.is_full_attention(i) not in kinds for i in range(first, args.n_layers)):

@@ -15,6 +15,10 @@ from tests.conftest import ROOT
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
+GEMMA4_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+GEMMA4_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+
 # builder -> (transformers config class, the published config.json's fields); the builder must read the same as
 # the config (ModelArgs) and count what transformers counts for it
 PUBLISHED = {
@@ -60,6 +64,28 @@ PUBLISHED = {
                          num_key_value_heads=4, vocab_size=262208, max_position_embeddings=131072, sliding_window=1024,
                          rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                                           "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # google/gemma-4-*-it's text_config (the multimodal repos'; transformers' convert_gemma4_weights.py _VARIANTS)
+    "gemma4.gemma4_e2b": ("Gemma4TextConfig", dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+                          num_key_value_heads=1, head_dim=256, global_head_dim=512, vocab_size=262144,
+                          hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, num_kv_shared_layers=20,
+                          use_double_wide_mlp=True, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7,
+                          sliding_window=512, final_logit_softcapping=30.0, rope_parameters=GEMMA4_ROPE)),
+    "gemma4.gemma4_e4b": ("Gemma4TextConfig", dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=256, global_head_dim=512, vocab_size=262144,
+                          hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144, num_kv_shared_layers=18,
+                          layer_types=GEMMA4_LAYERS * 7, sliding_window=512, final_logit_softcapping=30.0,
+                          rope_parameters=GEMMA4_ROPE)),
+    "gemma4.gemma4_26b_a4b": ("Gemma4TextConfig", dict(hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                              num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2, head_dim=256,
+                              global_head_dim=512, attention_k_eq_v=True, vocab_size=262144, hidden_size_per_layer_input=0,
+                              enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+                              layer_types=GEMMA4_LAYERS * 5, sliding_window=1024, max_position_embeddings=262144,
+                              final_logit_softcapping=30.0, use_bidirectional_attention="vision", rope_parameters=GEMMA4_ROPE)),
+    "gemma4.gemma4_31b": ("Gemma4TextConfig", dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+                          num_key_value_heads=16, num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
+                          attention_k_eq_v=True, vocab_size=262144, hidden_size_per_layer_input=0,
+                          layer_types=GEMMA4_LAYERS * 10, sliding_window=1024, max_position_embeddings=262144,
+                          final_logit_softcapping=30.0, use_bidirectional_attention="vision", rope_parameters=GEMMA4_ROPE)),
     "phi3.phi3_mini_4k": ("Phi3Config", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
                           num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096, sliding_window=2047)),
     "phi3.phi4_14b": ("Phi3Config", dict(hidden_size=5120, intermediate_size=17920, num_hidden_layers=40, num_attention_heads=40,

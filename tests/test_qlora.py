@@ -226,7 +226,7 @@ SHIPPED = {"llama2_7b_qlora": "llama.llama2_7b", "llama3_8b_qlora": "llama.llama
            "qwen2_5_7b_chat_qlora": "qwen2.qwen2_5_7b", "qwen3_8b_chat_qlora": "qwen3.qwen3_8b",
            "gemma2_9b_chat_qlora": "gemma2.gemma2_9b", "gemma3_1b_chat_qlora": "gemma3.gemma3_1b",
            "phi3_mini_chat_qlora": "phi3.phi3_mini_4k", "phi4_chat_qlora": "phi3.phi4_14b",
-           "qwen3_5_27b_chat_qlora": "qwen3_5.qwen3_5_27b"}
+           "qwen3_5_27b_chat_qlora": "qwen3_5.qwen3_5_27b", "gemma4_31b_chat_qlora": "gemma4.gemma4_31b"}
 
 
 def base_linears(model) -> int:
