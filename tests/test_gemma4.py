@@ -250,3 +250,47 @@ def test_meta_build_holds_no_data_and_loads_the_per_layer_table_as_read(tmp_path
     state = ckpt.load_checkpoint()["model"]
     load_into(model, state)
     assert model.per_layer.embeddings.weight.data_ptr() == state["per_layer.embeddings.weight"].data_ptr()
+
+
+def recipe_base(path):
+    """The tiny Gemma 4 with every feature, at the tiny tokenizer's vocabulary, with its tokenizer."""
+    import shutil
+
+    from tests.conftest import ROOT
+
+    write_family_checkpoint(path, tiny_family_config("gemma4", vocab_size=512, vocab_size_per_layer_input=512,
+                                                     max_position_embeddings=256, **EVERYTHING))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "assets/tiny_llama" / f, path / f)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["full", "qlora"])
+def test_recipes_train_stop_and_resume_bit_exactly(recipe, tmp_path):
+    """The full fine-tune and QLoRA (NF4 over attention and the dense MLPs; the experts and per-layer inputs in the
+    compute dtype) through the real recipes: the loss falls, a SIGTERM checkpoints and exits 75, the rerun finishes
+    bit-identical to a run that never stopped, and the output (the merged model for QLoRA) is the input's files."""
+    from tests import test_family_training, test_qlora
+
+    base = recipe_base(tmp_path / "base")
+    if recipe == "full":
+        run, out = test_family_training.run, lambda d: d
+    else:
+        targets = "lora.targets=[q_proj,k_proj,v_proj,output_proj,w1,w2,w3,input_gate,input_proj]"
+        run, out = (lambda b, o, stop_at=None: test_qlora.run(b, o, targets, stop_at=stop_at)), lambda d: d / "merged"
+    assert run(base, tmp_path / "straight") == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "straight/metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and sum(losses[-2:]) < sum(losses[:2]), f"the loss did not fall: {losses}"
+    assert run(base, tmp_path / "stopped", stop_at=3) == 75
+    assert run(base, tmp_path / "stopped") == 0
+    final, expected = out(tmp_path / "stopped/step_6"), out(tmp_path / "straight/step_6")
+    mine, theirs = hf_weights(final), hf_weights(expected)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), "resume is not bit-exact"
+    index = "model.safetensors.index.json"
+    assert json.loads((final / index).read_text())["weight_map"] == json.loads((base / index).read_text())["weight_map"]
+    original = hf_weights(base)
+    changed = [k for k in mine if not torch.equal(mine[k], original[k])]
+    assert any("per_layer_input_gate" in k for k in changed) and any("q_proj" in k for k in changed)
+    if recipe == "full":
+        assert any("experts.gate_up_proj" in k for k in changed) and "model.embed_tokens_per_layer.weight" in changed
