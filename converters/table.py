@@ -209,11 +209,11 @@ class Converter:
         return native
 
     def _convert_one(self, group: Group, target: str, hf_state, where) -> torch.Tensor:
-        """One native tensor. Where the op copied (stacked experts), the memory-mapped sources' pages are dropped
-        from this process once copied, so a stacked layer is not held twice (file pages and its copy)."""
+        """One native tensor. Where the op copied (stacked experts, the RoPE permutation of q and k), the memory-mapped
+        sources' pages are dropped from this process once copied, so no weight is held twice (file pages and its copy)."""
         sources = [hf_state[k] for k in group.sources]
         out = self.apply_groups([group], dict(zip(group.sources, sources)), True, where)[target]
-        if len(sources) > 1 and out.untyped_storage().data_ptr() not in {s.untyped_storage().data_ptr() for s in sources}:
+        if out.untyped_storage().data_ptr() not in {s.untyped_storage().data_ptr() for s in sources}:
             release_pages(*sources)
         return out
 
