@@ -252,14 +252,14 @@ def test_meta_build_holds_no_data_and_loads_the_per_layer_table_as_read(tmp_path
     assert model.per_layer.embeddings.weight.data_ptr() == state["per_layer.embeddings.weight"].data_ptr()
 
 
-def recipe_base(path):
+def recipe_base(path, **fields):
     """The tiny Gemma 4 with every feature, at the tiny tokenizer's vocabulary, with its tokenizer."""
     import shutil
 
     from tests.conftest import ROOT
 
     write_family_checkpoint(path, tiny_family_config("gemma4", vocab_size=512, vocab_size_per_layer_input=512,
-                                                     max_position_embeddings=256, **EVERYTHING))
+                                                     max_position_embeddings=256, **{**EVERYTHING, **fields}))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ROOT / "assets/tiny_llama" / f, path / f)
     return path
@@ -294,3 +294,25 @@ def test_recipes_train_stop_and_resume_bit_exactly(recipe, tmp_path):
     assert any("per_layer_input_gate" in k for k in changed) and any("q_proj" in k for k in changed)
     if recipe == "full":
         assert any("experts.gate_up_proj" in k for k in changed) and "model.embed_tokens_per_layer.weight" in changed
+
+
+@pytest.mark.slow
+def test_two_processes_with_activation_checkpointing_match_one(tmp_path):
+    """Under torchrun (FSDP2, each block its own unit) with activation checkpointing: the kv-shared layers read keys and
+    values their source blocks computed in the same forward, recomputed in the backward, and 2 processes compute what
+    1 does, to the export in the input's files. With SGD: AdamW divides each gradient by its own size, so on the tiny
+    model's near-zero gradients the two reductions' last-bit differences become whole steps (2e-5 apart by step 4)."""
+    from tests import test_distributed as dist
+
+    base = recipe_base(tmp_path / "base")
+    one, two = tmp_path / "one", tmp_path / "two"
+    for out, processes in ((one, 1), (two, 2)):
+        result = dist.run(out, "epochs=1", "save_every_n_steps=null", "enable_activation_checkpointing=true",
+                          "optimizer._target_=torch.optim.SGD", source=base,
+                          processes=processes)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert max(abs(a - b) for a, b in zip(dist.losses(one), dist.losses(two))) < dist.LOSS_TOLERANCE
+    final = f"step_{dist.STEPS_PER_EPOCH}"
+    assert dist.max_diff(dist.weights(one / final), dist.weights(two / final)) < dist.WEIGHT_TOLERANCE
+    index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
+    assert index(two / final) == index(base)
