@@ -316,3 +316,21 @@ def test_two_processes_with_activation_checkpointing_match_one(tmp_path):
     assert dist.max_diff(dist.weights(one / final), dist.weights(two / final)) < dist.WEIGHT_TOLERANCE
     index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
     assert index(two / final) == index(base)
+
+
+def test_norms_are_transformers_bitwise_in_bf16():
+    """Gemma 4's norms multiply by the weight in fp32 (not 1 + weight, not after the cast) and take pow(-0.5); the
+    value and router norms have no weight."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    from waypoint.models.attention import RMSNorm
+
+    x = torch.randn(3, 5, 48, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    w = torch.randn(48, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    ours, theirs = RMSNorm(48, 1e-6, fp32_weight=True), Gemma4RMSNorm(48, 1e-6)
+    ours.weight.data, theirs.weight.data = w.clone(), w.clone()
+    assert torch.equal(ours(x), theirs(x))
+    assert torch.equal(RMSNorm(48, 1e-6, fp32_weight=True, weight=False)(x), Gemma4RMSNorm(48, 1e-6, with_scale=False)(x))
+    llama_order = RMSNorm(48, 1e-6)
+    llama_order.weight.data = w.clone()
+    assert not torch.equal(llama_order(x), theirs(x))  # the order matters in bf16: the check above can fail
