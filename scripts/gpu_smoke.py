@@ -111,7 +111,18 @@ CASES = [
     Case("qwen3.5-grpo-lora", recipe("grpo_finetune", "tiny_grpo_lora", "batch_size=2",
                                      "lora.targets=[in_proj_qkv,out_proj,q_proj,w2]"), base="qwen3_5", needs=FAMILY),
     Case("qwen3-next-full-bf16", recipe("full_finetune", "tiny", "dtype=bf16"), base="qwen3_next", needs=FAMILY),
+    # Gemma 4 with every feature: per-layer embeddings, kv-shared layers, keys as values, experts beside the MLP
+    Case("gemma4-full-bf16", recipe("full_finetune", "tiny", "dtype=bf16", "enable_activation_checkpointing=true"),
+         base="gemma4", needs=FAMILY),
+    Case("gemma4-lora-experts", recipe("lora_finetune", "tiny_lora", "lora.targets=[q_proj,v_proj,input_gate,experts_gate_up]",
+                                       "lora.dropout=0.0"), base="gemma4", needs=FAMILY),
+    Case("gemma4-qlora", recipe("lora_finetune", "tiny_qlora", "lora.targets=[q_proj,k_proj,w1,w2]"), base="gemma4",
+         needs=("transformers", "torchao")),
 ]
+# the Gemma 4 base: every feature on, its per-layer table at the tiny tokenizer's vocabulary
+GEMMA4 = dict(vocab_size_per_layer_input=512, num_kv_shared_layers=2, use_double_wide_mlp=True, attention_k_eq_v=True,
+              num_global_key_value_heads=1, hidden_size_per_layer_input=8, enable_moe_block=True, num_experts=4,
+              top_k_experts=2, moe_intermediate_size=32)
 
 
 def write_base(kind: str, path: Path) -> Path:
@@ -120,8 +131,8 @@ def write_base(kind: str, path: Path) -> Path:
     from tests.conftest import tiny_family_config, write_family_checkpoint, write_fp8_checkpoint, write_mxfp4_checkpoint
 
     family = {"qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "gpt_oss_mxfp4": "gpt_oss", "qwen3_fp8": "qwen3",
-              "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next"}[kind]
-    config = tiny_family_config(family, vocab_size=512, max_position_embeddings=256)
+              "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next", "gemma4": "gemma4"}[kind]
+    config = tiny_family_config(family, vocab_size=512, max_position_embeddings=256, **(GEMMA4 if kind == "gemma4" else {}))
     if kind == "gpt_oss_mxfp4":
         write_mxfp4_checkpoint(path, config)
     elif kind == "qwen3_fp8":
