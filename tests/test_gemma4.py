@@ -165,9 +165,13 @@ def test_multimodal_repo_trains_its_language_model_and_keeps_the_rest(tmp_path, 
     assert_same_files(tmp_path / "in", out, set(index_in.values()))
     # a changed language model: every tower tensor still the input's, bitwise
     state = {k: v + 1 if k.startswith("layers.0.") else v for k, v in ckpt.load_checkpoint()["model"].items()}
-    changed = hf_weights(ckpt.save_checkpoint({"model": state}, step=2))
-    original = hf_weights(tmp_path / "in")
+    step = ckpt.save_checkpoint({"model": state}, step=2)
+    changed, original = hf_weights(step), hf_weights(tmp_path / "in")
     assert all(torch.equal(changed[k], original[k]) for k in towers)
+    # byte for byte: every file without a layer-0 tensor, the towers' own files among them
+    untouched = {f for f in index_in.values()} - {f for k, f in index_in.items() if ".layers.0." in k and "language_model" in k}
+    assert {f for f in index_in.values() if all(not k.startswith("model.language_model.") for k, g in index_in.items() if g == f)} <= untouched
+    assert all((tmp_path / "in" / f).read_bytes() == (step / f).read_bytes() for f in untouched)
     assert not torch.equal(changed["model.language_model.layers.0.self_attn.q_proj.weight"],
                            original["model.language_model.layers.0.self_attn.q_proj.weight"])
 
