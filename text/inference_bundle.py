@@ -31,7 +31,9 @@ def generation_config(checkpoint_dir: str | Path, tokenizer, template: ChatTempl
     if tokenizer.bos_id is not None:
         config.setdefault("bos_token_id", tokenizer.bos_id)
     config.setdefault("pad_token_id", tokenizer.pad_id)
-    what = (f"eos_token_id {wanted} adds {token}, the chat template's end of turn" if path.is_file()
+    added = [("the tokenizer's end of sequence" if i == tokenizer.eos_id else f"{token}, the chat template's end of turn")
+             for i in wanted if i not in ids]
+    what = (f"eos_token_id {wanted} adds {' and '.join(added)}" if path.is_file()
             else f"written from the chat template and tokenizer (the input has none): eos_token_id {wanted}")
     return (json.dumps(config, indent=2) + "\n").encode(), f"note: {GENERATION_CONFIG}: {what}"
 
