@@ -337,6 +337,11 @@ def test_phi3_fused_tensor_of_the_wrong_size_names_the_key():
     ("phi4", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
     ("mixtral", "router_jitter_noise", 0.01, "router_jitter_noise=0.01 is not supported for model_type 'mixtral'"),
     ("qwen3_moe", "attention_bias", True, "attention_bias=true is not supported for model_type 'qwen3_moe'"),
+    ("gemma4", "use_bidirectional_attention", "all", "use_bidirectional_attention='all' is not supported"),
+    ("gemma4", "attention_bias", True, "attention_bias=true is not supported for model_type 'gemma4_text'"),
+    ("gemma4", "per_layer_config", {"0": {"head_dim": 8}}, "per_layer_config other than one head_dim"),
+    ("gemma4", "rope_parameters", {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, "rope type 'dynamic'"),
 ])
 def test_a_config_field_the_native_model_cannot_reproduce_is_one_line(fam, field, value, message, tmp_path):
     config = {**tiny_family_config(fam).to_dict(), field: value}
