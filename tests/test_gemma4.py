@@ -338,3 +338,17 @@ def test_norms_are_transformers_bitwise_in_bf16():
     llama_order = RMSNorm(48, 1e-6)
     llama_order.weight.data = w.clone()
     assert not torch.equal(llama_order(x), theirs(x))  # the order matters in bf16: the check above can fail
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tmp_path, long_tokens):
+    """Recomputed blocks (the kv-shared layers reading their sources' keys and values, the per-layer inputs passed in)
+    give the gradients of a plain backward, bit for bit."""
+    write_family_checkpoint(tmp_path / "in", tiny_family_config("gemma4", **EVERYTHING))
+    grads = []
+    for checkpointing in (False, True):
+        model = load_model(tmp_path / "in").train()
+        model.activation_checkpointing = checkpointing
+        model(long_tokens, labels=long_tokens, loss_chunk=0).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+    assert grads[0]["layers.1.attn.k_proj.weight"].abs().sum() > 0  # the full layers 4 and 5 read layer 1's keys
