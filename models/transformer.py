@@ -20,6 +20,10 @@ Parameter names (the native checkpoint format)::
     layers.{i}.attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}.weight, layers.{i}.attn.conv1d.weight,
     layers.{i}.attn.{dt_bias,A_log}, layers.{i}.attn.norm.weight   (the ``linear_attention_layers``: Gated DeltaNet,
                              Qwen3-Next and Qwen3.5/3.6, see :mod:`waypoint.models.gated_deltanet`)
+    Gemma 4: layers.{i}.layer_scalar (a buffer); layers.{i}.moe.{router_scale,expert_scale} and
+    layers.{i}.{post_dense,moe,post_moe}_norm.weight (experts beside ``mlp``: ``moe_beside_mlp``); per_layer.* and
+    layers.{i}.per_layer_input.* (``per_layer_dim``, see :mod:`waypoint.models.per_layer_embeddings`); no k/v
+    projections in the ``kv_shared_layers``, no v_proj in full layers with ``attn_k_eq_v``
 
 Rotary embeddings rotate interleaved pairs ``(x0, x1), (x2, x3), ...`` as in
 Meta's reference code; Hugging Face rotates the two halves of each head, which
@@ -35,7 +39,8 @@ family whose transformers class applies it; gpt-oss, Qwen2.5/3 long context); ``
 ``local_rope_theta`` (Gemma 3); ``sliding_window`` / ``full_attention_layers`` (Mistral,
 Phi-3, Qwen2, Gemma 2, 3), ``resid_dropout`` (Phi-3) and the mixture-of-experts fields from
 ``n_experts`` on (Mixtral, Qwen3-MoE); ``linear_attention_layers`` with Gated DeltaNet's shapes, ``attn_output_gate``
-and ``partial_rotary_factor`` (Qwen3-Next, Qwen3.5/3.6). Each is computed the way
+and ``partial_rotary_factor`` (Qwen3-Next, Qwen3.5/3.6); from ``global_head_dim`` to ``double_wide_mlp`` and
+``rope_type="proportional"`` (Gemma 4). Each is computed the way
 transformers computes it, so logits agree with it in fp32.
 
 :class:`ModelArgs` and the activations live in :mod:`waypoint.models.args`; RMSNorm, the RoPE rotation, the masks
