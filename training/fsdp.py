@@ -14,7 +14,8 @@ from waypoint.models.transformer import TransformerBlock
 
 
 def shard_model(model: nn.Module, mesh, mixed_precision: Mapping | None = None) -> nn.Module:
-    """``fully_shard`` every :class:`TransformerBlock` and then the root, in place (on the meta device too).
+    """``fully_shard`` every :class:`TransformerBlock` (and Gemma 4's per-layer embeddings) and then the root, in place
+    (on the meta device too).
 
     ``mixed_precision``: ``{param_dtype: bf16, reduce_dtype: fp32}`` computes in ``param_dtype`` and
     reduces gradients in ``reduce_dtype`` while the sharded parameters keep their own dtype; None
@@ -37,6 +38,8 @@ def shard_model(model: nn.Module, mesh, mixed_precision: Mapping | None = None) 
         raise CheckpointError(f"{type(model).__name__} has no TransformerBlock to shard")
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
+    if getattr(model, "per_layer", None) is not None:  # Gemma 4's per-layer table (E4B: 5.6 GB in bf16) is a unit of
+        fully_shard(model.per_layer, mesh=mesh, mp_policy=policy)  # its own: whole for its lookup, not the whole step
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
