@@ -73,6 +73,9 @@ __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs",
            "apply_rope", "document_mask", "rope_attention_factor", "rope_cache", "rope_frequencies", "sliding_window_mask",
            "softcapped_attention"]
 
+ROPE_ROWS = 8192  # the positions the rotary tables cover at first (Transformer.reset_rope)
+
+
 def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
     """The inverse frequencies [head_dim // 2] in fp32, scaled for ``rope_type="llama3"``, ``"linear"`` or ``"yarn"``
     exactly as transformers' ``_compute_llama3_parameters`` / ``_compute_linear_scaling_rope_parameters`` /
@@ -253,8 +256,11 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def reset_rope(self) -> None:
-        """(Re)compute the rotary tables on the embedding's device; call after loading onto a meta-built model."""
+    def reset_rope(self, rows: int | None = None) -> None:
+        """(Re)compute the rotary tables on the embedding's device; call after loading onto a meta-built model.
+        ``rows``: the positions they cover (default ``ROPE_ROWS``; never past max_seq_len); ``forward`` extends them when
+        a longer sequence comes, with the same bits for the positions they had (a 262144-position Gemma 4 table with
+        512-wide heads would hold 0.5 GB on every GPU for the few thousand positions a fine-tune uses)."""
         device = self.tok_embeddings.weight.device
         a = self.args
         if device.type == "meta":  # nothing to compute yet (and meta kernels for it cost a slow import)
@@ -262,10 +268,11 @@ class Transformer(nn.Module):
             if a.local_rope_theta is not None:
                 self.local_rope = torch.empty(0, device=device)
             return
-        self.rope = rope_cache(a.rotary_dim, a.max_seq_len, a.rope_theta, device=device,
+        rows = min(a.max_seq_len, rows or ROPE_ROWS)
+        self.rope = rope_cache(a.rotary_dim, rows, a.rope_theta, device=device,
                                inv_freq=rope_frequencies(a, device=device), scale=rope_attention_factor(a))
         if a.local_rope_theta is not None:  # unscaled, whatever rope_type the full-attention layers use
-            self.local_rope = rope_cache(a.rotary_dim, a.max_seq_len, a.local_rope_theta, device=device)
+            self.local_rope = rope_cache(a.rotary_dim, rows, a.local_rope_theta, device=device)
 
     def init_weights(self, std: float = 0.02) -> None:
         """Random initialisation for training from scratch (tests, tiny models)."""
@@ -312,8 +319,10 @@ class Transformer(nn.Module):
         if (per_sequence or per_token) and labels is None:
             raise ValueError("per_sequence and per_token need labels")
         start = cache.length if cache is not None else 0
-        if start + tokens.shape[1] > self.rope.shape[0]:
-            raise ValueError(f"sequence length {start + tokens.shape[1]} exceeds max_seq_len {self.rope.shape[0]}")
+        if start + tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(f"sequence length {start + tokens.shape[1]} exceeds max_seq_len {self.args.max_seq_len}")
+        if start + tokens.shape[1] > self.rope.shape[0]:  # the tables grow (doubling) as longer sequences come
+            self.reset_rope(max(start + tokens.shape[1], 2 * self.rope.shape[0]))
         h = self.tok_embeddings(tokens)
         if self.args.embedding_scale != 1.0:
             # as transformers: the scale rounded to fp32, then to the embedding's dtype
