@@ -118,7 +118,7 @@ class Attention(nn.Module):
         self.n_kv_heads, self.head_dim = args.attention_shape(layer_id)
         self.dropout = args.attn_dropout
         self.scale, self.softcap = args.attn_scale, args.attn_softcap
-        # Gemma 4: the layer whose keys and values this one reads (None: its own), and whether later layers read its
+        # Gemma 4: the layer whose keys and values this one reads (None: its own), and whether later layers read its own
         self.kv_source = args.kv_source(layer_id)
         self.stores_kv = layer_id in {args.kv_source(i) for i in range(args.n_layers)}
         own_kv = self.kv_source is None
@@ -127,7 +127,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim * (2 if self.gated else 1), bias=args.qkv_bias)
         self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias) if own_kv else None
         keys_as_values = args.attn_k_eq_v and args.is_full_attention(layer_id)
-        self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias) if own_kv and not keys_as_values else None
+        self.v_proj = (nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+                       if own_kv and not keys_as_values else None)
         self.output_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=args.attn_output_bias)
         # gpt-oss: each head's learned logit in its softmax's denominator (None without attn_sinks)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if args.attn_sinks else None
@@ -135,7 +136,8 @@ class Attention(nn.Module):
         norm = partial(RMSNorm, self.head_dim, args.norm_eps, args.norm_plus_one, args.norm_fp32_weight)
         self.q_norm = norm() if args.qk_norm else None
         self.k_norm = norm() if args.qk_norm and own_kv else None
-        self.v_norm = RMSNorm(self.head_dim, args.norm_eps, fp32_weight=True, weight=False) if args.value_norm and own_kv else None  # Gemma 4's weightless value norm
+        self.v_norm = (RMSNorm(self.head_dim, args.norm_eps, fp32_weight=True, weight=False)  # Gemma 4's, weightless
+                       if args.value_norm and own_kv else None)
         # RoPE on the first rotary_dim dims of each head (all but Qwen3-Next / 3.5's); with rope_interleave false those
         # rows are HF's halves, regrouped into pairs on the activations (q and k alike: the dot product is unchanged)
         self.rotary_dim, self.halves = int(self.head_dim * args.partial_rotary_factor), not args.rope_interleave
