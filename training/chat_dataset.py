@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from waypoint.training.records import Skipped, converted
+from waypoint.training.records import column_names, converted, Skipped
 from waypoint.text.chat_template import ChatTemplate, load_chat_template
 from waypoint.training.tokenized import TokenizedRecords
 
@@ -49,10 +49,7 @@ class ChatDataset(Dataset):
     def __init__(self, source: str | Path, tokenizer, max_seq_len: int, train_on_input: bool = False,
                  template: str | None = None, columns: dict[str, str] | None = None,
                  skip_bad_records: bool = False) -> None:
-        columns = dict(columns or {})
-        unknown = sorted(set(columns) - set(COLUMN_KEYS))
-        if unknown or not all(isinstance(v, str) and v for v in columns.values()):
-            raise ValueError(f"columns: expected names for {', '.join(COLUMN_KEYS)}, got {columns!r}")
+        columns = column_names(columns, COLUMN_KEYS)
         self.source = Path(source)
         self.tokenizer = tokenizer
         self.columns = columns

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 
 from waypoint.text.chat_template import ChatTemplate, load_chat_template
 from waypoint.training.chat_dataset import read_messages
-from waypoint.training.records import Skipped, converted
+from waypoint.training.records import column_names, converted, Skipped
 
 COLUMN_KEYS = ("prompt", "chosen", "rejected", "role", "content")
 PAIR_KEYS = ("prompt", "chosen", "rejected")
@@ -69,10 +69,7 @@ class PreferenceDataset(Dataset):
     def __init__(self, source: str | Path, tokenizer, max_length: int, max_prompt_length: int | None = None,
                  template: str | None = None, columns: dict[str, str] | None = None,
                  skip_bad_records: bool = False) -> None:
-        columns = dict(columns or {})
-        unknown = sorted(set(columns) - set(COLUMN_KEYS))
-        if unknown or not all(isinstance(v, str) and v for v in columns.values()):
-            raise ValueError(f"columns: expected names for {', '.join(COLUMN_KEYS)}, got {columns!r}")
+        columns = column_names(columns, COLUMN_KEYS)
         if not _positive_int(max_length):
             raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
         if max_prompt_length is not None and not _positive_int(max_prompt_length):

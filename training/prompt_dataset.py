@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from waypoint.text.chat_template import ChatTemplate, load_chat_template
 from waypoint.training.chat_dataset import read_messages
-from waypoint.training.records import Skipped, converted
+from waypoint.training.records import column_names, converted, Skipped
 
 COLUMN_KEYS = ("prompt", "role", "content")
 
@@ -46,10 +46,7 @@ class PromptDataset(Dataset):
     def __init__(self, source: str | Path, tokenizer, max_prompt_length: int | None = None,
                  template: str | None = None, columns: dict[str, str] | None = None,
                  skip_bad_records: bool = False) -> None:
-        columns = dict(columns or {})
-        unknown = sorted(set(columns) - set(COLUMN_KEYS))
-        if unknown or not all(isinstance(v, str) and v for v in columns.values()):
-            raise ValueError(f"columns: expected names for {', '.join(COLUMN_KEYS)}, got {columns!r}")
+        columns = column_names(columns, COLUMN_KEYS)
         if max_prompt_length is not None and (isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int)
                                               or max_prompt_length < 1):
             raise ValueError(f"max_prompt_length must be a positive integer or null, got {max_prompt_length!r}")

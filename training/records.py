@@ -14,7 +14,7 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from waypoint.text.chat_template import ChatTemplateLimitError
@@ -31,6 +31,16 @@ class Record(NamedTuple):
     file: Path
     where: str
     data: Any
+
+
+def column_names(columns: Mapping[str, str] | None, keys: Sequence[str]) -> dict[str, str]:
+    """A dataset's ``columns`` option (other field names for ``keys``) as a dict; a ValueError naming the keys it
+    takes where it names another key or a name that is not a non-empty string."""
+    columns = dict(columns or {})
+    unknown = sorted(set(columns) - set(keys))
+    if unknown or not all(isinstance(v, str) and v for v in columns.values()):
+        raise ValueError(f"columns: expected names for {', '.join(keys)}, got {columns!r}")
+    return columns
 
 
 def read_records(source: str | Path) -> list[Record]:
