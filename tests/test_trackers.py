@@ -177,7 +177,9 @@ def test_a_resumed_tracker_gets_each_step_once_whatever_its_run_held(tmp_path, h
 def test_the_offline_reader_reads_what_wandb_wrote(offline):
     import wandb
 
-    run = wandb.init(project="p", id="reader1", config={"a": {"b": 1}})
+    # dir and mode given, not only in the environment: an earlier test in this process (the recipes' trackers) leaves
+    # W&B's settings singleton holding that test's WANDB_DIR
+    run = wandb.init(project="p", id="reader1", config={"a": {"b": 1}}, dir=str(offline.parent), mode="offline")
     for step, values in ((1, {"loss": 1.0}), (2, {"loss": 2.0}), (2, {"val_loss": 0.5}), (5, {"loss": 5.0})):
         run.log(values, step=step)
     run.summary["final_model"] = "/m"
