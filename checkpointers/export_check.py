@@ -39,6 +39,23 @@ def probe_tokens(vocab_size: int, shape: tuple[int, int] = PROBE_SHAPE, seed: in
     return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def probe_device(model: nn.Module, trained_on: torch.device, free_bytes: int | None = None) -> torch.device:
+    """Where the reloaded ``model`` computes its probe: on ``trained_on``, the device the probe's reference came from,
+    when it fits there beside what that device already holds (``free_bytes``: its free memory, by default asked of
+    CUDA), so that both sides run the same kernels and a difference is the layout's; else on the CPU. Half-precision
+    logits differ between a GPU's kernels and the CPU's by the model's own rounding, which a model can amplify past
+    the tolerance (tiny random Gemma 4 in bf16: 0.22 at a logit scale of 3.7, on an H200)."""
+    cpu = torch.device("cpu")
+    if trained_on.type == "cpu":
+        return cpu
+    if free_bytes is None:
+        if trained_on.type != "cuda":
+            return cpu
+        free_bytes = torch.cuda.mem_get_info(trained_on)[0]
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return trained_on if weights * 5 // 4 + (256 << 20) <= free_bytes else cpu  # its weights and the probe's activations
+
+
 def probe_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """``model``'s fp32 logits for ``tokens`` in eval mode (no dropout), its mode restored after."""
     training = model.training
@@ -78,6 +95,7 @@ class ExportCheck:
             self.expected = probe_logits(model, self.tokens)
         self.rounding: float | None = None  # max |dlogit| between the files as written and the model that trained
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        self.device = next(model.parameters()).device
         self.line = ""
         self.max_diff: float | None = None
 
@@ -109,9 +127,14 @@ class ExportCheck:
             model = model.to(self.dtype)
             refresh_derived(model)  # the rotary tables in fp32 again, as a model loaded in that dtype has them
             written = self.dtype
+        device = probe_device(model, self.device)
+        model = model.to(device)
         with same_routing(model, self.routes):
             got = probe_logits(model, self.tokens)
         del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the reloaded copy's memory back to the run
+        across = "" if device == self.device else f"; compared across devices ({self.device.type} and {device.type})"
         diff = (got - self.expected).abs().max().item()
         scale = max(1.0, self.expected.abs().max().item())
         # the coarser of the two dtypes: an export in bf16 of an fp32 model differs by bf16's rounding
@@ -119,7 +142,7 @@ class ExportCheck:
         batch, length = self.tokens.shape
         if not diff <= tolerance:  # nan fails too
             raise CheckpointError(f"the export does not compute what was written: reloaded, its logits differ by up to "
-                                  f"{diff:.3g} (tolerance {tolerance:.3g}) over {batch}x{length} tokens; nothing was "
+                                  f"{diff:.3g} (tolerance {tolerance:.3g}) over {batch}x{length} tokens{across}; nothing was "
                                   "committed (this is a bug in the format's converter: please report it)")
         self.max_diff = diff
         self.line = f"export verified: max |dlogit| {diff:.3g} over {batch}x{length} tokens ({time.perf_counter() - started:.2f} s)"

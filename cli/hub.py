@@ -58,12 +58,12 @@ from huggingface_hub.file_download import repo_folder_name
 from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import filter_repo_objects
 
+from waypoint.cli.hub_source import SOURCE_FILE, base_model_name, read_source  # noqa: F401 (the record of a download)
 from waypoint.errors import CheckpointError, first_line
 
 log = logging.getLogger(__name__)
 
 HF_SCHEME = "hf://"
-SOURCE_FILE = "waypoint_source.json"
 REPO_TYPES = ("model", "dataset")
 FORMATS = ("hf", "meta")
 WEIGHT_CHOICES = ("safetensors", "bin")
@@ -458,24 +458,6 @@ def write_source(directory: Path, record: dict) -> None:
         log.warning("could not record the source in %s: %s", path, e)
 
 
-def read_source(path: str | os.PathLike) -> dict | None:
-    """The recorded source (``repo_id``, ``repo_type``, ``revision`` = commit sha, ``requested_revision``)
-    of a downloaded directory or of a file or folder inside it; ``None`` if it was not downloaded here."""
-    path = Path(path).absolute()
-    start = path if path.is_dir() else path.parent
-    for directory in (start, *start.parents):
-        candidate = directory / SOURCE_FILE
-        if candidate.is_file():
-            try:
-                record = json.loads(candidate.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{candidate}: unreadable ({first_line(e)})") from e
-            if not isinstance(record, dict) or not {"repo_id", "revision"} <= record.keys():
-                raise CheckpointError(f"{candidate}: expected an object with repo_id and revision")
-            return record
-    return None
-
-
 # -- hf:// in configs ---------------------------------------------------------------------
 def resolve_hf_uri(uri: str, **kwargs) -> Path:
     """The local path of ``hf://...``, downloading it with the default file choice when needed.
@@ -535,10 +517,3 @@ def _is_missing(node, key) -> bool:
     except ImportError:  # pragma: no cover - omegaconf is a dependency
         return False
     return isinstance(node, (DictConfig, ListConfig)) and OmegaConf.is_missing(node, key)
-
-
-def base_model_name(checkpoint_dir: str | os.PathLike) -> str:
-    """An adapter's ``base_model_name_or_path``: the hub repo id recorded in ``waypoint_source.json`` when the base
-    was downloaded, else its path."""
-    record = read_source(checkpoint_dir) if Path(checkpoint_dir).exists() else None
-    return record["repo_id"] if record else str(Path(checkpoint_dir).resolve())

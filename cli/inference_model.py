@@ -20,7 +20,7 @@ from waypoint.checkpointers import checkpointer_for, load_into
 from waypoint.checkpointers.commit import MANIFEST, verify
 from waypoint.checkpointers.peft_adapter import load_adapter, read_adapter_config, warn_other_base
 from waypoint.checkpointers.sharded_checkpoint import holds_sharded_model
-from waypoint.cli.hub import base_model_name
+from waypoint.cli.hub_source import base_model_name
 from waypoint.errors import CheckpointError
 from waypoint.models import Transformer, parse_dtype
 from waypoint.models.lora import merge_state_dict

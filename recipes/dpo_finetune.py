@@ -38,7 +38,7 @@ from waypoint.checkpointers import CheckpointError, load_into
 from waypoint.checkpointers.load_model import load_sharded_into
 from waypoint.checkpointers.peft_adapter import check_targets, load_adapter
 from waypoint.cli.entry import run_recipe
-from waypoint.cli.hub import base_model_name
+from waypoint.cli.hub_source import base_model_name
 from waypoint.cli.option_checks import COMMON, LORA, PREFERENCE, check_options
 from waypoint.cli.run_config import config_as_given
 from waypoint.evaluation.during_training import TrainingEval

@@ -43,7 +43,7 @@ from waypoint.checkpointers.load_model import load_sharded_into
 from waypoint.checkpointers.peft_adapter import check_targets, load_adapter
 from waypoint.cli.entry import run_recipe
 from waypoint.cli.grpo_option_checks import GRPO
-from waypoint.cli.hub import base_model_name
+from waypoint.cli.hub_source import base_model_name
 from waypoint.cli.option_checks import COMMON, LORA, check_options
 from waypoint.cli.run_config import config_as_given
 from waypoint.models.lora import adapter_state_keys, adapters_disabled, apply_lora, init_adapters, load_adapter_state

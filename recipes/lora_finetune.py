@@ -46,7 +46,7 @@ from tqdm import tqdm
 from waypoint.checkpointers import load_into
 from waypoint.checkpointers.peft_adapter import check_targets, load_adapter
 from waypoint.cli.entry import run_recipe
-from waypoint.cli.hub import base_model_name
+from waypoint.cli.hub_source import base_model_name
 from waypoint.cli.option_checks import COMMON, LORA
 from waypoint.cli.run_config import config_as_given
 from waypoint.evaluation.during_training import TrainingEval

@@ -170,7 +170,7 @@ def run_case(case: Case, work: Path, device: str, bases: dict[str, Path], timeou
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *argv]
     else:
         command = [sys.executable, *argv]
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "WAYPOINT_DEBUG": "1", "PYTHONPATH": str(ROOT)}
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "WAYPOINT_DEBUG": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,

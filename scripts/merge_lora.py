@@ -26,7 +26,7 @@ if importlib.util.find_spec("waypoint") is None:
 from waypoint.checkpointers import CheckpointError, checkpointer_for  # noqa: E402
 from waypoint.checkpointers.peft_adapter import load_adapter, read_adapter_config, warn_other_base  # noqa: E402
 from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
-from waypoint.cli.hub import base_model_name  # noqa: E402
+from waypoint.cli.hub_source import base_model_name  # noqa: E402
 from waypoint.models.lora import merge_state_dict  # noqa: E402
 from waypoint.run.output_dir import local_output, refuse_overlap  # noqa: E402
 

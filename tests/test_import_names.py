@@ -110,3 +110,17 @@ def test_no_module_imports_itself_through_a_circle():
         if module not in done:
             visit(module, [module])
     assert not circles, circles
+
+
+def test_the_recipes_do_not_import_the_hub_client():
+    """A recipe names an adapter's base from the download's record (``cli.hub_source``) without importing
+    huggingface_hub: on a GPU machine whose huggingface_hub was older than ours, every LoRA-family recipe died at its
+    import of the hub client's network stack (httpx2), before it read its config."""
+    probe = ("import importlib.util, sys\n"
+             "for name in ('full_finetune', 'lora_finetune', 'dpo_finetune', 'grpo_finetune', 'generate'):\n"
+             f"    spec = importlib.util.spec_from_file_location(name, {str(ROOT / 'recipes')!r} + f'/{{name}}.py')\n"
+             "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+             "print(sorted(m for m in ('huggingface_hub', 'httpx2', 'transformers') if m in sys.modules))\n")
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert found.stdout.strip() == "[]"
