@@ -76,10 +76,12 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
     family = next((f for f in FAMILIES if hf_type in f.hf_model_types), None)
     if family is None:
         raise ValueError(f"unknown model_type {hf_type!r}; known: {', '.join(HF_MODEL_TYPES)}")
-    config = text_config(family, config)
+    outer, config = config, text_config(family, config)
     cfg = HFConfig(config, family.defaults)
     check_fixed(cfg, family.fixed, hf_type)
-    return family.model_args(cfg)
+    args = family.model_args(cfg)
+    vision = family.vision(outer) if family.vision is not None and config is not outer else None
+    return replace(args, vision=vision) if vision is not None else args
 
 
 def checked_model_args(config: Mapping[str, Any], source: str = "config.json") -> ModelArgs:

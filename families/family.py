@@ -57,6 +57,8 @@ class Family:
     # HF keys that hold buffers, not parameters (DeepSeek's e_score_correction_bias): left out of an index's
     # ``total_parameters``, as transformers' ``num_parameters()`` leaves them out
     buffers: tuple[str, ...] = ()
+    # a multimodal config.json (the outer one) -> its image side (models.vision_args.VisionArgs), or None: text only
+    vision: Callable[[Mapping[str, Any]], Any] | None = None
 
     def carried_keys(self, config: Mapping[str, Any]) -> re.Pattern | None:
         """The compiled ``carried`` regex for a config.json, or None."""

@@ -3,9 +3,10 @@ sliding-window layers to one full one (``layer_types``, or v4's ``sliding_window
 tables: a local base (default 10000) for sliding layers and the global base with its scaling (linear, factor 8
 in the 4B+ models) for full ones. No soft-capping by default.
 
-The multimodal repos (``Gemma3ForConditionalGeneration``, model_type ``gemma3``) fine-tune their text model: its
-keys sit under ``language_model.`` and its config under ``text_config``; the vision tower and projector are
-written back untouched, in the files they came in."""
+The multimodal repos (``Gemma3ForConditionalGeneration``, model_type ``gemma3``): the text model's keys sit under
+``language_model.`` and its config under ``text_config``; the SigLIP vision tower and the projector load into the
+native model too (``ModelArgs.vision``, :mod:`waypoint.families.vision_rules`), so it reads images, and are written
+back in the files they came in (SigLIP's unused pooling head carried untouched)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from waypoint.families.gemma import gemma_args
 from waypoint.families.gemma2 import gemma_common, gemma_fields
 from waypoint.families.hf_config import FULL, SLIDING, HFConfig, rope_fields, rope_params
 from waypoint.families.hf_rules import attention_rules, mlp_rules, outer_rules, qk_norm_rules, sandwich_norm_rules
+from waypoint.families.vision_rules import GEMMA3_PREFIXES, SIGLIP_HEAD, gemma3_projector_rules, gemma3_vision, siglip_rules
 from waypoint.models.args import ModelArgs
 from waypoint.models.transformer import Transformer
 
@@ -45,10 +47,11 @@ FAMILY = Family(
                   sliding_window_pattern=6),
     fixed=dict(attention_bias=False, use_bidirectional_attention=False),
     model_args=model_args, hf_config=hf_config,
-    rules=lambda args: outer_rules() + sandwich_norm_rules() + attention_rules(args) + qk_norm_rules(args) + mlp_rules(),
+    rules=lambda args: (outer_rules() + sandwich_norm_rules() + attention_rules(args) + qk_norm_rules(args) + mlp_rules()
+                        + (siglip_rules() + gemma3_projector_rules() if args.vision is not None else [])),
     # multimodal repos (gemma-3-4b and up, model_type gemma3): the text model under language_model., its config
-    # under text_config; the vision tower and projector are passed through untouched
-    hf_prefixes=({"language_model.": ""},), nested_config="text_config",
+    # under text_config, the vision tower and projector beside it
+    hf_prefixes=GEMMA3_PREFIXES, nested_config="text_config", vision=gemma3_vision, carried=lambda config: SIGLIP_HEAD,
 )
 
 

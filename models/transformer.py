@@ -68,6 +68,9 @@ from waypoint.models.balance_loss import load_balancing_loss, load_balancing_sta
 from waypoint.models.moe import MoE
 from waypoint.models.per_layer_embeddings import PerLayerEmbeddings, PerLayerInput
 from waypoint.models.shared_expert import FeedForward
+from waypoint.models.image_projector import ImageProjector
+from waypoint.models.image_tokens import image_mask, place_images
+from waypoint.models.siglip import SiglipVision
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
            "apply_rope", "document_mask", "rope_attention_factor", "rope_cache", "rope_frequencies", "sliding_window_mask",
@@ -240,6 +243,9 @@ class Transformer(nn.Module):
         # Gemma 4's per-layer embeddings (models.per_layer_embeddings); None without
         self.per_layer = PerLayerEmbeddings(args) if args.per_layer_dim else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
+        # a vision-language model's image side (``args.vision``): the tower and the projector into the text's width
+        self.vision = SiglipVision(args.vision) if args.vision is not None else None
+        self.projector = ImageProjector(args.vision, args.dim) if args.vision is not None else None
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one, args.norm_fp32_weight)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.activation_checkpointing = False
@@ -307,7 +313,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 labels: torch.Tensor | None = None, loss_chunk: int | None = None,
-                per_sequence: bool = False, per_token: bool = False, temperature: float = 1.0) -> torch.Tensor:
+                per_sequence: bool = False, per_token: bool = False, temperature: float = 1.0,
+                pixel_values: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` [batch, seq] -> logits [batch, seq, vocab]. Packed sequences (``training.packing``) also give
         each token's ``positions`` (restarting per sample) and ``document_ids`` (attention stays within one).
         With a ``cache`` (generation), ``tokens`` follow the cached ones and the cache takes their keys and values.
@@ -315,7 +322,10 @@ class Transformer(nn.Module):
         with the loss, ``loss_chunk`` tokens at a time, default by the vocabulary's size; 0: the full logits).
         With ``labels`` and ``per_sequence``: each sequence's loss sum, a [batch] vector, by the same two paths.
         With ``labels`` and ``per_token``: (each next label's log-prob, its distribution's entropy), [batch, seq - 1]
-        each, 0 where the label is ignored, of the logits divided by ``temperature`` (``models.token_logps``)."""
+        each, 0 where the label is ignored, of the logits divided by ``temperature`` (``models.token_logps``).
+        A vision-language model (``args.vision``) takes the processor's ``pixel_values`` [images, channels, size, size]
+        (their embeddings replace the image tokens', ``models.image_tokens``) and ``token_type_ids`` [batch, seq]
+        (1 on image tokens: an image's tokens attend each other both ways), by transformers' names."""
         if (per_sequence or per_token) and labels is None:
             raise ValueError("per_sequence and per_token need labels")
         start = cache.length if cache is not None else 0
@@ -327,6 +337,10 @@ class Transformer(nn.Module):
         if self.args.embedding_scale != 1.0:
             # as transformers: the scale rounded to fp32, then to the embedding's dtype
             h = h * torch.tensor(self.args.embedding_scale, dtype=torch.float32, device=h.device).to(h.dtype)
+        if pixel_values is not None:
+            if self.vision is None:
+                raise ValueError("pixel_values given to a text model (its checkpoint has no vision tower)")
+            h = place_images(h, tokens, self.image_features(pixel_values), self.args.vision.image_token_id)
         seq = tokens.shape[1]
         window = self.args.sliding_window
         local_rope = self.local_rope if self.args.local_rope_theta is not None else self.rope
@@ -340,6 +354,11 @@ class Transformer(nn.Module):
             full_mask = document_mask(document_ids)
             window_mask = document_mask(document_ids, window) if window is not None else None
             global_rope, local_rope = self.rope[positions], local_rope[positions]
+        if token_type_ids is not None and self.args.vision is not None and self.args.vision.image_attention == "bidirectional":
+            if bool((token_type_ids == 1).any()):  # an image's tokens see each other both ways
+                past = cache.length if cache is not None else 0
+                full_mask = image_mask(token_type_ids, None, document_ids, past)
+                window_mask = image_mask(token_type_ids, window, document_ids, past) if window is not None else None
         per_layer = self.per_layer(tokens, h) if self.per_layer is not None else None
         extra: dict = {"shared_kv": {}} if self.args.kv_shared_layers else {}  # Gemma 4: keys and values layers share
         for index, layer in enumerate(self.layers):
@@ -373,6 +392,10 @@ class Transformer(nn.Module):
         if labels is not None:
             return (next_token_loss_rows if per_sequence else next_token_loss_sum)(self._capped(logits), labels)
         return self._capped(logits)
+
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[images, channels, size, size] -> [images, tokens_per_image, dim]: the tower, then the projector."""
+        return self.projector(self.vision(pixel_values))
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         if self.args.final_softcap is not None:
