@@ -173,6 +173,7 @@ COMMON: dict[str, tuple[bool, Check]] = {
     "lr_scheduler.num_warmup_steps": (False, integer(0)),
     "dataset.max_seq_len": (False, integer(1)),
     "packed": (False, boolean),
+    "freeze_vision": (False, boolean),
     "log_dir": (False, optional(local_directory("TensorBoard event files"))),
     "progress": (False, one_of(*PROGRESS_STYLES)),
     "progress_every_n_steps": (False, integer(1)),

@@ -75,9 +75,11 @@ def next_token(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling, gen
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
              stop_ids: Iterable[int] = (), on_token: Callable[[int], bool | None] | None = None,
-             generator: torch.Generator | None = None) -> list[int]:
+             generator: torch.Generator | None = None, images: dict[str, torch.Tensor] | None = None) -> list[int]:
     """The tokens ``model`` continues ``prompt`` with (a stop token included, as transformers returns it);
-    ``on_token`` sees each as it comes (streaming) and stops the generation by returning True (a stop string)."""
+    ``on_token`` sees each as it comes (streaming) and stops the generation by returning True (a stop string).
+    ``images``: a vision-language prompt's ``pixel_values`` and ``token_type_ids`` (for the prompt's tokens), which
+    the first forward takes; the tokens after it are text."""
     if not prompt:
         raise ValueError("generate: the prompt has no tokens")
     device = next(model.parameters()).device
@@ -88,9 +90,11 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, sam
     seen = torch.tensor(prompt, device=device)
     step_input = seen[None]
     out: list[int] = []
+    prefill = {k: v.to(device) for k, v in (images or {}).items()}
     try:
         for _ in range(max_new_tokens):
-            logits = model(step_input, cache=cache)[0, -1].float()
+            logits = model(step_input, cache=cache, **prefill)[0, -1].float()
+            prefill = {}
             token = next_token(logits, seen, sampling, generator)
             out.append(token)
             if (on_token is not None and on_token(token)) or token in stop:

@@ -92,6 +92,9 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             module.disabled = False
 
 
+IMAGE_SIDE = ("vision.", "projector.")  # a vision-language model's image side (models.transformer)
+
+
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAExperts]:
     return {name: m for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))}
 
@@ -109,8 +112,9 @@ def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float
         raise CheckpointError("lora target 'output' is tied to the embedding in this model; a LoRA on it would untie them")
     for p in model.parameters():
         p.requires_grad_(False)
+    # the language model's layers: a vision-language model's tower (``vision.``, its own q_proj ...) is not adapted
     chosen = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+              if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets and not name.startswith(IMAGE_SIDE)]
     experts = [(f"{name}.{t}", m) for name, m in model.named_modules() if hasattr(m, "experts_gate_up")
                for t in EXPERT_TARGETS if t in targets]  # mixture-of-experts layers' stacked weights
     absent = [t for t in targets if t in EXPERT_TARGETS and not experts]

@@ -112,6 +112,9 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     plan = RunPlan(steps_per_epoch, cfg.epochs, cfg.batch_size, accumulate, dist.world_size, cfg.seed,
                    save_every_n_steps=cfg.save_every_n_steps or 0, save_every_epoch=cfg.save_every_epoch)
 
+    # A vision-language model's tower stays as it came unless freeze_vision: false (its projector trains).
+    if getattr(model, "vision", None) is not None and cfg.get("freeze_vision", True):
+        model.vision.requires_grad_(False)
     # Optimizer after loading, so it holds the parameters the model really uses.
     optimizer = instantiate(cfg.optimizer, params=[p for p in model.parameters() if p.requires_grad])
     scheduler = instantiate(cfg.lr_scheduler, optimizer=optimizer, num_training_steps=plan.total_steps)

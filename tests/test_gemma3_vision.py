@@ -131,3 +131,18 @@ def read_tensors_all(directory):
     for f in sorted(directory.glob("*.safetensors")):
         tensors |= read_tensors(f)
     return tensors
+
+
+def test_greedy_generation_about_an_image_equals_transformers(tmp_path):
+    """The prompt's images go into the first forward (the cache then holds their keys), as transformers' generate."""
+    from waypoint.models.generate import Sampling, generate
+
+    hf = vlm_repo(tmp_path / "in")
+    tokens, types, pixels = with_images([[5, 9, -1, 17, 3]], [1])
+    model = load_model(tmp_path / "in").eval()
+    ours = generate(model, tokens[0].tolist(), 8, Sampling(temperature=0.0),
+                    images={"pixel_values": pixels, "token_type_ids": types})
+    theirs = hf.generate(input_ids=tokens, pixel_values=pixels, token_type_ids=types, attention_mask=torch.ones_like(tokens),
+                         max_new_tokens=8, do_sample=False, eos_token_id=None)[0, tokens.shape[1]:].tolist()
+    without = generate(model, tokens[0].tolist(), 8, Sampling(temperature=0.0))
+    assert ours == theirs and ours != without

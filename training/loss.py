@@ -9,19 +9,29 @@ import torch
 from waypoint.models.fused_loss import IGNORE_INDEX, next_token_loss_rows, next_token_loss_sum
 
 
+# what a batch may hold for the model's forward beside tokens and labels: a packed batch's positions and documents, a
+# vision-language batch's images and token types (transformers' names)
+MODEL_INPUTS = ("positions", "document_ids", "pixel_values", "token_type_ids")
+
+
+def model_inputs(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's ``MODEL_INPUTS``, on ``device``."""
+    return {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
+
+
 def supervised_tokens(labels: torch.Tensor) -> int:
     """How many positions of ``labels`` [batch, seq] a next-token loss supervises."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 def model_loss_sum(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor, loss_chunk: int | None = None,
-                   **packed) -> torch.Tensor:
+                   **inputs) -> torch.Tensor:
     """The next-token loss sum of ``model`` on ``tokens``: the native model's output projection fused with the loss,
     a chunk of tokens at a time (``loss_chunk=0``: the full logits); a model of your own whose ``forward`` takes no
     ``labels`` returns logits, and the loss is taken from them."""
     if "labels" in inspect.signature(model.forward).parameters:
-        return model(tokens, labels=labels, loss_chunk=loss_chunk, **packed)
-    return next_token_loss_sum(model(tokens, **packed), labels)
+        return model(tokens, labels=labels, loss_chunk=loss_chunk, **inputs)
+    return next_token_loss_sum(model(tokens, **inputs), labels)
 
 
 def sequence_loss_sums(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
@@ -48,8 +58,8 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: 
     n_supervised = max(dist.sum(sum(supervised_tokens(b["labels"]) for b in micro_batches)), 1)
     loss_sum, aux_sum, has_aux = 0.0, 0.0, False
     for batch in micro_batches:
-        packed = {k: batch[k].to(device) for k in ("positions", "document_ids") if k in batch}
-        loss = model_loss_sum(model, batch["tokens"].to(device), batch["labels"].to(device), loss_chunk, **packed) / n_supervised
+        loss = model_loss_sum(model, batch["tokens"].to(device), batch["labels"].to(device), loss_chunk,
+                              **model_inputs(batch, device)) / n_supervised
         aux = backward_with_balance(model, loss, dist, batch.get("mask"), len(micro_batches))
         if aux is not None:
             has_aux, aux_sum = True, aux_sum + aux

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset, Subset
 
 from waypoint.errors import CheckpointError
 from waypoint.training.fsdp import reshard
-from waypoint.training.loss import model_loss_sum, supervised_tokens
+from waypoint.training.loss import model_inputs, model_loss_sum, supervised_tokens
 
 
 @dataclass
@@ -65,8 +65,7 @@ def evaluate(model: torch.nn.Module, dataset: Dataset, batch_size: int, collate,
         for start in range(0, len(dataset), per_step):
             mine = list(range(start + dist.rank * batch_size, min(start + (dist.rank + 1) * batch_size, len(dataset))))
             batch = collate([dataset[i] for i in (mine or [start])])
-            packed = {k: batch[k].to(device) for k in ("positions", "document_ids") if k in batch}
-            loss = model_loss_sum(model, batch["tokens"].to(device), batch["labels"].to(device), **packed)
+            loss = model_loss_sum(model, batch["tokens"].to(device), batch["labels"].to(device), **model_inputs(batch, device))
             if mine:
                 loss_sum += float(loss)
                 tokens += supervised_tokens(batch["labels"])
