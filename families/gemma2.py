@@ -28,9 +28,16 @@ def model_args(cfg: HFConfig) -> ModelArgs:
                      final_softcap=cfg.get("final_logit_softcapping"))
 
 
+def query_pre_attn_scalar(args: ModelArgs) -> int | float:
+    """The attention scale as config.json gives it (``scale ** -2``): an int where it is one, as transformers 5's
+    strict config classes take nothing else (Gemma3TextConfig: 32.0 is refused)."""
+    value = round(args.attn_scale ** -2, 6)
+    return int(value) if value == int(value) else value
+
+
 def gemma_fields(args: ModelArgs, family: Family) -> dict:
     return {**common_fields(args, family), "hidden_activation": args.activation, "sliding_window": args.sliding_window,
-            "layer_types": layer_types(args), "query_pre_attn_scalar": round(args.attn_scale ** -2, 6),
+            "layer_types": layer_types(args), "query_pre_attn_scalar": query_pre_attn_scalar(args),
             "attn_logit_softcapping": args.attn_softcap, "final_logit_softcapping": args.final_softcap}
 
 

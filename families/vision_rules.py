@@ -56,3 +56,17 @@ def gemma3_vision(config: Mapping[str, Any]) -> VisionArgs | None:
                       norm_eps=get("layer_norm_eps", 1e-6), activation=get("hidden_act", "gelu_pytorch_tanh"),
                       image_token_id=config.get("image_token_index", config.get("image_token_id", 262144)),
                       tokens_per_image=config.get("mm_tokens_per_image", 256), projector_eps=get("layer_norm_eps", 1e-6))
+
+
+def gemma3_config(args, text_fields: Mapping[str, Any], boi_token_id: int, eoi_token_id: int) -> dict[str, Any]:
+    """The config.json of a Gemma3ForConditionalGeneration with this text model (``text_fields``: the family's
+    ``hf_config``) and ``args.vision`` (the inverse of :func:`gemma3_vision`)."""
+    v = args.vision
+    return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "text_config": {**text_fields, "model_type": "gemma3_text"},
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": v.dim, "num_hidden_layers": v.n_layers,
+                              "num_attention_heads": v.n_heads, "intermediate_size": v.hidden_dim, "image_size": v.image_size,
+                              "patch_size": v.patch_size, "num_channels": v.channels, "layer_norm_eps": v.norm_eps,
+                              "hidden_act": v.activation, "vision_use_head": False},
+            "mm_tokens_per_image": v.tokens_per_image, "image_token_index": v.image_token_id,
+            "boi_token_index": boi_token_id, "eoi_token_index": eoi_token_id, "tie_word_embeddings": args.tie_embeddings}

@@ -285,6 +285,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("router_scale", "expert_scale")):
                 nn.init.ones_(p)
+            elif name.startswith("vision.") and name.endswith(".weight") and p.dim() == 1:  # the tower's LayerNorms
+                nn.init.ones_(p)
             elif name.endswith("norm.weight"):
                 (nn.init.zeros_ if self.args.norm_plus_one else nn.init.ones_)(p)
             elif name.endswith((".bias", "moe.b1", "moe.b2", "moe.b3")):
