@@ -27,6 +27,7 @@ from waypoint.converters import CheckpointError, Converter, Rule
 from waypoint.families import MODEL_TYPES, family_named
 from waypoint.lazy import nbytes
 from waypoint.models import ModelArgs
+from waypoint.models.vision_args import vision_args
 
 MODEL_FILE = "waypoint_model.json"
 FORMAT_NAME, FORMAT_VERSION = "waypoint-native", 1
@@ -45,7 +46,10 @@ def model_args_of(config: Mapping) -> ModelArgs:
     if config.get("format") != FORMAT_NAME or unknown:
         raise CheckpointError(f"{MODEL_FILE}: not a {FORMAT_NAME} model description"
                               + (f" (unknown fields {', '.join(unknown)})" if unknown else ""))
-    return ModelArgs(**config["model_args"])
+    fields = dict(config["model_args"])
+    if isinstance(fields.get("vision"), dict):  # a vision-language model's image side, rebuilt by its tower
+        fields["vision"] = vision_args(fields["vision"])
+    return ModelArgs(**fields)
 
 
 def describe(args: ModelArgs, model_type: str | None = None, source: HFSource | None = None) -> dict:

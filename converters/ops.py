@@ -176,6 +176,20 @@ class Transpose:
 
 
 @dataclass(frozen=True)
+class Flatten:
+    """A kernel's trailing dims as one <-> back to ``shape`` (those dims), e.g. Qwen3.5's patch embedding: HF's Conv3d
+    kernel [dim, C, T, P, P] <-> the native Linear's [dim, C*T*P*P] (a convolution whose kernel covers its input)."""
+
+    shape: tuple[int, ...]
+
+    def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.flatten(1) for t in tensors]
+
+    def inverse(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.reshape(t.shape[0], *self.shape) for t in tensors]
+
+
+@dataclass(frozen=True)
 class Interleave:
     """One tensor whose ``count`` parts alternate along ``dim`` <-> the parts, e.g. gpt-oss's ``gate_up_proj``
     (gate at the even positions, up at the odd ones) <-> the gate and up projections."""

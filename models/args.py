@@ -119,6 +119,7 @@ class ModelArgs:
     moe_beside_mlp: bool = False  # every layer's experts run beside its dense MLP, each with its own norms, summed
     double_wide_mlp: bool = False  # the kv-shared layers' dense MLP is twice hidden_dim wide
     vision: Any = None  # a vision-language model's image side (models.vision_args.VisionArgs); None: text only
+    mrope_section: tuple[int, ...] | None = None  # Qwen3.5's multimodal RoPE: frequencies per axis (models.mrope)
 
     @property
     def rotary_dim(self) -> int:
@@ -134,10 +135,8 @@ class ModelArgs:
         object.__setattr__(self, "full_attention_layers", tuple(sorted(int(i) for i in self.full_attention_layers)))
         object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
         object.__setattr__(self, "linear_attention_layers", tuple(sorted(int(i) for i in self.linear_attention_layers)))
-        if isinstance(self.vision, dict):
-            from waypoint.models.vision_args import VisionArgs
-
-            object.__setattr__(self, "vision", VisionArgs(**self.vision))
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(int(n) for n in self.mrope_section))
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} must be between 1 and n_experts={self.n_experts}")
         if self.shared_expert_hidden_dim is not None and not self.shared_expert_hidden_dim > 0:

@@ -13,12 +13,13 @@ import torch.nn.functional as F
 
 
 def place_images(h: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """``h`` [batch, seq, dim] with the rows at ``image_token_id`` replaced, in order, by ``features`` [images,
-    tokens_per_image, dim]; a count that does not match is a one-line error."""
+    """``h`` [batch, seq, dim] with the rows at ``image_token_id`` replaced, in order, by the rows of ``features``
+    (Gemma 3's [images, tokens_per_image, dim], Qwen3.5's [tokens, dim]); a count that does not match is a one-line
+    error."""
     where = tokens == image_token_id
-    if int(where.sum()) != features.shape[0] * features.shape[1]:
-        raise ValueError(f"{int(where.sum())} image tokens for {features.shape[0]} image(s) of {features.shape[1]} tokens "
-                         "each: the text and the images do not match (was an image cut off by max_seq_len?)")
+    if int(where.sum()) * h.shape[-1] != features.numel():
+        raise ValueError(f"{int(where.sum())} image tokens for {features.numel() // h.shape[-1]} image embeddings: the "
+                         "text and the images do not match (was an image cut off by max_seq_len?)")
     return h.masked_scatter(where.unsqueeze(-1), features.to(h.dtype))
 
 

@@ -14,6 +14,7 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = [None] * n_layers
         self.values: list[torch.Tensor | None] = [None] * n_layers
         self.length = 0  # tokens cached (the position the next token takes)
+        self.position_offset = 0  # what mRoPE's images took off the next token's position (models.mrope: the delta)
         # linear-attention layers (Gated DeltaNet): (the convolution's last inputs, the delta rule's state)
         self.states: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
 

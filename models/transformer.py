@@ -68,9 +68,9 @@ from waypoint.models.balance_loss import load_balancing_loss, load_balancing_sta
 from waypoint.models.moe import MoE
 from waypoint.models.per_layer_embeddings import PerLayerEmbeddings, PerLayerInput
 from waypoint.models.shared_expert import FeedForward
-from waypoint.models.image_projector import ImageProjector
 from waypoint.models.image_tokens import image_mask, place_images
-from waypoint.models.siglip import SiglipVision
+from waypoint.models.mrope import mrope_positions, mrope_rows
+from waypoint.models.vision_towers import image_projector, vision_tower
 
 __all__ = ["ACTIVATIONS", "ROPE_TYPES", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
            "apply_rope", "document_mask", "rope_attention_factor", "rope_cache", "rope_frequencies", "sliding_window_mask",
@@ -244,8 +244,8 @@ class Transformer(nn.Module):
         self.per_layer = PerLayerEmbeddings(args) if args.per_layer_dim else None
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         # a vision-language model's image side (``args.vision``): the tower and the projector into the text's width
-        self.vision = SiglipVision(args.vision) if args.vision is not None else None
-        self.projector = ImageProjector(args.vision, args.dim) if args.vision is not None else None
+        self.vision = vision_tower(args.vision)
+        self.projector = image_projector(args.vision, args.dim)
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_plus_one, args.norm_fp32_weight)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.activation_checkpointing = False
@@ -316,7 +316,8 @@ class Transformer(nn.Module):
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 labels: torch.Tensor | None = None, loss_chunk: int | None = None,
                 per_sequence: bool = False, per_token: bool = False, temperature: float = 1.0,
-                pixel_values: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                pixel_values: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None, mm_token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` [batch, seq] -> logits [batch, seq, vocab]. Packed sequences (``training.packing``) also give
         each token's ``positions`` (restarting per sample) and ``document_ids`` (attention stays within one).
         With a ``cache`` (generation), ``tokens`` follow the cached ones and the cache takes their keys and values.
@@ -325,9 +326,11 @@ class Transformer(nn.Module):
         With ``labels`` and ``per_sequence``: each sequence's loss sum, a [batch] vector, by the same two paths.
         With ``labels`` and ``per_token``: (each next label's log-prob, its distribution's entropy), [batch, seq - 1]
         each, 0 where the label is ignored, of the logits divided by ``temperature`` (``models.token_logps``).
-        A vision-language model (``args.vision``) takes the processor's ``pixel_values`` [images, channels, size, size]
-        (their embeddings replace the image tokens', ``models.image_tokens``) and ``token_type_ids`` [batch, seq]
-        (1 on image tokens: an image's tokens attend each other both ways), by transformers' names."""
+        A vision-language model (``args.vision``) takes its processor's outputs by transformers' names: ``pixel_values``
+        (Gemma 3's [images, channels, size, size]; Qwen3.5's patches with ``image_grid_thw``), whose embeddings replace
+        the image tokens' (``models.image_tokens``), and ``token_type_ids`` (Gemma 3; its images' tokens attend each
+        other both ways) or ``mm_token_type_ids`` (Qwen3.5; its images' tokens take mRoPE positions, ``models.mrope``),
+        [batch, seq], 1 on image tokens."""
         if (per_sequence or per_token) and labels is None:
             raise ValueError("per_sequence and per_token need labels")
         start = cache.length if cache is not None else 0
@@ -342,13 +345,16 @@ class Transformer(nn.Module):
         if pixel_values is not None:
             if self.vision is None:
                 raise ValueError("pixel_values given to a text model (its checkpoint has no vision tower)")
-            h = place_images(h, tokens, self.image_features(pixel_values), self.args.vision.image_token_id)
+            h = place_images(h, tokens, self.image_features(pixel_values, image_grid_thw), self.args.vision.image_token_id)
+        types = token_type_ids if token_type_ids is not None else mm_token_type_ids
+        has_images = types is not None and self.args.vision is not None and bool((types == 1).any())
+        offset = cache.position_offset if cache is not None else 0  # mRoPE: positions behind tokens after images
         seq = tokens.shape[1]
         window = self.args.sliding_window
         local_rope = self.local_rope if self.args.local_rope_theta is not None else self.rope
         if cache is not None:  # positions start .. start + seq, over the cached keys as well
             full_mask, window_mask = cache.mask(seq, None, h.device), cache.mask(seq, window, h.device)
-            global_rope, local_rope = self.rope[start:], local_rope[start:]
+            global_rope, local_rope = self.rope[start + offset:], local_rope[start + offset:]
         elif document_ids is None:
             full_mask, window_mask = None, sliding_window_mask(seq, window, h.device) if window is not None and seq > window else None
             global_rope = self.rope
@@ -356,11 +362,11 @@ class Transformer(nn.Module):
             full_mask = document_mask(document_ids)
             window_mask = document_mask(document_ids, window) if window is not None else None
             global_rope, local_rope = self.rope[positions], local_rope[positions]
-        if token_type_ids is not None and self.args.vision is not None and self.args.vision.image_attention == "bidirectional":
-            if bool((token_type_ids == 1).any()):  # an image's tokens see each other both ways
-                past = cache.length if cache is not None else 0
-                full_mask = image_mask(token_type_ids, None, document_ids, past)
-                window_mask = image_mask(token_type_ids, window, document_ids, past) if window is not None else None
+        if has_images and self.args.vision.image_attention == "bidirectional":  # an image's tokens see each other
+            full_mask = image_mask(types, None, document_ids, start)
+            window_mask = image_mask(types, window, document_ids, start) if window is not None else None
+        if has_images and self.args.mrope_section is not None and image_grid_thw is not None:
+            global_rope = self._mrope(types, image_grid_thw, start + offset, cache)
         per_layer = self.per_layer(tokens, h) if self.per_layer is not None else None
         extra: dict = {"shared_kv": {}} if self.args.kv_shared_layers else {}  # Gemma 4: keys and values layers share
         for index, layer in enumerate(self.layers):
@@ -395,9 +401,25 @@ class Transformer(nn.Module):
             return (next_token_loss_rows if per_sequence else next_token_loss_sum)(self._capped(logits), labels)
         return self._capped(logits)
 
-    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, channels, size, size] -> [images, tokens_per_image, dim]: the tower, then the projector."""
-        return self.projector(self.vision(pixel_values))
+    def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """The processor's pixel values -> the embeddings the image tokens take, in order: the tower (Qwen3.5's with
+        each image's grid), then the projector where the tower has none of its own (Gemma 3's)."""
+        if self.args.vision.tower == "qwen3_5":
+            if image_grid_thw is None:
+                raise ValueError("pixel_values without image_grid_thw: Qwen3.5's tower needs each image's patch grid")
+            return self.vision(pixel_values, image_grid_thw)
+        features = self.vision(pixel_values)
+        return self.projector(features) if self.projector is not None else features
+
+    def _mrope(self, types: torch.Tensor, image_grid_thw: torch.Tensor, first: int, cache: KVCache | None) -> torch.Tensor:
+        """Each token's rotary rows under mRoPE (``models.mrope``), its positions from ``first``; a generation's cache
+        keeps the delta its later tokens' positions take."""
+        positions, deltas = mrope_positions(types, image_grid_thw, self.args.vision.merge_size)
+        if cache is not None:
+            if len(set(deltas.tolist())) > 1:
+                raise ValueError("a cached generation over rows with different image layouts: generate one at a time")
+            cache.position_offset += int(deltas[0])
+        return mrope_rows(self.rope, positions + first, self.args.mrope_section)
 
     def _capped(self, logits: torch.Tensor) -> torch.Tensor:
         if self.args.final_softcap is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from waypoint.models.args import ACTIVATIONS
 
-TOWERS = ("siglip",)  # Gemma 3's (models.siglip)
+TOWERS = ("siglip",)  # Gemma 3's (models.siglip); Qwen3.5's has its own args (models.qwen3_5_vision)
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,13 @@ class VisionArgs:
         return self.image_size // self.patch_size
 
 
-def vision_args(value: VisionArgs | dict | None) -> VisionArgs | None:
-    """``ModelArgs.vision`` as given, or rebuilt from the dict a JSON round trip (a native checkpoint) leaves."""
-    return VisionArgs(**value) if isinstance(value, dict) else value
+def vision_args(value):
+    """``ModelArgs.vision`` as given, or rebuilt by its ``tower`` from the dict a JSON round trip (a native checkpoint)
+    leaves: SigLIP's :class:`VisionArgs`, Qwen3.5's ``models.qwen3_5_vision.QwenVisionArgs``."""
+    if not isinstance(value, dict):
+        return value
+    if value.get("tower") == "qwen3_5":
+        from waypoint.models.qwen3_5_vision import QwenVisionArgs
+
+        return QwenVisionArgs(**value)
+    return VisionArgs(**value)

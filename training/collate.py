@@ -59,3 +59,24 @@ def preference_collate(pairs: list[dict], pad_id: int, ignore_index: int = IGNOR
         mask[row, :n] = True
     return {"tokens": tokens, "labels": labels, "mask": mask,
             "completion_tokens": torch.tensor(completions, dtype=torch.long)}
+
+
+def vision_collate(batch: list[dict], pad_id: int, ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
+    """``padded_collate`` of ``{"tokens", "labels", "pixel_values", "token_type_ids"}`` items (a vision-language
+    dataset's), plus ``pixel_values``: every item's images concatenated in order, float32 [images, 3, H, W] (the
+    model puts the i-th image's features at the i-th run of image tokens of the batch, row by row), and
+    ``token_type_ids`` LongTensor [batch, longest], padded with 0 (not an image token)."""
+    out = padded_collate(batch, pad_id, ignore_index)
+    token_types = torch.zeros_like(out["tokens"])
+    for row, item in enumerate(batch):
+        if len(item["token_type_ids"]) != len(item["tokens"]):
+            raise ValueError(f"vision_collate: item {row} has {len(item['tokens'])} tokens "
+                             f"but {len(item['token_type_ids'])} token_type_ids")
+        token_types[row, : len(item["tokens"])] = torch.as_tensor(item["token_type_ids"], dtype=torch.long)
+    pixels = [item["pixel_values"] for item in batch]
+    shapes = {tuple(p.shape[1:]) for p in pixels if p.shape[0]}
+    if len(shapes) > 1:
+        raise ValueError(f"vision_collate: images of different sizes in one batch ({sorted(shapes)})")
+    out["pixel_values"] = torch.cat([p.to(torch.float32) for p in pixels], dim=0)
+    out["token_type_ids"] = token_types
+    return out

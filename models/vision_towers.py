@@ -1,0 +1,27 @@
+"""Which vision tower (and projector) a vision-language model's ``ModelArgs.vision`` builds: one entry per tower."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def vision_tower(args) -> nn.Module | None:
+    """SigLIP (Gemma 3) or Qwen3.5's ViT with its merger; None for a text model."""
+    if args is None:
+        return None
+    if args.tower == "qwen3_5":
+        from waypoint.models.qwen3_5_vision import QwenVisionTower
+
+        return QwenVisionTower(args)
+    from waypoint.models.siglip import SiglipVision
+
+    return SiglipVision(args)
+
+
+def image_projector(args, text_dim: int) -> nn.Module | None:
+    """Gemma 3's projector into the text's width; None where the tower projects itself (Qwen3.5's merger)."""
+    if args is None or args.tower != "siglip":
+        return None
+    from waypoint.models.image_projector import ImageProjector
+
+    return ImageProjector(args, text_dim)

@@ -1,0 +1,175 @@
+"""Images for Qwen3.5 (and Qwen2-VL, Qwen3-VL: the same image processor) as its Hugging Face processor makes them.
+
+transformers 5.x gives ``qwen3_5`` checkpoints ``Qwen2VLImageProcessor``; its PIL backend (``Qwen2VLImageProcessorPil``)
+is the reference here, and :func:`preprocess` gives bitwise its ``pixel_values`` and ``image_grid_thw``:
+
+1. RGB: transparency composited onto white (so a transparent pixel is white, not black);
+2. :func:`smart_resize`: both sides rounded to a multiple of ``patch_size * merge_size`` (so the patches merge into
+   whole tokens), then scaled as a whole into ``[min_pixels, max_pixels]``, by PIL with ``resample`` (bicubic);
+3. rescale (``x * 1/255`` in float64, then float32, as transformers), normalize (``(x - mean) / std`` in float32);
+4. patchify: ``[patches, C*T*P*P]``, the single image repeated over the ``temporal_patch_size`` frames of a patch,
+   patches ordered by ``merge x merge`` block (raster within a block), so the tower's merger takes consecutive ones.
+
+The text side (``Qwen3VLProcessor``): the chat template writes ``<|vision_start|><|image_pad|><|vision_end|>`` per
+image; the processor repeats each ``<|image_pad|>`` as many times as that image has tokens (:func:`expand`), and
+``mm_token_type_ids`` marks those tokens 1 (video 2, text 0; :func:`mm_token_type_ids`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+IMAGE_TOKEN = "<|image_pad|>"
+VIDEO_TOKEN = "<|video_pad|>"
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # what Qwen3.5's chat template writes per image
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # Qwen2VLImageProcessor's defaults
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class QwenImageSettings:
+    """A checkpoint's ``preprocessor_config.json``, defaults those of ``Qwen2VLImageProcessor`` (Qwen3.5's own
+    files set ``patch_size`` 16, mean and std 0.5 and their pixel bounds)."""
+
+    min_pixels: int = 56 * 56  # size.shortest_edge: a bound on the pixel count, not an edge
+    max_pixels: int = 28 * 28 * 1280  # size.longest_edge, the same
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+    resample: int = Image.Resampling.BICUBIC
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    do_convert_rgb: bool = True
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this: a whole number of merged tokens."""
+        return self.patch_size * self.merge_size
+
+
+def from_preprocessor_config(config: dict) -> QwenImageSettings:
+    """Settings from a ``preprocessor_config.json`` dict: ``min_pixels``/``max_pixels`` override ``size``'s
+    ``shortest_edge``/``longest_edge``, as in transformers' ``__init__``."""
+    size = dict(config.get("size") or {})
+    min_pixels = config.get("min_pixels", size.get("shortest_edge", QwenImageSettings.min_pixels))
+    max_pixels = config.get("max_pixels", size.get("longest_edge", QwenImageSettings.max_pixels))
+    fields = {name: config[name] for name in ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor",
+                                              "resample", "do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+              if config.get(name) is not None}
+    for name in ("image_mean", "image_std"):
+        if (value := config.get(name)) is not None:
+            fields[name] = tuple(value) if isinstance(value, (list, tuple)) else (value,) * 3
+    return QwenImageSettings(min_pixels=min_pixels, max_pixels=max_pixels, **fields)
+
+
+def from_checkpoint(path: str | Path) -> QwenImageSettings:
+    """A checkpoint folder's settings, where transformers looks: ``processor_config.json``'s ``image_processor`` if
+    there is one, else ``preprocessor_config.json``."""
+    path = Path(path)
+    if (processor := path / "processor_config.json").is_file():
+        nested = json.loads(processor.read_text()).get("image_processor")
+        if nested is not None:
+            return from_preprocessor_config(nested)
+    return from_preprocessor_config(json.loads((path / "preprocessor_config.json").read_text()))
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The (height, width) an image is resized to: each side the nearest multiple of ``factor``; if that is over
+    ``max_pixels`` (or under ``min_pixels``) both sides scaled down (up) by one ratio, rounded down (up) to multiples
+    of ``factor``, so the aspect ratio is kept as nearly as multiples allow (transformers' ``smart_resize``)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, any transparency (an alpha band or a palette's transparent colour) composited onto white."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def image_to_patches(image: Image.Image, settings: QwenImageSettings) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """One image -> (its patches [t*h*w, C*T*P*P] float32, its grid (t, h, w) in patches; t is 1)."""
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"expected a PIL image, got {type(image).__name__}")
+    s = settings
+    pixels = np.array(to_rgb(image) if s.do_convert_rgb else image)
+    if pixels.dtype != np.uint8:  # transformers would rescale other depths first; not mirrored here
+        raise ValueError(f"a {image.mode!r} image without do_convert_rgb: only 8-bit images are supported")
+    if pixels.ndim == 2:
+        pixels = pixels[:, :, None]
+    if s.do_resize:
+        height, width = smart_resize(pixels.shape[0], pixels.shape[1], s.factor, s.min_pixels, s.max_pixels)
+        # through an array as transformers goes (so a palette image without do_convert_rgb resizes its indices, as there)
+        resized = Image.fromarray(pixels[:, :, 0] if pixels.shape[2] == 1 else pixels).resize((width, height), resample=s.resample)
+        pixels = np.array(resized).reshape(height, width, -1)
+    if s.do_rescale:
+        pixels = (pixels.astype(np.float64) * s.rescale_factor).astype(np.float32)
+    if s.do_normalize:
+        pixels = pixels.astype(np.float32) if not np.issubdtype(pixels.dtype, np.floating) else pixels
+        pixels = (pixels - np.array(s.image_mean, dtype=pixels.dtype)) / np.array(s.image_std, dtype=pixels.dtype)
+    pixels = np.asarray(pixels, dtype=np.float32)
+    height, width, channels = pixels.shape
+    p, m, t = s.patch_size, s.merge_size, s.temporal_patch_size
+    if height % s.factor or width % s.factor:
+        raise ValueError(f"a {width}x{height} image does not split into whole {s.factor}-pixel blocks (do_resize is off)")
+    grid_h, grid_w = height // p, width // p
+    blocks = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, channels).transpose(0, 3, 1, 4, 6, 2, 5)
+    frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))  # [.., C, T, P, P]
+    return frames.reshape(grid_h * grid_w, channels * t * p * p), (1, grid_h, grid_w)
+
+
+def preprocess(images: Sequence[Image.Image], settings: QwenImageSettings) -> dict[str, torch.Tensor]:
+    """``pixel_values`` [all patches, C*T*P*P] float32 and ``image_grid_thw`` [images, 3] int64, the images' patches
+    one after another (as the processor's, with ``return_tensors="pt"``)."""
+    patches, grids = zip(*(image_to_patches(image, settings) for image in images))
+    return {"pixel_values": torch.from_numpy(np.concatenate(patches, axis=0)),
+            "image_grid_thw": torch.tensor(grids, dtype=torch.int64)}
+
+
+def image_token_count(grid_thw: Sequence[int] | torch.Tensor, merge_size: int) -> int:
+    """The ``<|image_pad|>`` tokens an image becomes: its patches over the ``merge x merge`` merged into one."""
+    t, h, w = (int(x) for x in grid_thw)
+    return t * h * w // merge_size ** 2
+
+
+def expand(text: str, grids: Sequence[Sequence[int]] | torch.Tensor, merge_size: int, image_token: str = IMAGE_TOKEN) -> str:
+    """``text`` with its i-th ``image_token`` repeated :func:`image_token_count` times for the i-th grid (the
+    processor's expansion; ``<|vision_start|>``/``<|vision_end|>`` are the chat template's and stay as they are).
+    For a batch, call it per text with that text's images' grids, in order."""
+    parts = text.split(image_token)
+    if len(parts) - 1 != len(grids):
+        raise ValueError(f"{len(parts) - 1} {image_token} in the text for {len(grids)} images")
+    out = [parts[0]]
+    for grid, part in zip(grids, parts[1:]):
+        out += [image_token * image_token_count(grid, merge_size), part]
+    return "".join(out)
+
+
+def mm_token_type_ids(input_ids: Sequence[int] | torch.Tensor, image_token_id: int, video_token_id: int | None = None) -> list[int]:
+    """One sequence's ``mm_token_type_ids``: 1 at image tokens, 2 at video tokens, 0 elsewhere (the processor's)."""
+    ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+    return [1 if i == image_token_id else 2 if video_token_id is not None and i == video_token_id else 0 for i in ids]
