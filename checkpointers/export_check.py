@@ -118,17 +118,19 @@ class ExportCheck:
             model = (self.reload or load_model)(Path(directory))
         finally:
             logging.disable(logging.NOTSET)
+        from waypoint.checkpointers.load_model import refresh_derived
+
         written = next(p.dtype for p in model.parameters() if p.is_floating_point())
         if self.dtype in (torch.bfloat16, torch.float16) and written.itemsize > self.dtype.itemsize:
             # a half-precision model written wider (the input's fp32 files): its values cast back exactly, so the
             # reloaded model computes in the same precision, and any difference is the layout's, not the dtype's
-            from waypoint.checkpointers.load_model import refresh_derived
-
             model = model.to(self.dtype)
-            refresh_derived(model)  # the rotary tables in fp32 again, as a model loaded in that dtype has them
             written = self.dtype
         device = probe_device(model, self.device)
         model = model.to(device)
+        # the rotary tables computed again in the model's dtype and on its device, as the trained model's were (a
+        # GPU's cos/sin differ from the CPU's in the last bit, which a half-precision model can amplify)
+        refresh_derived(model)
         with same_routing(model, self.routes):
             got = probe_logits(model, self.tokens)
         del model
