@@ -57,8 +57,15 @@ class HFCheckpointer(Checkpointer):
     """
 
     name, label = "hf", "Hugging Face"
-    loads_with = "transformers' AutoModelForCausalLM.from_pretrained('{path}')"
     description_files = frozenset({CONFIG_FILE})
+
+    @property
+    def loads_with(self) -> str:
+        """A multimodal repo's own class (``Gemma3ForConditionalGeneration``) loads it whole; a text model's the Auto one."""
+        architecture = next(iter(self.config.get("architectures") or []), "")
+        if architecture.endswith("ForConditionalGeneration"):
+            return f"transformers' {architecture}.from_pretrained('{{path}}')"
+        return "transformers' AutoModelForCausalLM.from_pretrained('{path}')"
 
     def __init__(self, checkpoint_dir: str | os.PathLike, output_dir: str | os.PathLike,
                  checkpoint_files: list[str] | str = "auto", model_type: str | None = None,

@@ -288,6 +288,7 @@ GENERATE: dict[str, tuple[bool, Check]] = {
     "checkpoint_dir": (True, text),
     "adapter_dir": (False, optional(text)),
     "prompt": (False, optional(text)),
+    "image": (False, optional(text)),  # an image file the first message is about (a vision-language checkpoint)
     "system": (False, optional(text)),
     "chat": (True, boolean),
     "chat_template": (False, chat_template),

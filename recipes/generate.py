@@ -3,6 +3,8 @@
     python recipes/generate.py --config configs/generate.yaml checkpoint_dir=outputs/tiny_chat/step_300 prompt="Hi"
     python recipes/generate.py --config configs/generate.yaml checkpoint_dir=... chat=true      # a conversation on stdin
     python recipes/generate.py --config configs/generate.yaml checkpoint_dir=BASE adapter_dir=outputs/run/step_N
+    python recipes/generate.py --config configs/generate.yaml checkpoint_dir=outputs/tiny_vlm/step_120 \
+        image=assets/tiny_vlm/held_out/red.png prompt="What colour is this?"     # a vision-language model
 
 ``checkpoint_dir`` is any checkpoint the checkpointers read (HF, Meta, native; a run's ``step_N`` or its ``merged/``;
 a torchrun run's sharded step; on disk or an object-store URL, copied to the local cache first);
@@ -42,6 +44,7 @@ import torch  # noqa: E402
 
 from waypoint.cli.command import run_command  # noqa: E402
 from waypoint.cli.config import parse_config  # noqa: E402
+from waypoint.cli.image_prompt import ImagePrompt  # noqa: E402
 from waypoint.cli.inference_model import build, note, open_adapter, open_checkpoint  # noqa: E402
 from waypoint.cli.option_checks import GENERATE  # noqa: E402
 from waypoint.errors import CheckpointError  # noqa: E402
@@ -128,15 +131,21 @@ def main(argv: list[str] | None = None) -> int:
         template = chat_template(cfg, tokenizer)
         positions = checkpointer.model_args().max_seq_len
         messages = opening(cfg, "")[:-1]  # the system message, if any: the conversation so far
+        # image=: read and checked now; the first message holds it (cli.image_prompt)
+        picture = ImagePrompt(cfg.image, tokenizer_dir, tokenizer, checkpointer.model_args()) if cfg.get("image") else None
+        if picture is not None and template is None:
+            raise CheckpointError(f"image={cfg.image}: a conversation about an image needs a chat template; leave out plain_text")
 
         def tokens(turns: Messages) -> list[int]:
             if template is None:  # plain text: the message alone, without the conversation
                 return tokenizer.encode(turns[-1]["content"], add_bos=True)
-            return tokenizer.encode_with_offsets(template.render(turns, add_generation_prompt=True))[0]
+            rendered = template.render(turns, add_generation_prompt=True)
+            return tokenizer.encode_with_offsets(picture.text(rendered) if picture is not None else rendered)[0]
 
         def fitted(text: str) -> tuple[list[int], int, Messages]:
             """``fit`` for the user's ``text`` after the conversation so far, with a note for what it leaves out."""
-            asked = (messages if template is not None else []) + [{"role": "user", "content": text}]
+            content = picture.content(text) if picture is not None and not any(m["role"] == "user" for m in messages) else text
+            asked = (messages if template is not None else []) + [{"role": "user", "content": content}]
             prompt, room, turns = fit(asked, tokens, positions, cfg.max_new_tokens)
             if len(turns) < len(asked):
                 note(f"note: the {len(asked) - len(turns)} oldest messages left the conversation to fit the model's "
@@ -176,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 return ended
 
             started = time.perf_counter()
-            generated = generate(model, prompt, room, sampling, stops, stream, generator)
+            generated = generate(model, prompt, room, sampling, stops, stream, generator,
+                                 images=picture.inputs(prompt) if picture is not None else None)
             seconds = time.perf_counter() - started
             print(flush=True)
             print(f"[{len(generated)} tokens, {len(generated) / seconds:.1f} tokens/s]", file=sys.stderr)

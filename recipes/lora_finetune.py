@@ -61,7 +61,7 @@ from waypoint.run.resume import RunStart, refusing
 from waypoint.run.savers import SaveOptions, WholeStepSaver
 from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step
 from waypoint.run.trackers import kept_at, open_trackers
-from waypoint.training.collate import padded_collate
+from waypoint.training.collate import batch_collate
 from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.training.distributed import Distributed
 from waypoint.training.fsdp import shard_model
@@ -142,7 +142,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     dataset, validation = run_data(make_dataset, tokenizer, checkpointer, cfg.get("validation"), cfg.seed,
                                    packed_to=cfg.dataset.max_seq_len if cfg.get("packed", False) else None,
                                    vocab_size=model.args.vocab_size, say=say)
-    collate = lambda batch: padded_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
+    collate = lambda batch: batch_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
     steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
                                                 cfg.max_steps_per_epoch)

@@ -80,3 +80,8 @@ def vision_collate(batch: list[dict], pad_id: int, ignore_index: int = IGNORE_IN
     out["pixel_values"] = torch.cat([p.to(torch.float32) for p in pixels], dim=0)
     out["token_type_ids"] = token_types
     return out
+
+
+def batch_collate(batch: list[dict], pad_id: int, ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
+    """The collate for whatever the items are: ``vision_collate`` for items with images, ``padded_collate`` else."""
+    return (vision_collate if batch and "pixel_values" in batch[0] else padded_collate)(batch, pad_id, ignore_index)

@@ -108,8 +108,8 @@ def _bytes_or_path(source, where: str, root: Path | None) -> tuple[bytes | None,
     if not path.is_absolute() and root is not None:
         path = Path(root) / path
     if not path.exists():
-        raise ValueError(f"{where}: image file not found: {path} (relative paths are read from the data file's "
-                         "folder)")
+        hint = " (relative paths are read from the data file's folder)" if root is not None else ""
+        raise ValueError(f"{where}: image file not found: {path}{hint}")
     if not path.is_file():
         raise ValueError(f"{where}: {path} is not a file; give an image file")
     if path.stat().st_size == 0:
