@@ -62,7 +62,9 @@ def hybrid_args(cfg: HFConfig, model_type: str) -> dict[str, Any]:
         types = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
     if len(types) != n or set(types) - {LINEAR, FULL}:
         raise ValueError(f"layer_types must name linear_attention or full_attention for each of the {n} layers")
-    return dict(common, norm_plus_one=True, qk_norm=True, attn_output_gate=True, rope_interleave=False,
+    # Qwen3.5's mRoPE (images' tokens take 2-D positions, models.mrope): transformers' default section when absent
+    mrope = tuple((cfg.raw.get("rope_parameters") or {}).get("mrope_section") or (11, 11, 10)) if model_type.startswith("qwen3_5") else None
+    return dict(common, norm_plus_one=True, qk_norm=True, attn_output_gate=True, rope_interleave=False, mrope_section=mrope,
                 linear_attention_layers=tuple(i for i, t in enumerate(types) if t == LINEAR),
                 linear_key_heads=cfg["linear_num_key_heads"], linear_value_heads=cfg["linear_num_value_heads"],
                 linear_key_head_dim=cfg["linear_key_head_dim"], linear_value_head_dim=cfg["linear_value_head_dim"],

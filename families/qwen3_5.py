@@ -3,9 +3,10 @@
 full-attention layer (``layer_types``), zero-centred RMSNorms, RoPE on a quarter of each head (mRoPE in the releases,
 which for text is the same rotation), a dense SwiGLU MLP in every layer (``hybrid_rules``).
 
-A multimodal repo fine-tunes its language model: ``model.language_model.*`` (and ``lm_head``) are converted, the
-vision tower ``model.visual.*`` and the multi-token-prediction layers ``mtp.*`` are written back untouched, in the
-files they came in; its config under ``text_config``."""
+A multimodal repo (its config under ``text_config``) loads whole: ``model.language_model.*`` (and ``lm_head``), and the
+vision tower ``model.visual.*`` into the native model's ``vision.*`` (``families.qwen_vision_rules``), so that it
+reads images (mRoPE positions for their tokens, ``models.mrope``); the multi-token-prediction layers ``mtp.*`` are
+written back untouched, in the files they came in."""
 
 from __future__ import annotations
 
@@ -13,15 +14,22 @@ from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, common_fields
 from waypoint.families.hf_rules import mlp_rules
 from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, HYBRID_FIXED, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
+from waypoint.families.qwen_vision_rules import qwen3_5_vision, qwen_vision_rules
 from waypoint.models.args import ModelArgs
 from waypoint.models.transformer import Transformer
 
 MULTIMODAL = {"model.language_model.": "model.", "lm_head.": "lm_head."}  # the text model's keys in the releases
+QWEN_MULTIMODAL = {**MULTIMODAL, "model.visual.": "visual."}  # and the vision tower's (families.qwen_vision_rules)
 MTP = r"^mtp\."  # the multi-token-prediction layers transformers does not load: carried through untouched
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:
     return ModelArgs(**hybrid_args(cfg, "qwen3_5"))
+
+
+def vision_rules(args: ModelArgs) -> list:
+    """The vision tower's rules, for a model that has one (a multimodal repo's)."""
+    return qwen_vision_rules(args.vision) if args.vision is not None else []
 
 
 def hf_config(args: ModelArgs) -> dict:
@@ -32,8 +40,9 @@ FAMILY = Family(
     name="qwen3_5", hf_model_types=("qwen3_5_text", "qwen3_5"), model_types=("QWEN3_5",), architecture="Qwen3_5ForCausalLM",
     defaults=dict(HYBRID_DEFAULTS, num_key_value_heads=4),
     fixed=HYBRID_FIXED,
-    model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + mlp_rules(),
-    lora_targets=LORA_TARGETS, hf_prefixes=(MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config", carried=lambda config: MTP,
+    model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + mlp_rules() + vision_rules(args),
+    lora_targets=LORA_TARGETS, hf_prefixes=(QWEN_MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config", carried=lambda config: MTP,
+    vision=qwen3_5_vision,
 )
 
 

@@ -12,7 +12,8 @@ from waypoint.families.hf_rules import LAYER
 from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, HYBRID_FIXED, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
 from waypoint.families.moe_rules import packed_rules, per_expert_rules
 from waypoint.families.qwen2_moe import shared_expert_rules
-from waypoint.families.qwen3_5 import MTP, MULTIMODAL, _shape
+from waypoint.families.qwen3_5 import MTP, QWEN_MULTIMODAL, _shape, vision_rules
+from waypoint.families.qwen_vision_rules import qwen3_5_vision
 from waypoint.models.args import ModelArgs
 from waypoint.models.transformer import Transformer
 
@@ -57,10 +58,10 @@ FAMILY = Family(
     defaults=dict(HYBRID_DEFAULTS, intermediate_size=None, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                   shared_expert_intermediate_size=512, router_aux_loss_coef=0.001),
     fixed=HYBRID_FIXED,
-    model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + shared_expert_rules(),
+    model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + shared_expert_rules() + vision_rules(args),
     layouts=expert_layouts, lora_targets=LORA_TARGETS + tuple(EXPERT_PARAMETERS), lora_parameters=EXPERT_PARAMETERS,
-    lora_halves=frozenset({"experts_gate_up"}), hf_prefixes=(MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config",
-    carried=lambda config: MTP,
+    lora_halves=frozenset({"experts_gate_up"}), hf_prefixes=(QWEN_MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config",
+    carried=lambda config: MTP, vision=qwen3_5_vision,
 )
 
 
