@@ -37,6 +37,7 @@ EXPECT = {
 # command (a substring of it) -> the last line its stdout must end with: a reply that stopped at the end of its turn
 # (generate.py prints the reply alone on stdout; its load report and token count go to stderr)
 REPLY = {
+    'checkpoint_dir=outputs/tiny_vlm/step_120 image=assets/tiny_vlm/held_out/red.png prompt="What colour is this?"': "Red.",
     'checkpoint_dir=outputs/tiny_chat/step_300 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.",
     # DPO after that SFT keeps what SFT taught (the pair is in the DPO data too, "Lima" chosen)
     'checkpoint_dir=outputs/tiny_dpo/step_36 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.",

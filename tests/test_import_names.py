@@ -44,15 +44,16 @@ BELOW = {
     "families": {"errors", "lazy", "models", "converters", "mxfp4", "fp8"},
     "checkpointers": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families"},
     "text": {"errors"},
+    "vision": {"errors"},  # images for vision-language models: files and each family's processor
     "rewards": {"errors"},  # an online-RL run's reward functions (plain Python over completions)
     "run": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers"},
     "training": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text",
-                 "rewards"},  # an online-RL step scores its samples
+                 "rewards", "vision"},  # an online-RL step scores its samples
     "cli": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run", "training",
-            "rewards"},
+            "rewards", "vision"},
     # lm-evaluation-harness over a loaded checkpoint (recipes/eval.py): the top, above cli (an adapter's base name)
     "evaluation": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run",
-                   "training", "cli", "rewards"},
+                   "training", "cli", "rewards", "vision"},
 }
 PACKAGES = [p for p in BELOW if p not in ("errors", "lazy", "mxfp4", "fp8", "console")]
 
