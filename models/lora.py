@@ -25,6 +25,7 @@ from waypoint.errors import CheckpointError
 from waypoint.lazy import on_host, spec_of
 from waypoint.models.lora_factors import LoRAFactors, initial_lora_weights
 from waypoint.models.lora_experts import EXPERT_TARGETS, LoRAExperts, add_expert_lora, adapted_rows, merge_expert_weight
+from waypoint.models.vision_towers import IMAGE_SIDE
 
 HALF = (torch.bfloat16, torch.float16)
 TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output", *EXPERT_TARGETS,
@@ -90,9 +91,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for module in modules:
             module.disabled = False
-
-
-IMAGE_SIDE = ("vision.", "projector.")  # a vision-language model's image side (models.transformer)
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAExperts]:

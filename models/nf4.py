@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from waypoint.models.vision_towers import IMAGE_SIDE
+
 # the frozen base linears of every block (Gated DeltaNet's big three too: its per-head in_proj_b / in_proj_a stay)
 LINEARS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "in_proj_qkv", "in_proj_z", "out_proj")
 QUANTIZE_BASE = ("nf4", "mxfp4", "fp8")  # what quantize_base accepts (null: the base in the compute dtype); mxfp4: models/mxfp4_weight.py, fp8: models/fp8_weight.py
@@ -126,8 +128,8 @@ def quantize_linears(model: nn.Module, dtype: torch.dtype, block_size: int = 64,
     result = QuantizedBase()
     for name, module in model.named_modules():
         weight, leaf = getattr(module, "weight", None), name.rpartition(".")[2]
-        if leaf not in names or not isinstance(weight, torch.Tensor) or is_nf4(weight):
-            continue
+        if leaf not in names or not isinstance(weight, torch.Tensor) or is_nf4(weight) or name.startswith(IMAGE_SIDE):
+            continue  # a vision-language model's tower stays in dtype, as it came
         key = f"{name}.weight"
         if leaf == "output" and tied:
             result.kept[key] = "tied to the embedding"

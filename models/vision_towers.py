@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
+# the native model's image side (models.transformer): what LoRA does not adapt and NF4 does not quantize
+IMAGE_SIDE = ("vision.", "projector.")
+
 
 def vision_tower(args) -> nn.Module | None:
     """SigLIP (Gemma 3) or Qwen3.5's ViT with its merger; None for a text model."""

@@ -153,3 +153,13 @@ def test_two_processes_train_what_one_does(base, tmp_path):
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two"))) < 1e-5
     before, after = read_tensors(base / "model.safetensors"), read_tensors(tmp_path / "two/step_2/model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("vision_tower."))
+
+
+def test_qlora_holds_the_language_model_in_nf4_and_the_tower_as_it_came(base, tmp_path, capsys):
+    code = run(lora_finetune, base, tmp_path / "out", "epochs=1", "max_steps_per_epoch=2", "+quantize_base=nf4",
+               "+nf4={block_size: 64, scaler_block_size: 8, output: false}")
+    out = capsys.readouterr().out
+    assert code == 0 and "nf4: 14 frozen base weights" in out, out[-2000:]  # the 2 layers' 7 linears; no tower's
+    before, merged = read_tensors(base / "model.safetensors"), read_tensors(tmp_path / "out/step_2/merged/model.safetensors")
+    assert before.keys() == merged.keys()
+    assert all(torch.equal(before[k], merged[k]) for k in before if not k.startswith("language_model."))
