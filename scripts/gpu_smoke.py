@@ -118,6 +118,15 @@ CASES = [
                                        "lora.dropout=0.0"), base="gemma4", needs=FAMILY),
     Case("gemma4-qlora", recipe("lora_finetune", "tiny_qlora", "lora.targets=[q_proj,k_proj,w1,w2]"), base="gemma4",
          needs=("transformers", "torchao")),
+    # vision-language: the tiny Gemma 3 VLM (scripts/make_tiny_vlm.py) on the colour images, the tower frozen
+    Case("vlm-full-bf16", recipe("full_finetune", "tiny_vlm", "dtype=bf16"), base="tiny_vlm"),
+    Case("vlm-lora", recipe("lora_finetune", "tiny_vlm_lora"), base="tiny_vlm"),
+    Case("vlm-qlora", recipe("lora_finetune", "tiny_vlm_lora", "+quantize_base=nf4",
+                             "+nf4={{block_size: 64, scaler_block_size: 8, output: false}}"), base="tiny_vlm", needs=("torchao",)),
+    Case("vlm-generate-image", ["recipes/generate.py", "--config", "configs/generate.yaml", "device={device}",
+                                "checkpoint_dir={work}/vlm-full-bf16/step_3", "image=assets/tiny_vlm/held_out/red.png",
+                                "prompt=What colour is this?", "max_new_tokens=8"], base="tiny_vlm", after="vlm-full-bf16"),
+    Case("torchrun-vlm", recipe("full_finetune", "tiny_vlm"), base="tiny_vlm", torchrun=True),
 ]
 # the Gemma 4 base: every feature on, its per-layer table at the tiny tokenizer's vocabulary
 GEMMA4 = dict(vocab_size_per_layer_input=512, num_kv_shared_layers=2, use_double_wide_mlp=True, attention_k_eq_v=True,
@@ -228,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu smoke: {len(cases)} cases on {device} ({name}), torch {torch.__version__}; logs in {work / 'logs'}", flush=True)
 
     bases: dict[str, Path] = {"tiny": ROOT / "assets/tiny_llama"}
-    for kind in sorted({c.base for c in cases} - {"tiny"}):
+    if any(c.base == "tiny_vlm" for c in cases):  # written natively (scripts/make_tiny_vlm.py): no transformers needed
+        sys.path.insert(0, str(ROOT))
+        from scripts.make_tiny_vlm import make
+
+        bases["tiny_vlm"] = make(work / "bases" / "tiny_vlm")
+    for kind in sorted({c.base for c in cases} - {"tiny", "tiny_vlm"}):
         if missing(FAMILY):
             break
         try:
