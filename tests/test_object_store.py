@@ -345,3 +345,28 @@ def test_dpo_to_s3_preempted_resumes_on_another_machine_from_the_steps_reference
     assert store.steps() == ["step_5"] and store.check("step_5").ok
     for name in sorted(p.name for p in (reference / "step_5").glob("model-*.safetensors")):
         assert store.fs.cat_file(store.path(f"step_5/{name}")) == (reference / "step_5" / name).read_bytes(), name
+
+
+def test_a_vision_language_run_to_s3_preempted_resumes_on_another_machine(endpoint, tmp_path, monkeypatch):
+    """The tiny VLM (images in every batch) to the store: preempted after step 3, resumed on a machine with an empty
+    mirror, it ends with the files a run that never stopped writes, the frozen tower byte for byte as it came."""
+    from recipes import full_finetune
+    from scripts.make_tiny_vlm import make
+    from tests.conftest import sigterm_at_step
+    from waypoint.run.object_store import ObjectStore
+
+    base = make(tmp_path / "base")
+    run = ["--config", str(ROOT / "configs/tiny_vlm.yaml"), f"checkpointer.checkpoint_dir={base}", "epochs=1",
+           "max_steps_per_epoch=4", "save_every_n_steps=2", "keep_last_n_checkpoints=1", "progress=off",
+           f"dataset.source={ROOT / 'assets/tiny_vlm/colours.jsonl'}"]
+    assert full_finetune.main([*run, f"output_dir={tmp_path / 'local'}"]) == 0
+    url = f"s3://{new_bucket()}/runs/vlm"
+    monkeypatch.setenv("WAYPOINT_CACHE", str(tmp_path / "node_a"))
+    with sigterm_at_step(3):
+        assert full_finetune.main([*run, f"output_dir={url}"]) == 75
+    monkeypatch.setenv("WAYPOINT_CACHE", str(tmp_path / "node_b"))
+    assert full_finetune.main([*run, f"output_dir={url}"]) == 0
+    store = ObjectStore(url)
+    assert store.steps() == ["step_4"] and store.check("step_4").ok
+    written = store.fs.cat_file(store.path("step_4/model.safetensors"))
+    assert written == (tmp_path / "local/step_4/model.safetensors").read_bytes()
