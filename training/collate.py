@@ -62,23 +62,34 @@ def preference_collate(pairs: list[dict], pad_id: int, ignore_index: int = IGNOR
 
 
 def vision_collate(batch: list[dict], pad_id: int, ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:
-    """``padded_collate`` of ``{"tokens", "labels", "pixel_values", "token_type_ids"}`` items (a vision-language
-    dataset's), plus ``pixel_values``: every item's images concatenated in order, float32 [images, 3, H, W] (the
-    model puts the i-th image's features at the i-th run of image tokens of the batch, row by row), and
-    ``token_type_ids`` LongTensor [batch, longest], padded with 0 (not an image token)."""
+    """``padded_collate`` of a vision-language dataset's items (``{"tokens", "labels", "pixel_values"}``, the token
+    types under the family's name, ``token_type_ids`` or ``mm_token_type_ids``, and Qwen's ``image_grid_thw``), plus
+    ``pixel_values``: every item's concatenated along the first dimension, in order, float32 (Gemma 3's images
+    [images, 3, H, W], Qwen's patches [patches, C*T*P*P]: the model puts the i-th image's features at the i-th run
+    of image tokens of the batch, row by row); ``image_grid_thw`` concatenated the same way, when the items have
+    it (a batch of Qwen's without any image has neither, as its processor gives none); and the token types,
+    LongTensor [batch, longest] under their own name, padded with 0 (not an image token)."""
     out = padded_collate(batch, pad_id, ignore_index)
+    key = next((k for k in ("token_type_ids", "mm_token_type_ids") if k in batch[0]), None)
+    if key is None:
+        raise ValueError("vision_collate: the items have no token_type_ids or mm_token_type_ids")
     token_types = torch.zeros_like(out["tokens"])
     for row, item in enumerate(batch):
-        if len(item["token_type_ids"]) != len(item["tokens"]):
+        if key not in item or len(item[key]) != len(item["tokens"]):
             raise ValueError(f"vision_collate: item {row} has {len(item['tokens'])} tokens "
-                             f"but {len(item['token_type_ids'])} token_type_ids")
-        token_types[row, : len(item["tokens"])] = torch.as_tensor(item["token_type_ids"], dtype=torch.long)
+                             f"but {len(item.get(key, ()))} {key}")
+        token_types[row, : len(item["tokens"])] = torch.as_tensor(item[key], dtype=torch.long)
     pixels = [item["pixel_values"] for item in batch]
     shapes = {tuple(p.shape[1:]) for p in pixels if p.shape[0]}
     if len(shapes) > 1:
         raise ValueError(f"vision_collate: images of different sizes in one batch ({sorted(shapes)})")
+    out[key] = token_types
+    if "image_grid_thw" in batch[0]:
+        grids = torch.cat([torch.as_tensor(item["image_grid_thw"], dtype=torch.long).reshape(-1, 3) for item in batch])
+        if not len(grids):  # as Qwen's processor: no image inputs without images (its tower takes at least one)
+            return out
+        out["image_grid_thw"] = grids
     out["pixel_values"] = torch.cat([p.to(torch.float32) for p in pixels], dim=0)
-    out["token_type_ids"] = token_types
     return out
 
 

@@ -1,4 +1,5 @@
-"""Conversations with images (TRL's vision format) for Gemma 3, tokenized as ``Gemma3Processor`` tokenizes them.
+"""Conversations with images (TRL's vision format) for a vision-language checkpoint (Gemma 3, Qwen3.5 / Qwen3.6),
+tokenized as the family's Hugging Face processor (``Gemma3Processor``, ``Qwen3VLProcessor``) tokenizes them.
 
 A record is ``{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
 {"role": "assistant", "content": [{"type": "text", "text": "Red."}]}], "images": ["red.png"]}``: ``images`` holds one
@@ -10,22 +11,29 @@ parts the images go before the text of the first user message. Records come from
 
 The conversation is rendered with the checkpoint's chat template, given the list-of-parts contents as TRL gives
 them to transformers (the assistant's text parts joined into one string, which the template must render the same,
-so that its turns are found as ``waypoint.text.chat_template`` finds them); each ``<start_of_image>`` is then
-expanded into the full image sequence in the TEXT, before tokenizing, as the processor does (its blank lines
-tokenize together with the text around them), and the text is tokenized. An item is ``{"tokens", "labels",
-"pixel_values", "token_type_ids"}``: labels -100 outside the assistant turns (``train_on_input``: none),
-``pixel_values`` float32 [images, 3, H, W], ``token_type_ids`` 1 on the image tokens.
+so that its turns are found as ``waypoint.text.chat_template`` finds them); each image's placeholder is then
+expanded in the TEXT, before tokenizing, as the processor does, by the family's ``ImageProcessor``
+(``waypoint.vision.processors``: Gemma 3's ``<start_of_image>`` becomes the full image sequence, whose blank lines
+tokenize together with the text around them; Qwen's ``<|image_pad|>`` one per merged patch, so as many as that
+image's size gives), the assistant turns shifted by each image's own growth, and the text is tokenized. An item is
+``{"tokens", "labels"}``, labels -100 outside the assistant turns (``train_on_input``: none), plus the processor's
+image tensors (``pixel_values``, float32: Gemma 3's [images, 3, H, W], Qwen's patches [patches, C*T*P*P] with
+``image_grid_thw`` [images, 3]) and its token types under its own name (``token_type_ids``, ``mm_token_type_ids``),
+1 on the image tokens.
 
 Every image is read, decoded and checked when the dataset is built, so a missing or broken one stops the run
 before its first step, in one line naming the file, record and image (``skip_bad_records`` counts the record
 out). Items re-read their images (pixel values of a 896 x 896 image are 9.6 MB; the dataset keeps only the paths or
-the compressed bytes). Cutting to ``max_seq_len`` never cuts inside an image sequence: a record whose images do
-not all fit is refused (the model would get an image with some of its tokens, or none).
+the compressed bytes). Cutting to ``max_seq_len`` never cuts inside an image's tokens: a record whose images do
+not all fit, up to the token that closes the last, is refused (the model would get an image with some of its
+tokens, or none).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
+from itertools import accumulate
 from pathlib import Path
 
 from torch.utils.data import Dataset
@@ -34,20 +42,21 @@ from waypoint.text.chat_template import ChatTemplate, load_chat_template, spans_
 from waypoint.training.chat_dataset import ROLES
 from waypoint.training.records import Record, Skipped, column_names, converted
 from waypoint.training.tokenized import TokenizedRecords
-from waypoint.vision.gemma3_images import Gemma3Images
 from waypoint.vision.image_files import MAX_PIXELS, load_image
+from waypoint.vision.processors import ImageProcessor, image_processor_for
 
 COLUMN_KEYS = ("messages", "role", "content", "images")
 
 
 class VisionChatDataset(Dataset):
-    """Image-and-text conversations from a local file (or directory), for a Gemma 3 checkpoint.
+    """Image-and-text conversations from a local file (or directory), for a vision-language checkpoint.
 
     Args:
         source: the data file, or a directory of data files.
         tokenizer: a ``waypoint.text.tokenizer.Tokenizer`` (``load_tokenizer(checkpoint_dir)``).
         max_seq_len: items are cut to this many tokens (never inside an image's tokens).
-        images: the checkpoint's image settings; None reads them from the tokenizer's checkpoint folder.
+        images: the checkpoint's image processor (``waypoint.vision.processors.ImageProcessor``); None:
+            ``image_processor_for`` the tokenizer's checkpoint folder.
         train_on_input: supervise every token, not only the assistant turns.
         template: None for the checkpoint's own chat template; else a built-in name or a ``.jinja`` file.
         columns: field names of other layouts: ``messages``, ``role``, ``content``, ``images``.
@@ -55,7 +64,7 @@ class VisionChatDataset(Dataset):
         max_image_pixels: an image with more pixels is refused before it is decoded.
     """
 
-    def __init__(self, source: str | Path, tokenizer, max_seq_len: int, images: Gemma3Images | None = None,
+    def __init__(self, source: str | Path, tokenizer, max_seq_len: int, images: ImageProcessor | None = None,
                  train_on_input: bool = False, template: str | None = None, columns: dict[str, str] | None = None,
                  skip_bad_records: bool = False, max_image_pixels: int = MAX_PIXELS) -> None:
         self.columns = column_names(columns, COLUMN_KEYS)
@@ -64,8 +73,8 @@ class VisionChatDataset(Dataset):
         if images is None:
             if getattr(tokenizer, "directory", None) is None:
                 raise ValueError(f"{self.source}: the tokenizer was not read from a checkpoint folder, so its image "
-                                 "settings are unknown; pass images=Gemma3Images.from_checkpoint(folder, tokenizer)")
-            images = Gemma3Images.from_checkpoint(tokenizer.directory, tokenizer)
+                                 "processor is unknown; pass images=image_processor_for(folder, tokenizer)")
+            images = image_processor_for(tokenizer.directory, tokenizer)
         self.images = images
         self.max_image_pixels = max_image_pixels
         self.items = TokenizedRecords(max_seq_len, train_on_input)
@@ -88,28 +97,42 @@ class VisionChatDataset(Dataset):
         if self.template.render(as_trl) != text:
             raise ValueError(f"{where}: the chat template renders an assistant message's text parts differently from "
                              "their joined text; give the assistant's content as one string")
-        images = self.images
-        placeholders = _find_all(text, images.boi_token)
-        expanded = images.expand(text, len(sources), where)
-        growth = len(images.full_image_sequence) - len(images.boi_token)
-        spans = [(a + growth * bisect.bisect_left(placeholders, a), b + growth * bisect.bisect_left(placeholders, b))
+        images, root = self.images, record.file.parent
+        placeholders = _find_all(text, images.placeholder)
+        if len(placeholders) != len(sources):
+            raise ValueError(f"{where}: the rendered conversation has {len(placeholders)} image placeholder(s) "
+                             f"({images.placeholder}) for {len(sources)} image(s): give one image per "
+                             "{\"type\": \"image\"} part, and no image token in the text")
+        expansions = [self._expansion(source, f"{where}: image {number}", root)
+                      for number, source in enumerate(sources, start=1)]
+        pieces = text.split(images.placeholder)
+        expanded = "".join(p for piece, grown in zip(pieces, expansions + [""]) for p in (piece, grown))
+        shift = [0, *accumulate(len(e) - len(images.placeholder) for e in expansions)]  # before the k-th placeholder
+        spans = [(a + shift[bisect.bisect_left(placeholders, a)], b + shift[bisect.bisect_left(placeholders, b)])
                  for a, b in spans]
         ids, offsets = self.tokenizer.encode_with_offsets(expanded)
-        self._check_image_tokens(ids, len(sources), where)
-        for number, image_source in enumerate(sources, start=1):  # decoded in full, then let go
-            load_image(image_source, f"{where}: image {number}", record.file.parent, self.max_image_pixels)
-        return ids, spans_to_mask(offsets, spans), sources, record.file.parent
+        self._check_image_tokens(ids, len(sources), sum(e.count(images.image_token) for e in expansions), where)
+        return ids, spans_to_mask(offsets, spans), sources, root
 
-    def _check_image_tokens(self, ids: list[int], n_images: int, where: str) -> None:
+    def _expansion(self, source, where: str, root: Path) -> str:
+        """The text the image's placeholder becomes; the image decoded in full (so checked), then let go."""
+        image = load_image(source, where, root, self.max_image_pixels)
+        try:
+            return self.images.expansion(image)
+        except ValueError as e:  # e.g. an aspect ratio Qwen's processor refuses
+            raise ValueError(f"{where}: {e}") from None
+
+    def _check_image_tokens(self, ids: list[int], n_images: int, n_image_tokens: int, where: str) -> None:
         """Each image's tokens all there, none outside them, and all within ``max_seq_len``."""
         images = self.images
-        counts = {name: sum(1 for i in ids if i == token) for name, token in (
-            ("boi", images.boi_token_id), ("image", images.image_token_id), ("eoi", images.eoi_token_id))}
-        if counts != {"boi": n_images, "image": n_images * images.image_seq_length, "eoi": n_images}:
-            raise ValueError(f"{where}: the text holds image tokens ({images.boi_token}, {images.image_token} or "
-                             f"{images.eoi_token}) outside the images' own; write images as {{\"type\": \"image\"}} parts")
+        found = Counter(ids)
+        counts = {name: found[token] for name, token in images.image_only_tokens.items()}
+        if counts != images.expected_counts(n_images, n_image_tokens):
+            names = list(images.image_only_tokens)
+            raise ValueError(f"{where}: the text holds image tokens ({', '.join(names[:-1])} or {names[-1]}) outside "
+                             "the images' own; write images as {\"type\": \"image\"} parts")
         cut = self.items.max_seq_len
-        ends = [p for p, i in enumerate(ids) if i == images.eoi_token_id]
+        ends = [p for p, i in enumerate(ids) if i == images.image_end_id]
         if ends and ends[-1] >= cut:
             first = next(k for k, end in enumerate(ends) if end >= cut)
             raise ValueError(f"{where}: image {first + 1} of {n_images} does not fit in max_seq_len={cut} (its tokens end "
@@ -169,8 +192,8 @@ class VisionChatDataset(Dataset):
         sources, root = self._image_sources[index]
         where = self.items.where[index]
         decoded = [load_image(s, f"{where}: image {n}", root, self.max_image_pixels) for n, s in enumerate(sources, 1)]
-        return {**item, "pixel_values": self.images.pixel_values(decoded),
-                "token_type_ids": self.images.token_type_ids(item["tokens"])}
+        images = self.images
+        return {**item, **images.model_inputs(decoded), images.token_type_key: images.token_types(item["tokens"])}
 
 
 def _read_message(turn, number: int, where: str, role_key: str, content_key: str) -> dict:

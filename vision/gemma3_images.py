@@ -20,7 +20,6 @@ processor's default); the three tokens' names from ``tokenizer_config.json`` (``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,9 +28,8 @@ import torch
 from PIL import Image
 
 from waypoint.vision.image_files import convert_to_rgb
+from waypoint.vision.processor_files import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, read_json, single_id, token_names
 
-PROCESSOR_CONFIG = "processor_config.json"
-PREPROCESSOR_CONFIG = "preprocessor_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # Gemma3ImageProcessorPil's class defaults: what a null or missing field means.
 DEFAULTS = {"size": {"height": 224, "width": 224}, "resample": 2, "rescale_factor": 1 / 255,
@@ -42,7 +40,8 @@ DEFAULT_TOKENS = {"boi_token": "<start_of_image>", "image_token": "<image_soft_t
 
 
 class Gemma3Images:
-    """Pixel values and image tokens of a Gemma 3 checkpoint (see the module doc).
+    """Pixel values and image tokens of a Gemma 3 checkpoint (see the module doc); a
+    ``waypoint.vision.processors.ImageProcessor``: every image's placeholder (boi) becomes the same sequence.
 
     Args:
         config: the image processor's settings (``size``, ``resample``, ``rescale_factor``, ``image_mean``,
@@ -78,19 +77,23 @@ class Gemma3Images:
         self.image_seq_length = image_seq_length
         self.boi_token, self.image_token, self.eoi_token = (tokens[k] for k in ("boi_token", "image_token", "eoi_token"))
         self.boi_token_id, self.image_token_id, self.eoi_token_id = (
-            _single_id(tokenizer, tokens[k], k, source) for k in ("boi_token", "image_token", "eoi_token"))
+            single_id(tokenizer, tokens[k], k, source, "Gemma 3") for k in ("boi_token", "image_token", "eoi_token"))
         self.full_image_sequence = (f"\n\n{self.boi_token}{self.image_token * image_seq_length}"
                                     f"{self.eoi_token}\n\n")
+        # the ImageProcessor interface
+        self.placeholder, self.image_end_id, self.token_type_key = self.boi_token, self.eoi_token_id, "token_type_ids"
+        self.image_only_tokens = {self.boi_token: self.boi_token_id, self.image_token: self.image_token_id,
+                                  self.eoi_token: self.eoi_token_id}
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path, tokenizer) -> "Gemma3Images":
         """The settings of the checkpoint (or processor) folder ``directory``, read as transformers reads them."""
         directory = Path(directory)
-        processor = _read_json(directory / PROCESSOR_CONFIG)
+        processor = read_json(directory / PROCESSOR_CONFIG)
         if isinstance(processor.get("image_processor"), dict):
             config, source = processor["image_processor"], f"{directory / PROCESSOR_CONFIG} (image_processor)"
         elif (directory / PREPROCESSOR_CONFIG).is_file():
-            config, source = _read_json(directory / PREPROCESSOR_CONFIG), str(directory / PREPROCESSOR_CONFIG)
+            config, source = read_json(directory / PREPROCESSOR_CONFIG), str(directory / PREPROCESSOR_CONFIG)
         else:
             raise ValueError(f"{directory}: no image processor settings ({PREPROCESSOR_CONFIG}, or image_processor in "
                              f"{PROCESSOR_CONFIG}); is this a vision checkpoint?")
@@ -101,7 +104,7 @@ class Gemma3Images:
         if image_processor is not None and not str(image_processor).startswith("Gemma3ImageProcessor"):
             raise ValueError(f"{source}: image_processor_type is {image_processor!r}, not Gemma3ImageProcessor")
         seq_length = processor.get("image_seq_length")
-        tokens = _token_names(_read_json(directory / TOKENIZER_CONFIG))
+        tokens = token_names(read_json(directory / TOKENIZER_CONFIG), DEFAULT_TOKENS)
         return cls(config, DEFAULT_IMAGE_SEQ_LENGTH if seq_length is None else seq_length, tokens, tokenizer, source)
 
     def pixel_values(self, images: Sequence[Image.Image]) -> torch.Tensor:
@@ -138,38 +141,19 @@ class Gemma3Images:
         image = self.image_token_id
         return [1 if i == image else 0 for i in ids]
 
+    token_types = token_type_ids
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    def expansion(self, image: Image.Image) -> str:
+        """What one boi token becomes: the full image sequence, whatever the image."""
+        return self.full_image_sequence
 
+    def expected_counts(self, n_images: int, n_image_tokens: int) -> dict[str, int]:
+        """A boi and an eoi per image, and its image tokens."""
+        return {self.boi_token: n_images, self.image_token: n_image_tokens, self.eoi_token: n_images}
 
-def _token_names(config: dict) -> dict[str, str]:
-    """The boi, image and eoi tokens' text as tokenizer_config.json names them (a string or ``{"content": ...}``,
-    at the top level or in ``extra_special_tokens`` / ``model_specific_special_tokens``), else Gemma 3's."""
-    places = [config] + [config[k] for k in ("extra_special_tokens", "model_specific_special_tokens")
-                         if isinstance(config.get(k), dict)]
-    names = {}
-    for key, default in DEFAULT_TOKENS.items():
-        value = next((place[key] for place in places if place.get(key) is not None), default)
-        value = value.get("content") if isinstance(value, dict) else value
-        names[key] = value if isinstance(value, str) and value else default
-    return names
-
-
-def _single_id(tokenizer, token: str, name: str, source: str) -> int:
-    ids = tokenizer.encode(token, add_bos=False)
-    if len(ids) != 1:
-        raise ValueError(f"{source}: the tokenizer reads {name} {token!r} as {len(ids)} tokens, not one: it is not "
-                         "a Gemma 3 vision tokenizer (or tokenizer_config.json names another token)")
-    return ids[0]
+    def model_inputs(self, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+        """``{"pixel_values"}``: :meth:`pixel_values`."""
+        return {"pixel_values": self.pixel_values(images)}
 
 
 def _size(size, source: str) -> tuple[int, int]:

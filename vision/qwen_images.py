@@ -12,12 +12,12 @@ is the reference here, and :func:`preprocess` gives bitwise its ``pixel_values``
 
 The text side (``Qwen3VLProcessor``): the chat template writes ``<|vision_start|><|image_pad|><|vision_end|>`` per
 image; the processor repeats each ``<|image_pad|>`` as many times as that image has tokens (:func:`expand`), and
-``mm_token_type_ids`` marks those tokens 1 (video 2, text 0; :func:`mm_token_type_ids`).
+``mm_token_type_ids`` marks those tokens 1 (video 2, text 0; :func:`mm_token_type_ids`). :class:`QwenImages` puts
+the two together as a ``waypoint.vision.processors.ImageProcessor``, for the vision datasets.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,11 +27,16 @@ import numpy as np
 import torch
 from PIL import Image
 
+from waypoint.vision.processor_files import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, read_json, single_id, token_names
+
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # what Qwen3.5's chat template writes per image
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # Qwen2VLImageProcessor's defaults
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# Qwen3VLProcessor's tokens, unless the tokenizer names others (tokenizer_config.json, as transformers reads it)
+DEFAULT_TOKENS = {"image_token": IMAGE_TOKEN, "video_token": VIDEO_TOKEN, "vision_start_token": "<|vision_start|>",
+                  "vision_end_token": "<|vision_end|>"}
 
 
 @dataclass(frozen=True)
@@ -78,11 +83,13 @@ def from_checkpoint(path: str | Path) -> QwenImageSettings:
     """A checkpoint folder's settings, where transformers looks: ``processor_config.json``'s ``image_processor`` if
     there is one, else ``preprocessor_config.json``."""
     path = Path(path)
-    if (processor := path / "processor_config.json").is_file():
-        nested = json.loads(processor.read_text()).get("image_processor")
-        if nested is not None:
-            return from_preprocessor_config(nested)
-    return from_preprocessor_config(json.loads((path / "preprocessor_config.json").read_text()))
+    nested = read_json(path / PROCESSOR_CONFIG).get("image_processor")
+    if isinstance(nested, dict):
+        return from_preprocessor_config(nested)
+    if not (path / PREPROCESSOR_CONFIG).is_file():
+        raise ValueError(f"{path}: no image processor settings ({PREPROCESSOR_CONFIG}, or image_processor in "
+                         f"{PROCESSOR_CONFIG}); is this a vision checkpoint?")
+    return from_preprocessor_config(read_json(path / PREPROCESSOR_CONFIG))
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -173,3 +180,76 @@ def mm_token_type_ids(input_ids: Sequence[int] | torch.Tensor, image_token_id: i
     """One sequence's ``mm_token_type_ids``: 1 at image tokens, 2 at video tokens, 0 elsewhere (the processor's)."""
     ids = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
     return [1 if i == image_token_id else 2 if video_token_id is not None and i == video_token_id else 0 for i in ids]
+
+
+class QwenImages:
+    """The image processor of a Qwen3.5 / Qwen3.6 checkpoint as a ``waypoint.vision.processors.ImageProcessor``:
+    an image's placeholder (``<|image_pad|>``, between the template's ``<|vision_start|>`` and ``<|vision_end|>``)
+    becomes as many of it as the image has merged patches, which its size decides (:func:`smart_resize`).
+
+    Args:
+        settings: the image processor's settings (:func:`from_checkpoint`).
+        tokenizer: a ``waypoint.text.tokenizer.Tokenizer``; each of the tokens must be one token of it.
+        tokens: ``{"image_token", "video_token", "vision_start_token", "vision_end_token"}`` as text, where the
+            tokenizer names others than Qwen's.
+        source: where the settings came from, named in errors.
+    """
+
+    token_type_key = "mm_token_type_ids"
+
+    def __init__(self, settings: QwenImageSettings, tokenizer, tokens: dict[str, str] | None = None,
+                 source: str = "the image processor") -> None:
+        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+            value = getattr(settings, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if settings.min_pixels > settings.max_pixels:
+            raise ValueError(f"{source}: min_pixels {settings.min_pixels} is over max_pixels {settings.max_pixels}")
+        self.settings, self.source = settings, source
+        tokens = {**DEFAULT_TOKENS, **(tokens or {})}
+        ids = {key: single_id(tokenizer, tokens[key], key, source, "Qwen") for key in DEFAULT_TOKENS}
+        self.placeholder = self.image_token = tokens["image_token"]
+        self.image_token_id, self.video_token_id = ids["image_token"], ids["video_token"]
+        self.image_end_id = ids["vision_end_token"]
+        self.image_only_tokens = {tokens[key]: ids[key] for key in DEFAULT_TOKENS}
+        self._frame = (tokens["vision_start_token"], tokens["vision_end_token"], tokens["video_token"])
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, tokenizer) -> "QwenImages":
+        """The settings of the checkpoint (or processor) folder ``directory``, read as transformers reads them."""
+        directory = Path(directory)
+        tokens = token_names(read_json(directory / "tokenizer_config.json"), DEFAULT_TOKENS)
+        return cls(from_checkpoint(directory), tokenizer, tokens, str(directory))
+
+    def grid(self, image: Image.Image) -> tuple[int, int, int]:
+        """The image's patch grid (1, h, w): of its size after :func:`smart_resize` (its own size without do_resize)."""
+        s = self.settings
+        height, width = image.height, image.width
+        if s.do_resize:
+            height, width = smart_resize(height, width, s.factor, s.min_pixels, s.max_pixels)
+        elif height % s.factor or width % s.factor:
+            raise ValueError(f"a {width}x{height} image does not split into whole {s.factor}-pixel blocks (do_resize "
+                             "is off)")
+        return 1, height // s.patch_size, width // s.patch_size
+
+    def expansion(self, image: Image.Image) -> str:
+        """What the image's ``<|image_pad|>`` becomes: one per merged patch."""
+        return self.image_token * image_token_count(self.grid(image), self.settings.merge_size)
+
+    def expected_counts(self, n_images: int, n_image_tokens: int) -> dict[str, int]:
+        """A ``<|vision_start|>`` and a ``<|vision_end|>`` per image, its image tokens, and no video's."""
+        start, end, video = self._frame
+        return {start: n_images, self.image_token: n_image_tokens, end: n_images, video: 0}
+
+    def model_inputs(self, images: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+        """``{"pixel_values", "image_grid_thw"}``: :func:`preprocess`."""
+        if images:
+            return preprocess(images, self.settings)
+        s = self.settings
+        width = (3 if s.do_convert_rgb else 1) * s.temporal_patch_size * s.patch_size ** 2
+        return {"pixel_values": torch.zeros((0, width), dtype=torch.float32),
+                "image_grid_thw": torch.zeros((0, 3), dtype=torch.int64)}
+
+    def token_types(self, ids: Sequence[int]) -> list[int]:
+        """The processor's ``mm_token_type_ids``."""
+        return mm_token_type_ids(ids, self.image_token_id, self.video_token_id)

@@ -1,0 +1,47 @@
+"""The files a vision-language checkpoint's processor is described by, read as transformers reads them: its
+``processor_config.json`` / ``preprocessor_config.json`` and the special tokens its tokenizer config names. Shared by
+each family's image processor and by ``vision.processors``, which picks one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PROCESSOR_CONFIG = "processor_config.json"
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+MODEL_CONFIG = "config.json"
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object file's contents; ``{}`` when there is no such file."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def token_names(config: dict, defaults: dict[str, str]) -> dict[str, str]:
+    """The tokens ``defaults`` names, as a tokenizer_config.json names them (a string or ``{"content": ...}``, at the
+    top level or in ``extra_special_tokens`` / ``model_specific_special_tokens``), else the defaults."""
+    places = [config] + [config[k] for k in ("extra_special_tokens", "model_specific_special_tokens")
+                         if isinstance(config.get(k), dict)]
+    names = {}
+    for key, default in defaults.items():
+        value = next((place[key] for place in places if place.get(key) is not None), default)
+        value = value.get("content") if isinstance(value, dict) else value
+        names[key] = value if isinstance(value, str) and value else default
+    return names
+
+
+def single_id(tokenizer, token: str, name: str, source: str, family: str) -> int:
+    """``token``'s id; a ``ValueError`` when the tokenizer does not read it as one token."""
+    ids = tokenizer.encode(token, add_bos=False)
+    if len(ids) != 1:
+        raise ValueError(f"{source}: the tokenizer reads {name} {token!r} as {len(ids)} tokens, not one: it is not "
+                         f"a {family} vision tokenizer (or tokenizer_config.json names another token)")
+    return ids[0]
