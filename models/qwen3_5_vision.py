@@ -199,6 +199,8 @@ class QwenVisionTower(nn.Module):
         if bool(((grid[:, 1:] % args.merge_size) != 0).any()):
             raise ValueError(f"image_grid_thw {grid.tolist()}: heights and widths must be multiples of {args.merge_size}")
         device = self.position_embedding.weight.device
+        if grid.shape[0] == 0:  # a batch without images: no tokens to place
+            return pixel_values.new_zeros(0, args.out_dim, dtype=self.patch_embedding.weight.dtype)
         rows, cols, heights, widths = patch_rows_cols(grid, args.merge_size, device)
         x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
         x = x + self.interpolated_positions(rows, cols, heights, widths).to(x.dtype)

@@ -279,3 +279,11 @@ def test_text_expansion_is_the_processors(tmp_path, monkeypatch):
     assert counts == [image_token_count(g, settings.merge_size) for g in grids]
     with pytest.raises(ValueError, match="2 <\\|image_pad\\|> in the text for 1 images"):
         expand(texts[0], grids[:1], 2)
+
+
+def test_no_images_no_tokens(checkpoint):
+    """A batch without images: the tower gives no tokens (and the model places none)."""
+    _, path = checkpoint
+    tower = native_tower(path)
+    out = tower(torch.zeros(0, tower.args.patch_dim), torch.zeros(0, 3, dtype=torch.long))
+    assert out.shape == (0, tower.args.out_dim)

@@ -301,3 +301,29 @@ def test_three_steps_of_full_finetune_keep_the_tower(qwen, tmp_path):
     print(f"\nqwen3.5 VLM, 3 steps: losses {[round(x, 4) for x in losses]} (first - transformers' "
           f"{losses[0] - expected:.2g}); {visual} tower tensors unchanged, {changed} others trained")
     assert visual == 33 and changed > 0
+    # generate.py image= on the Qwen checkpoint: its processor found from the files, greedy ids transformers' own
+    import contextlib
+    import io
+
+    from recipes import generate
+    from waypoint.models.generate import Sampling, generate as generate_ids
+    from waypoint.text.chat_template import load_chat_template
+    from waypoint.vision.image_files import load_image
+    from waypoint.vision.processors import image_processor_for
+
+    image = directory / "data" / "img" / "red.png"
+    printed = io.StringIO()
+    errors = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        assert generate.main(["--config", str(ROOT / "configs/generate.yaml"), f"checkpoint_dir={base}", f"image={image}",
+                              "prompt=What colour is this?", "max_new_tokens=4"]) == 0, errors.getvalue()[-2000:]
+    processor = image_processor_for(base, tokenizer)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}]
+    rendered = load_chat_template(tokenizer).render(messages, add_generation_prompt=True)
+    picture = load_image(str(image), "test")
+    prompt = tokenizer.encode_with_offsets(rendered.replace(processor.placeholder, processor.expansion(picture), 1))[0]
+    inputs = {**processor.model_inputs([picture]), processor.token_type_key: torch.tensor([processor.token_types(prompt)])}
+    ours = generate_ids(load_model(base), prompt, 4, Sampling(temperature=0.0), images=inputs)
+    theirs = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=4, do_sample=False, eos_token_id=None, **inputs)[0, len(prompt):].tolist()
+    assert ours == theirs and printed.getvalue().strip() == tokenizer.decode(ours).strip()
