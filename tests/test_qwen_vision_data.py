@@ -239,24 +239,17 @@ def test_the_family_comes_from_the_checkpoints_files(qwen, tmp_path):
             assert "\n" not in str(error.value)
 
 
-def test_three_steps_of_full_finetune_keep_the_tower(qwen, tmp_path):
+@pytest.fixture(scope="module")
+def qwen_vlm(qwen, tmp_path_factory):
     """A tiny random Qwen3_5ForConditionalGeneration (its tower's patch, frames and merge those of the image
-    processor, its image token ids the tokenizer's), trained 3 steps on the data: the losses finite, the first
-    transformers' loss on the first batch (so the images, their grids and token types reached the model), the output
-    the input's files and keys, its tower (frozen) byte for byte the input's. A batch without images has no image
-    inputs (Qwen's processor gives none; the tower takes at least one image) and the model takes it."""
+    processor, its image token ids the tokenizer's) with the tokenizer and processor files: (folder, the model)."""
     import transformers
 
-    from recipes import full_finetune
     from tests.test_qwen3_5_vlm import TEXT, VISION
-    from waypoint.checkpointers import load_model
-    from waypoint.checkpointers.file_formats import read_tensors
-    from waypoint.training.data_order import iterate_batches
-    from waypoint.training.loss import model_inputs
 
     directory, _, _ = qwen
-    data = _write_jsonl(directory / "data" / "twice.jsonl", records() * 2)  # 4 batches of 2
-    base = write_checkpoint_files(tmp_path / "base")
+    _write_jsonl(directory / "data" / "twice.jsonl", records() * 2)  # 4 batches of 2
+    base = write_checkpoint_files(tmp_path_factory.mktemp("qwen_vlm") / "base")
     tokenizer = load_tokenizer(base)
     ids = {name: tokenizer.encode(name, add_bos=False)[0] for name in SPECIAL}
     config = transformers.Qwen3_5Config(
@@ -266,6 +259,25 @@ def test_three_steps_of_full_finetune_keep_the_tower(qwen, tmp_path):
     torch.manual_seed(0)
     hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
     hf.save_pretrained(base, max_shard_size="100KB")
+    return base, hf
+
+
+def test_three_steps_of_full_finetune_keep_the_tower(qwen, qwen_vlm, tmp_path):
+    """A tiny random Qwen3_5ForConditionalGeneration (its tower's patch, frames and merge those of the image
+    processor, its image token ids the tokenizer's), trained 3 steps on the data: the losses finite, the first
+    transformers' loss on the first batch (so the images, their grids and token types reached the model), the output
+    the input's files and keys, its tower (frozen) byte for byte the input's. A batch without images has no image
+    inputs (Qwen's processor gives none) and the model takes it."""
+    from recipes import full_finetune
+    from waypoint.checkpointers import load_model
+    from waypoint.checkpointers.file_formats import read_tensors
+    from waypoint.training.data_order import iterate_batches
+    from waypoint.training.loss import model_inputs
+
+    directory, _, _ = qwen
+    data = directory / "data" / "twice.jsonl"
+    base, hf = qwen_vlm
+    tokenizer = load_tokenizer(base)
     out = tmp_path / "out"
     code = full_finetune.main(["--config", str(ROOT / "configs/tiny_vlm.yaml"), f"checkpointer.checkpoint_dir={base}",
                                f"dataset.source={data}", f"output_dir={out}", "epochs=1", "max_steps_per_epoch=3",
@@ -327,3 +339,40 @@ def test_three_steps_of_full_finetune_keep_the_tower(qwen, tmp_path):
     theirs = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=4, do_sample=False, eos_token_id=None, **inputs)[0, len(prompt):].tolist()
     assert ours == theirs and printed.getvalue().strip() == tokenizer.decode(ours).strip()
+
+
+def test_lora_adapter_loads_in_peft_with_our_logits_on_images(qwen, qwen_vlm, tmp_path):
+    """LoRA on the language model of the Qwen3.5 VLM: PEFT puts the adapter on transformers' model (none on the
+    tower: target_modules a regex over model.language_model.*), whose logits with images equal our merged model's."""
+    from peft import PeftModel
+
+    from recipes import lora_finetune
+    from waypoint.checkpointers import load_model
+    from waypoint.training.collate import vision_collate
+
+    directory, _, _ = qwen
+    base, hf = qwen_vlm
+    out = tmp_path / "out"
+    assert lora_finetune.main(["--config", str(ROOT / "configs/tiny_vlm_lora.yaml"), f"checkpointer.checkpoint_dir={base}",
+                               f"dataset.source={directory / 'data' / 'twice.jsonl'}", f"output_dir={out}", "epochs=1",
+                               "max_steps_per_epoch=2", "batch_size=2", "progress=off", "dataset.max_seq_len=512",
+                               "optimizer.lr=2e-2"]) == 0
+    config = json.loads((out / "step_2/adapter_config.json").read_text())
+    assert config["target_modules"].startswith(r"model\.language_model\.")
+    tokenizer = load_tokenizer(base)
+    batch = vision_collate([VisionChatDataset(directory / "data" / "train.jsonl", tokenizer, max_seq_len=512)[1]],
+                           tokenizer.pad_id)
+    inputs = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
+    peft = PeftModel.from_pretrained(transformers_copy(base), out / "step_2").eval()
+    assert not any("visual" in name and "lora_" in name for name, _ in peft.named_parameters())
+    with torch.no_grad():
+        theirs = peft(input_ids=batch["tokens"], **inputs).logits
+        ours = load_model(out / "step_2/merged").eval()(batch["tokens"], **inputs)
+        base_logits = hf(input_ids=batch["tokens"], **inputs).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4 < (base_logits - theirs).abs().max().item()
+
+
+def transformers_copy(base):
+    import transformers
+
+    return transformers.Qwen3_5ForConditionalGeneration.from_pretrained(base)
