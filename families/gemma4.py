@@ -27,6 +27,8 @@ from waypoint.families.family import LLAMA_LORA_TARGETS, Family
 from waypoint.families.hf_config import FULL, SLIDING, HFConfig, common_args, common_fields, layer_types, layer_window_args, rope_fields, rope_params
 from waypoint.families.hf_rules import LAYER, NATIVE, at, mlp_rules, outer_rules, sandwich_norm_rules
 from waypoint.families.qwen3_5 import MULTIMODAL
+from waypoint.families.gemma4_vision_rules import BUFFERS as VISION_BUFFERS, PREFIXES as VISION_PREFIXES
+from waypoint.families.gemma4_vision_rules import gemma4_vision, gemma4_vision_rules
 from waypoint.models.args import ModelArgs
 from waypoint.models.transformer import Transformer
 
@@ -44,7 +46,7 @@ def _types(cfg: HFConfig) -> list[str]:
 def _global_shape(cfg: HFConfig, types: list[str]) -> tuple[int, int | None]:
     """The full layers' (head_dim, k/v heads or None), from ``per_layer_config`` or the releases' fields."""
     per_layer = cfg.raw.get("per_layer_config")
-    if per_layer:
+    if isinstance(per_layer, dict):  # present, even empty (then every layer its head_dim), as Gemma4TextConfig reads it
         # keys are layer indices, as ints or strings; v5.24's to_dict zero-pads them to one width ("05", "11")
         per_layer = {int(k): v for k, v in per_layer.items()}
         full = [i for i, t in enumerate(types) if t == FULL]
@@ -144,7 +146,8 @@ def rules(args: ModelArgs) -> list[Rule]:
     sliding = [i for i in range(args.n_layers) if not args.is_full_attention(i)]
     return (outer_rules() + sandwich_norm_rules() + _attention_rules(args, sliding) + _attention_rules(args, full)
             + mlp_rules() + [Rule(LAYER + "layer_scalar", NATIVE + "layer_scalar")]
-            + (per_layer_rules() if args.per_layer_dim else []) + (moe_rules(args) if args.moe_beside_mlp else []))
+            + (per_layer_rules() if args.per_layer_dim else []) + (moe_rules(args) if args.moe_beside_mlp else [])
+            + (gemma4_vision_rules(args.vision) if args.vision is not None else []))
 
 
 # LoRA on the experts: PEFT's target_parameters on transformers' packed parameters (gate and up as halves)
@@ -164,8 +167,9 @@ FAMILY = Family(
     model_args=model_args, hf_config=hf_config, rules=rules,
     lora_targets=LLAMA_LORA_TARGETS + ("input_gate", "input_proj") + tuple(EXPERT_PARAMETERS),
     lora_parameters=EXPERT_PARAMETERS, lora_halves=frozenset({"experts_gate_up"}),
-    buffers=(r"\.layer_scalar$",),
-    hf_prefixes=(MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config",
+    buffers=(r"\.layer_scalar$", *VISION_BUFFERS),
+    hf_prefixes=({**MULTIMODAL, **VISION_PREFIXES},), nested_modules={"model.": "model.language_model."},
+    nested_config="text_config", vision=gemma4_vision,
 )
 
 

@@ -317,7 +317,8 @@ class Transformer(nn.Module):
                 labels: torch.Tensor | None = None, loss_chunk: int | None = None,
                 per_sequence: bool = False, per_token: bool = False, temperature: float = 1.0,
                 pixel_values: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
-                image_grid_thw: torch.Tensor | None = None, mm_token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                image_grid_thw: torch.Tensor | None = None, mm_token_type_ids: torch.Tensor | None = None,
+                image_position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` [batch, seq] -> logits [batch, seq, vocab]. Packed sequences (``training.packing``) also give
         each token's ``positions`` (restarting per sample) and ``document_ids`` (attention stays within one).
         With a ``cache`` (generation), ``tokens`` follow the cached ones and the cache takes their keys and values.
@@ -327,7 +328,8 @@ class Transformer(nn.Module):
         With ``labels`` and ``per_token``: (each next label's log-prob, its distribution's entropy), [batch, seq - 1]
         each, 0 where the label is ignored, of the logits divided by ``temperature`` (``models.token_logps``).
         A vision-language model (``args.vision``) takes its processor's outputs by transformers' names: ``pixel_values``
-        (Gemma 3's [images, channels, size, size]; Qwen3.5's patches with ``image_grid_thw``), whose embeddings replace
+        (Gemma 3's [images, channels, size, size]; Qwen3.5's patches with ``image_grid_thw``; Gemma 4's with
+        ``image_position_ids``), whose embeddings replace
         the image tokens' (``models.image_tokens``), and ``token_type_ids`` (Gemma 3; its images' tokens attend each
         other both ways) or ``mm_token_type_ids`` (Qwen3.5; its images' tokens take mRoPE positions, ``models.mrope``),
         [batch, seq], 1 on image tokens."""
@@ -345,7 +347,8 @@ class Transformer(nn.Module):
         if pixel_values is not None:
             if self.vision is None:
                 raise ValueError("pixel_values given to a text model (its checkpoint has no vision tower)")
-            h = place_images(h, tokens, self.image_features(pixel_values, image_grid_thw), self.args.vision.image_token_id)
+            where = {"image_grid_thw": image_grid_thw, "image_position_ids": image_position_ids}
+            h = place_images(h, tokens, self.image_features(pixel_values, **where), self.args.vision.image_token_id)
         types = token_type_ids if token_type_ids is not None else mm_token_type_ids
         has_images = types is not None and self.args.vision is not None and bool((types == 1).any())
         offset = cache.position_offset if cache is not None else 0  # mRoPE: positions behind tokens after images
@@ -365,9 +368,15 @@ class Transformer(nn.Module):
         if has_images and self.args.vision.image_attention == "bidirectional":  # an image's tokens see each other
             full_mask = image_mask(types, None, document_ids, start)
             window_mask = image_mask(types, window, document_ids, start) if window is not None else None
+        elif has_images and self.args.vision.image_attention == "sliding_bidirectional":  # Gemma 4: in the window only
+            window_mask = image_mask(types, window, document_ids, start)
         if has_images and self.args.mrope_section is not None and image_grid_thw is not None:
             global_rope = self._mrope(types, image_grid_thw, start + offset, cache)
-        per_layer = self.per_layer(tokens, h) if self.per_layer is not None else None
+        if self.per_layer is not None and self.args.vision is not None:  # an image token looked up as the pad token
+            looked_up = tokens.masked_fill(tokens == self.args.vision.image_token_id, self.args.vision.pad_token_id)
+        else:
+            looked_up = tokens
+        per_layer = self.per_layer(looked_up, h) if self.per_layer is not None else None
         extra: dict = {"shared_kv": {}} if self.args.kv_shared_layers else {}  # Gemma 4: keys and values layers share
         for index, layer in enumerate(self.layers):
             sliding = layer.sliding_window is not None
@@ -401,13 +410,17 @@ class Transformer(nn.Module):
             return (next_token_loss_rows if per_sequence else next_token_loss_sum)(self._capped(logits), labels)
         return self._capped(logits)
 
-    def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+    def image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None,
+                       image_position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The processor's pixel values -> the embeddings the image tokens take, in order: the tower (Qwen3.5's with
-        each image's grid), then the projector where the tower has none of its own (Gemma 3's)."""
-        if self.args.vision.tower == "qwen3_5":
-            if image_grid_thw is None:
-                raise ValueError("pixel_values without image_grid_thw: Qwen3.5's tower needs each image's patch grid")
-            return self.vision(pixel_values, image_grid_thw)
+        each image's grid, Gemma 4's with each patch's position), then the projector where the tower has none of its
+        own (Gemma 3's)."""
+        tower = self.args.vision.tower
+        if tower in ("qwen3_5", "gemma4"):
+            where, name = (image_grid_thw, "image_grid_thw") if tower == "qwen3_5" else (image_position_ids, "image_position_ids")
+            if where is None:
+                raise ValueError(f"pixel_values without {name}: this model's vision tower needs it (its processor gives both)")
+            return self.vision(pixel_values, where)
         features = self.vision(pixel_values)
         return self.projector(features) if self.projector is not None else features
 

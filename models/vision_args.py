@@ -55,4 +55,8 @@ def vision_args(value):
         from waypoint.models.qwen3_5_vision import QwenVisionArgs
 
         return QwenVisionArgs(**value)
+    if value.get("tower") == "gemma4":
+        from waypoint.models.gemma4_vision import Gemma4VisionArgs
+
+        return Gemma4VisionArgs(**value)
     return VisionArgs(**value)

@@ -9,13 +9,17 @@ IMAGE_SIDE = ("vision.", "projector.")
 
 
 def vision_tower(args) -> nn.Module | None:
-    """SigLIP (Gemma 3) or Qwen3.5's ViT with its merger; None for a text model."""
+    """SigLIP (Gemma 3), Qwen3.5's ViT with its merger or Gemma 4's tower with its embedder; None for a text model."""
     if args is None:
         return None
     if args.tower == "qwen3_5":
         from waypoint.models.qwen3_5_vision import QwenVisionTower
 
         return QwenVisionTower(args)
+    if args.tower == "gemma4":
+        from waypoint.models.gemma4_vision import Gemma4VisionTower
+
+        return Gemma4VisionTower(args)
     from waypoint.models.siglip import SiglipVision
 
     return SiglipVision(args)

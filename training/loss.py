@@ -11,7 +11,8 @@ from waypoint.models.fused_loss import IGNORE_INDEX, next_token_loss_rows, next_
 
 # what a batch may hold for the model's forward beside tokens and labels: a packed batch's positions and documents, a
 # vision-language batch's images and token types (transformers' names)
-MODEL_INPUTS = ("positions", "document_ids", "pixel_values", "token_type_ids", "image_grid_thw", "mm_token_type_ids")
+MODEL_INPUTS = ("positions", "document_ids", "pixel_values", "token_type_ids", "image_grid_thw", "mm_token_type_ids",
+                "image_position_ids")
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict[str, torch.Tensor]:

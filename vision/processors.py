@@ -27,9 +27,9 @@ from PIL import Image
 
 from waypoint.vision.processor_files import MODEL_CONFIG, PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, read_json
 # What each field's value says of the family ("gemma3" or "qwen"); a prefix matches the Fast and Pil variants too.
-PROCESSOR_CLASSES = {"Gemma3Processor": "gemma3", "Qwen3VLProcessor": "qwen"}
-IMAGE_PROCESSOR_TYPES = {"Gemma3ImageProcessor": "gemma3", "Qwen2VLImageProcessor": "qwen"}
-MODEL_TYPES = {"gemma3": "gemma3", "qwen3_5": "qwen", "qwen3_5_moe": "qwen"}
+PROCESSOR_CLASSES = {"Gemma3Processor": "gemma3", "Gemma4Processor": "gemma4", "Qwen3VLProcessor": "qwen"}
+IMAGE_PROCESSOR_TYPES = {"Gemma3ImageProcessor": "gemma3", "Gemma4ImageProcessor": "gemma4", "Qwen2VLImageProcessor": "qwen"}
+MODEL_TYPES = {"gemma3": "gemma3", "gemma4": "gemma4", "qwen3_5": "qwen", "qwen3_5_moe": "qwen"}
 
 
 @runtime_checkable
@@ -76,9 +76,12 @@ def image_processor_for(checkpoint_dir: str | Path, tokenizer) -> ImageProcessor
     if family == "qwen":
         from waypoint.vision.qwen_images import QwenImages
         return QwenImages.from_checkpoint(directory, tokenizer)
+    if family == "gemma4":
+        from waypoint.vision.gemma4_images import Gemma4Images
+        return Gemma4Images.from_checkpoint(directory, tokenizer)
     if why:
-        raise ValueError(f"{directory}: {why}: no image processor for it here (Gemma 3: Gemma3Processor; Qwen3.5 and "
-                         "Qwen3.6: Qwen3VLProcessor)")
+        raise ValueError(f"{directory}: {why}: no image processor for it here (Gemma 3: Gemma3Processor; Gemma 4: "
+                         "Gemma4Processor; Qwen3.5 and Qwen3.6: Qwen3VLProcessor)")
     raise ValueError(f"{directory}: no {PROCESSOR_CONFIG}, {PREPROCESSOR_CONFIG} or {MODEL_CONFIG} names the model's "
                      "processor; is this a vision-language checkpoint?")
 
