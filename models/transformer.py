@@ -344,6 +344,8 @@ class Transformer(nn.Module):
         if self.args.embedding_scale != 1.0:
             # as transformers: the scale rounded to fp32, then to the embedding's dtype
             h = h * torch.tensor(self.args.embedding_scale, dtype=torch.float32, device=h.device).to(h.dtype)
+        if pixel_values is not None and not pixel_values.shape[0] and not bool((tokens == self._image_token()).any()):
+            pixel_values = None  # a batch without images (Gemma's processors still give an empty pixel_values)
         if pixel_values is not None:
             if self.vision is None:
                 raise ValueError("pixel_values given to a text model (its checkpoint has no vision tower)")
@@ -423,6 +425,9 @@ class Transformer(nn.Module):
             return self.vision(pixel_values, where)
         features = self.vision(pixel_values)
         return self.projector(features) if self.projector is not None else features
+
+    def _image_token(self) -> int:
+        return self.args.vision.image_token_id if self.args.vision is not None else -1
 
     def _mrope(self, types: torch.Tensor, image_grid_thw: torch.Tensor, first: int, cache: KVCache | None) -> torch.Tensor:
         """Each token's rotary rows under mRoPE (``models.mrope``), its positions from ``first``; a generation's cache

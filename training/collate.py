@@ -67,7 +67,8 @@ def vision_collate(batch: list[dict], pad_id: int, ignore_index: int = IGNORE_IN
     ``pixel_values``: every item's concatenated along the first dimension, in order, float32 (Gemma 3's images
     [images, 3, H, W], Qwen's patches [patches, C*T*P*P]: the model puts the i-th image's features at the i-th run
     of image tokens of the batch, row by row); ``image_grid_thw`` concatenated the same way, when the items have
-    it (a batch of Qwen's without any image has neither, as its processor gives none); and the token types,
+    it (a batch of Qwen's without any image has neither, as its processor gives none), and Gemma 4's
+    ``image_position_ids`` likewise; and the token types,
     LongTensor [batch, longest] under their own name, padded with 0 (not an image token)."""
     out = padded_collate(batch, pad_id, ignore_index)
     key = next((k for k in ("token_type_ids", "mm_token_type_ids") if k in batch[0]), None)
@@ -89,6 +90,8 @@ def vision_collate(batch: list[dict], pad_id: int, ignore_index: int = IGNORE_IN
         if not len(grids):  # as Qwen's processor: no image inputs without images (its tower takes at least one)
             return out
         out["image_grid_thw"] = grids
+    if "image_position_ids" in batch[0]:  # Gemma 4's: each image's patches' (x, y), padded as its pixel values
+        out["image_position_ids"] = torch.cat([torch.as_tensor(item["image_position_ids"]) for item in batch], dim=0)
     out["pixel_values"] = torch.cat([p.to(torch.float32) for p in pixels], dim=0)
     return out
 
