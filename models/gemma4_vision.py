@@ -177,6 +177,8 @@ class Gemma4VisionTower(nn.Module):
     """``(pixel_values [images, patches, 3*P*P], image_position_ids [images, patches, 2]) -> [tokens, out_dim]``: the
     tower, its pooling and the embedder, the images' tokens one after another (see the module doc)."""
 
+
+    PROJECTOR = ("projection.",)  # the embedder into the text's width: the projector, which trains when the tower is frozen
     def __init__(self, args: Gemma4VisionArgs) -> None:
         super().__init__()
         self.args = args

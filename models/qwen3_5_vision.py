@@ -161,6 +161,8 @@ class QwenVisionTower(nn.Module):
     """``(pixel_values [patches, C*T*P*P], image_grid_thw [images, 3]) -> [tokens, out_dim]``: all images of a batch
     packed as the processor packs them, their tokens in the same order."""
 
+
+    PROJECTOR = ("merger.",)  # the merger projects into the text's width: the projector, which trains when the tower is frozen
     def __init__(self, args: QwenVisionArgs) -> None:
         super().__init__()
         self.args = args

@@ -61,6 +61,8 @@ class SiglipBlock(nn.Module):
 class SiglipVision(nn.Module):
     """``pixel_values`` [images, channels, size, size] -> the last hidden state [images, patches, dim]."""
 
+
+    PROJECTOR = ()  # Gemma 3's projector is a module of its own (models.image_projector)
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()
         self.args = args

@@ -32,3 +32,10 @@ def image_projector(args, text_dim: int) -> nn.Module | None:
     from waypoint.models.image_projector import ImageProjector
 
     return ImageProjector(args, text_dim)
+
+
+def freeze_tower(tower: nn.Module) -> None:
+    """The tower's own parameters frozen, its projection into the text's width (``PROJECTOR``: Qwen3.5's merger,
+    Gemma 4's embedder) left to train, as Gemma 3's separate projector is (``freeze_vision``)."""
+    for name, parameter in tower.named_parameters():
+        parameter.requires_grad_(name.startswith(getattr(tower, "PROJECTOR", ())))

@@ -32,6 +32,7 @@ from waypoint.cli.entry import run_recipe
 from waypoint.cli.option_checks import COMMON
 from waypoint.cli.run_config import config_as_given
 from waypoint.evaluation.during_training import TrainingEval
+from waypoint.models.vision_towers import freeze_tower
 from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
@@ -114,7 +115,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
     # A vision-language model's tower stays as it came unless freeze_vision: false (its projector trains).
     if getattr(model, "vision", None) is not None and cfg.get("freeze_vision", True):
-        model.vision.requires_grad_(False)
+        freeze_tower(model.vision)
     # Optimizer after loading, so it holds the parameters the model really uses.
     optimizer = instantiate(cfg.optimizer, params=[p for p in model.parameters() if p.requires_grad])
     scheduler = instantiate(cfg.lr_scheduler, optimizer=optimizer, num_training_steps=plan.total_steps)
