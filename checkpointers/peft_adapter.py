@@ -162,7 +162,7 @@ def check_targets(model: torch.nn.Module, converter: Converter, family=None) -> 
     modules = list(lora_modules(model))
     for module in modules:
         name = module.rsplit(".", 1)[-1]
-        if family is not None and name not in family.lora_targets:
+        if family is not None and name not in family.lora_targets and not module.startswith("vision."):
             raise CheckpointError(f"lora.targets: {name} cannot be adapted in {family.name} models in PEFT's format; "
                                   f"choose from {', '.join(family.lora_targets)}")
         if is_parameter_target(module):
@@ -175,10 +175,14 @@ def adapter_config(converter: Converter, native_modules: list[str], rank: int, a
                    base_model_name_or_path: str) -> dict[str, Any]:
     modules = [hf_module(converter, m) for m in native_modules if not is_parameter_target(m)]
     targets: list[str] | str = sorted({m.rsplit(".", 1)[-1] for m in modules})
-    nests = {m.split("layers.", 1)[0] for m in modules}
-    if len(nests) == 1 and next(iter(nests)) not in ("", "model."):  # a multimodal repo's language model (Gemma 4's
-        # "model.language_model."): PEFT's regex form, so that no vision or audio module of the same name is wrapped
-        targets = re.escape(next(iter(nests))) + r".*\.(?:" + "|".join(targets) + ")"
+    nests: dict[str, set[str]] = {}  # a multimodal repo's parts ("model.language_model.", "model.visual.") -> names
+    for m in modules:
+        nests.setdefault(_nest(m), set()).add(m.rsplit(".", 1)[-1])
+    if any(nest not in ("", "model.") for nest in nests):  # a multimodal repo's language model (Gemma 4's
+        # "model.language_model."), or its tower too: PEFT's regex form, so that each part's names wrap that part only
+        parts = [(re.escape(nest) + r".*\." if nest not in ("", "model.") else r"(?:.*\.)?") + "(?:" + "|".join(sorted(names)) + ")"
+                 for nest, names in sorted(nests.items())]
+        targets = parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
     parameters = parameter_names(converter, targeted(converter, native_modules))
     return {**({"target_parameters": parameters} if parameters else {}),
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": alpha, "lora_dropout": dropout,
@@ -189,11 +193,20 @@ def adapter_config(converter: Converter, native_modules: list[str], rank: int, a
     }
 
 
+def _nest(module: str) -> str:
+    """The part of a multimodal repo a PEFT module name is in: ``model.language_model.``, ``model.visual.``,
+    ``model.vision_tower.`` (its first two names under ``model.``); "" or ``model.`` for a text model's."""
+    parts = module.split(".")
+    if parts[0] == "model" and len(parts) > 2 and not parts[1].isdigit() and parts[1] != "layers":
+        return f"model.{parts[1]}."
+    return "model." if parts[0] == "model" else ""
+
+
 def target_names(target_modules: list[str] | str | None) -> list[str]:
-    """The module names an adapter config's ``target_modules`` lists, or its regex form (``adapter_config``'s) ends with."""
+    """The module names an adapter config's ``target_modules`` lists, or its regex form (``adapter_config``'s: one
+    ``(?:a|b)`` group of names per part) ends with."""
     if isinstance(target_modules, str):
-        match = re.search(r"\(\?:([\w|]+)\)$", target_modules)
-        return match.group(1).split("|") if match else []
+        return sorted({name for group in re.findall(r"\(\?:([\w|]+)\)", target_modules) for name in group.split("|")})
     return list(target_modules or [])
 
 

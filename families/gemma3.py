@@ -52,7 +52,8 @@ FAMILY = Family(
     # multimodal repos (gemma-3-4b and up, model_type gemma3): the text model under language_model., its config
     # under text_config, the vision tower and projector beside it
     hf_prefixes=GEMMA3_PREFIXES, nested_config="text_config", vision=gemma3_vision, carried=lambda config: SIGLIP_HEAD,
-    nested_modules={"model.": "model.language_model."},  # transformers 5's module names (an adapter's PEFT keys)
+    # transformers 5's module names (an adapter's PEFT keys), the tower's too
+    nested_modules={"model.": "model.language_model.", "vision_tower.": "model.vision_tower."},
 )
 
 

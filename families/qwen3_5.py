@@ -20,6 +20,7 @@ from waypoint.models.transformer import Transformer
 
 MULTIMODAL = {"model.language_model.": "model.", "lm_head.": "lm_head."}  # the text model's keys in the releases
 QWEN_MULTIMODAL = {**MULTIMODAL, "model.visual.": "visual."}  # and the vision tower's (families.qwen_vision_rules)
+NESTED_MODULES = {"model.": "model.language_model.", "visual.": "model.visual."}  # transformers 5's module names
 MTP = r"^mtp\."  # the multi-token-prediction layers transformers does not load: carried through untouched
 
 
@@ -41,7 +42,7 @@ FAMILY = Family(
     defaults=dict(HYBRID_DEFAULTS, num_key_value_heads=4),
     fixed=HYBRID_FIXED,
     model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + mlp_rules() + vision_rules(args),
-    lora_targets=LORA_TARGETS, hf_prefixes=(QWEN_MULTIMODAL,), nested_modules={"model.": "model.language_model."}, nested_config="text_config", carried=lambda config: MTP,
+    lora_targets=LORA_TARGETS, hf_prefixes=(QWEN_MULTIMODAL,), nested_modules=NESTED_MODULES, nested_config="text_config", carried=lambda config: MTP,
     vision=qwen3_5_vision,
 )
 

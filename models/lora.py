@@ -32,6 +32,9 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "outpu
            "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj",  # latent attention's (models.mla)
            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",  # Gated DeltaNet's (models.gated_deltanet)
            "input_gate", "input_proj")  # Gemma 4's per-layer inputs (models.per_layer_embeddings)
+VISION = "vision."  # targets in a vision-language model's tower: vision.NAME
+VISION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "fc1", "fc2")  # SigLIP's and Qwen3.5's linears
+VISION_HF_NAMES = {"out_proj": "o_proj", "qkv": "qkv_proj", "proj": "o_proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 HF_NAMES = {"o_proj": "output_proj", "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "lm_head": "output",  # also accepted
             "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down",
             "kv_a_proj_with_mqa": "kv_a_proj", "linear_attn.in_proj_qkv": "in_proj_qkv", "linear_attn.in_proj_z": "in_proj_z",
@@ -97,14 +100,33 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAExperts]:
     return {name: m for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))}
 
 
+def vision_targets(targets: Iterable[str]) -> list[str]:
+    """The tower's targets among ``targets`` (``vision.NAME``, NAME native or transformers': ``vision.qkv``,
+    ``vision.linear_fc1``), as the tower's native module names."""
+    names = [t.removeprefix(VISION) for t in targets if t.startswith(VISION)]
+    names = list(dict.fromkeys(VISION_HF_NAMES.get(t, t) for t in names))
+    unknown = [t for t in names if t not in VISION_TARGETS]
+    if unknown:
+        raise CheckpointError(f"unknown lora target(s) {', '.join(VISION + t for t in unknown)}; the vision tower's: "
+                              f"{', '.join(VISION + t for t in VISION_TARGETS)} (or transformers' names: "
+                              f"{', '.join(VISION + t for t in VISION_HF_NAMES)})")
+    return names
+
+
 def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float, dropout: float = 0.0) -> list[str]:
     """Wrap every ``nn.Linear`` named in ``targets`` (native names, or HF's: ``o_proj``, ``gate_proj``, ...) in a LoRALinear and freeze all non-adapter parameters;
-    returns the wrapped module paths. Unknown target names and a LoRA on a tied head are one-line errors."""
-    targets = list(dict.fromkeys(HF_NAMES.get(t, t) for t in targets))
+    returns the wrapped module paths. A vision-language model's tower is adapted only where a target names it
+    (``vision.q_proj``, ``vision.qkv``: :func:`vision_targets`). Unknown target names and a LoRA on a tied head are
+    one-line errors."""
+    targets = list(targets)
+    tower = vision_targets(targets)
+    if tower and getattr(model, "vision", None) is None:
+        raise CheckpointError(f"lora target {VISION}{tower[0]} adapts a vision tower, which this model does not have")
+    targets = list(dict.fromkeys(HF_NAMES.get(t, t) for t in targets if not t.startswith(VISION)))
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         raise CheckpointError(f"unknown lora target(s) {', '.join(unknown)}; known: {', '.join(TARGETS)}")
-    if not targets:
+    if not targets and not tower:
         raise CheckpointError("lora.targets is empty: name at least one of " + ", ".join(TARGETS))
     if "output" in targets and getattr(getattr(model, "args", None), "tie_embeddings", False):
         raise CheckpointError("lora target 'output' is tied to the embedding in this model; a LoRA on it would untie them")
@@ -113,13 +135,20 @@ def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float
     # the language model's layers: a vision-language model's tower (``vision.``, its own q_proj ...) is not adapted
     chosen = [(name, m) for name, m in model.named_modules()
               if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets and not name.startswith(IMAGE_SIDE)]
+    in_tower = [(name, m) for name, m in model.named_modules()
+                if isinstance(m, nn.Linear) and name.startswith(VISION) and name.rsplit(".", 1)[-1] in tower]
+    clipped = next(((name, m) for name, m in in_tower if type(m) is not nn.Linear), None)
+    if clipped is not None:  # a LoRALinear computes F.linear: a clamping linear (Gemma 4's tower) would lose its clamps
+        raise CheckpointError(f"lora: {clipped[0]} is a {type(clipped[1]).__name__}, which LoRA cannot wrap yet (Gemma 4's "
+                              "vision tower); adapt its language model only")
+    chosen += in_tower
     experts = [(f"{name}.{t}", m) for name, m in model.named_modules() if hasattr(m, "experts_gate_up")
                for t in EXPERT_TARGETS if t in targets]  # mixture-of-experts layers' stacked weights
     absent = [t for t in targets if t in EXPERT_TARGETS and not experts]
     if absent:
         raise CheckpointError(f"lora target {absent[0]} adapts mixture-of-experts weights, which this model does not have")
     if not chosen and not experts:
-        raise CheckpointError(f"no linear layer of the model is named {', '.join(targets)}")
+        raise CheckpointError(f"no linear layer of the model is named {', '.join(targets + [VISION + t for t in tower])}")
     for name, module in chosen:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model

@@ -471,3 +471,15 @@ def test_a_gemma4_vlm_trains_on_images_and_answers_about_one(tmp_path):
         code = generate.main(["--config", str(ROOT / "configs/generate.yaml"), f"checkpoint_dir={out / 'step_2'}",
                               f"image={colours / 'red_3.png'}", "prompt=Colour?", "max_new_tokens=3"])
     assert code == 0, errors.getvalue()[-2000:]
+
+
+def test_lora_refuses_the_clamping_tower_in_one_line(checkpoint):
+    """A LoRALinear computes F.linear: Gemma 4's clamping linears would lose their clamps, so its tower is refused."""
+    from waypoint.checkpointers import load_model
+    from waypoint.errors import CheckpointError
+    from waypoint.models.lora import apply_lora
+
+    _, path = checkpoint
+    with pytest.raises(CheckpointError, match="ClippedLinear, which LoRA cannot wrap yet") as e:
+        apply_lora(load_model(path), ["q_proj", "vision.q_proj"], rank=2, alpha=4)
+    assert "\n" not in str(e.value)

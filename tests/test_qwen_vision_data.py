@@ -343,9 +343,11 @@ def test_three_steps_of_full_finetune_keep_the_tower(qwen, qwen_vlm, tmp_path):
     assert ours == theirs and printed.getvalue().strip() == tokenizer.decode(ours).strip()
 
 
-def test_lora_adapter_loads_in_peft_with_our_logits_on_images(qwen, qwen_vlm, tmp_path):
-    """LoRA on the language model of the Qwen3.5 VLM: PEFT puts the adapter on transformers' model (none on the
-    tower: target_modules a regex over model.language_model.*), whose logits with images equal our merged model's."""
+@pytest.mark.parametrize("tower", [(), ("vision.qkv", "vision.linear_fc1")], ids=["language-model", "and-tower"])
+def test_lora_adapter_loads_in_peft_with_our_logits_on_images(qwen, qwen_vlm, tmp_path, tower):
+    """LoRA on the language model of the Qwen3.5 VLM, and on its tower by transformers' names (the blocks' qkv, the
+    blocks' and the merger's linear_fc1): PEFT puts the adapter on transformers' model, on the tower only where asked
+    (target_modules a regex per part), and its logits with images equal our merged model's."""
     from peft import PeftModel
 
     from recipes import lora_finetune
@@ -358,15 +360,21 @@ def test_lora_adapter_loads_in_peft_with_our_logits_on_images(qwen, qwen_vlm, tm
     assert lora_finetune.main(["--config", str(ROOT / "configs/tiny_vlm_lora.yaml"), f"checkpointer.checkpoint_dir={base}",
                                f"dataset.source={directory / 'data' / 'twice.jsonl'}", f"output_dir={out}", "epochs=1",
                                "max_steps_per_epoch=2", "batch_size=2", "progress=off", "dataset.max_seq_len=512",
-                               "optimizer.lr=2e-2"]) == 0
+                               "optimizer.lr=2e-2", f"lora.targets=[q_proj,v_proj,w1,{','.join(tower)}]".replace(",]", "]")]) == 0
     config = json.loads((out / "step_2/adapter_config.json").read_text())
-    assert config["target_modules"].startswith(r"model\.language_model\.")
+    assert r"model\.language_model\." in config["target_modules"]
     tokenizer = load_tokenizer(base)
     batch = vision_collate([VisionChatDataset(directory / "data" / "train.jsonl", tokenizer, max_seq_len=512)[1]],
                            tokenizer.pad_id)
     inputs = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
     peft = PeftModel.from_pretrained(transformers_copy(base), out / "step_2").eval()
-    assert not any("visual" in name and "lora_" in name for name, _ in peft.named_parameters())
+    adapted = {name.split(".lora_")[0] for name, _ in peft.named_parameters() if ".lora_" in name}
+    in_tower = {name.split("visual.", 1)[1] for name in adapted if "visual." in name}
+    if tower:
+        assert any(n.endswith("attn.qkv") for n in in_tower) and any(n.startswith("merger.linear_fc1") for n in in_tower)
+        assert not any(n.endswith(("attn.proj", "linear_fc2")) for n in in_tower), sorted(in_tower)
+    else:
+        assert not in_tower
     with torch.no_grad():
         theirs = peft(input_ids=batch["tokens"], **inputs).logits
         ours = load_model(out / "step_2/merged").eval()(batch["tokens"], **inputs)

@@ -163,3 +163,43 @@ def test_qlora_holds_the_language_model_in_nf4_and_the_tower_as_it_came(base, tm
     before, merged = read_tensors(base / "model.safetensors"), read_tensors(tmp_path / "out/step_2/merged/model.safetensors")
     assert before.keys() == merged.keys()
     assert all(torch.equal(before[k], merged[k]) for k in before if not k.startswith("language_model."))
+
+
+def test_lora_on_the_tower_by_transformers_names_loads_in_peft(base, tmp_path):
+    """``vision.out_proj`` and ``vision.fc1`` (transformers' names in the tower) beside the language model's: PEFT puts
+    the adapter on both parts of Gemma3ForConditionalGeneration and computes our merged model's logits on an image;
+    merged/ holds the tower's adapted weights."""
+    from peft import PeftModel
+    from transformers import Gemma3ForConditionalGeneration
+
+    assert run(lora_finetune, base, tmp_path / "out", "epochs=1", "max_steps_per_epoch=3", "optimizer.lr=2e-2",
+               "lora.targets=[q_proj,v_proj,vision.out_proj,vision.fc1]") == 0
+    step = tmp_path / "out/step_3"
+    config = json.loads((step / "adapter_config.json").read_text())
+    peft = PeftModel.from_pretrained(Gemma3ForConditionalGeneration.from_pretrained(base), step).eval()
+    wrapped = {name.split(".lora_")[0] for name, _ in peft.named_parameters() if ".lora_" in name}
+    assert any("vision_tower" in n and n.endswith("self_attn.out_proj") for n in wrapped), sorted(wrapped)[:6]
+    assert any("vision_tower" in n and n.endswith("mlp.fc1") for n in wrapped)
+    assert not any("vision_tower" in n and n.endswith("q_proj") for n in wrapped), config["target_modules"]
+    batch = inputs(base, DATA / "held_out/green.png")
+    with torch.no_grad():
+        theirs = peft(**batch).logits
+        ours = load_model(step / "merged").eval()(batch["input_ids"], pixel_values=batch["pixel_values"],
+                                                  token_type_ids=batch["token_type_ids"])
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    before, merged = read_tensors(base / "model.safetensors"), read_tensors(step / "merged/model.safetensors")
+    assert not torch.equal(before["vision_tower.encoder.layers.0.self_attn.out_proj.weight"],
+                           merged["vision_tower.encoder.layers.0.self_attn.out_proj.weight"])
+    assert torch.equal(before["vision_tower.encoder.layers.0.self_attn.q_proj.weight"],
+                       merged["vision_tower.encoder.layers.0.self_attn.q_proj.weight"])
+
+
+def test_tower_targets_that_do_not_fit_are_one_line(base):
+    from waypoint.errors import CheckpointError
+    from waypoint.models.lora import apply_lora
+
+    with pytest.raises(CheckpointError, match=r"vision\.nope") as e:
+        apply_lora(load_model(base), ["q_proj", "vision.nope"], rank=2, alpha=4)
+    assert "\n" not in str(e.value) and "vision.qkv" in str(e.value)  # transformers' names are offered too
+    with pytest.raises(CheckpointError, match="vision tower, which this model does not have"):
+        apply_lora(load_model(ROOT / "assets/tiny_llama"), ["q_proj", "vision.q_proj"], rank=2, alpha=4)
