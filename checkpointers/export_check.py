@@ -49,7 +49,7 @@ def probe_device(model: nn.Module, trained_on: torch.device, free_bytes: int | N
     if trained_on.type == "cpu":
         return cpu
     if free_bytes is None:
-        if trained_on.type != "cuda":
+        if trained_on.type != "cuda" or not torch.cuda.is_available():
             return cpu
         free_bytes = torch.cuda.mem_get_info(trained_on)[0]
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))

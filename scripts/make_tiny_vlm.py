@@ -18,7 +18,6 @@ from pathlib import Path
 # Not the scripts' own folder on the path (scripts/inspect.py would shadow the standard library's inspect).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 
 import torch  # noqa: E402
@@ -26,6 +25,7 @@ from safetensors.torch import save_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from waypoint.checkpointers.hf_source import disk_key  # noqa: E402
+from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
 from waypoint.cli.shipped import data_root  # noqa: E402
 from waypoint.families import gemma3  # noqa: E402
 from waypoint.families.gemma import gemma_args  # noqa: E402
@@ -84,15 +84,17 @@ def make(out: Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser.for_script(__doc__)
     parser.add_argument("out", type=Path, help="the folder to write (new or empty)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the random weights' seed (default 0)")
     args = parser.parse_args(argv)
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
-        print(f"error: {args.out}: not empty; name a new or empty folder", file=sys.stderr)
-        return 2
-    print(f"wrote {make(args.out, args.seed)}")
-    return 0
+        parser.error(f"{args.out}: not empty; name a new or empty folder")
+
+    def run() -> int:
+        print(f"wrote {make(args.out, args.seed)}")
+        return 0
+    return run_command(run)
 
 
 if __name__ == "__main__":

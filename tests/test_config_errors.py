@@ -53,6 +53,7 @@ CASES = [
     ("optimizer.weight_decay=-1", "error: optimizer.weight_decay=-1: expected a number >= 0"),
     ("lr_scheduler.num_warmup_steps=-5", "error: lr_scheduler.num_warmup_steps=-5: expected an integer >= 0"),
     ("packed=yes", "error: packed=yes: expected true or false"),
+    ("+freeze_vision=maybe", "error: freeze_vision=maybe: expected true or false"),
     ("+quantize_base=nf4", "error: quantize_base=nf4: expected null (a 4-bit base is frozen: QLoRA is recipes/lora_finetune.py)"),
     ("validation=0.1", "error: validation=0.1: expected a section {source or fraction, every_n_steps}"),
     ("model=null", "error: model=null: expected a section with a _target_"),

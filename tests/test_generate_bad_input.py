@@ -88,6 +88,8 @@ CASES = [
      r"max_new_tokens=400$"),
     ("prompt_too_long_with_a_template", lambda t: [f"prompt={PROMPT_TOO_LONG}", "chat_template=chatml", "max_new_tokens=600"],
      r"prompt: 15\d\d tokens, more than the model's 512 positions; shorten it to at most 512 tokens$"),
+    ("image_for_a_text_model", lambda t: ["prompt=Hi", "image=red.png"],
+     r"image=red\.png: \S+ is a text model \(no vision tower\); leave out image=$"),
     ("chat_template_unknown", lambda t: ["prompt=Hi", "chat_template=bogus"],
      r"chat_template=bogus: expected null \(the checkpoint's own\), alpaca, chatml, llama3 or a \.jinja file$"),
     ("template_file_does_not_compile", lambda t: ["prompt=Hi", f"chat_template={template_file(t, BROKEN)}"],
