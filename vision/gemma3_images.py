@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 from waypoint.vision.image_files import convert_to_rgb
-from waypoint.vision.processor_files import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, read_json, single_id, token_names
+from waypoint.vision.processor_files import PROCESSOR_CONFIG, image_processor_settings, read_json, single_id, token_names
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # Gemma3ImageProcessorPil's class defaults: what a null or missing field means.
@@ -90,13 +90,7 @@ class Gemma3Images:
         """The settings of the checkpoint (or processor) folder ``directory``, read as transformers reads them."""
         directory = Path(directory)
         processor = read_json(directory / PROCESSOR_CONFIG)
-        if isinstance(processor.get("image_processor"), dict):
-            config, source = processor["image_processor"], f"{directory / PROCESSOR_CONFIG} (image_processor)"
-        elif (directory / PREPROCESSOR_CONFIG).is_file():
-            config, source = read_json(directory / PREPROCESSOR_CONFIG), str(directory / PREPROCESSOR_CONFIG)
-        else:
-            raise ValueError(f"{directory}: no image processor settings ({PREPROCESSOR_CONFIG}, or image_processor in "
-                             f"{PROCESSOR_CONFIG}); is this a vision checkpoint?")
+        config, source = image_processor_settings(directory)
         kind = processor.get("processor_class") or config.get("processor_class")
         if kind not in (None, "Gemma3Processor"):
             raise ValueError(f"{source}: processor_class is {kind!r}, not Gemma3Processor")

@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 
 from waypoint.vision.image_files import convert_to_rgb
-from waypoint.vision.processor_files import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, read_json, single_id, token_names
+from waypoint.vision.processor_files import image_processor_settings, read_json, single_id, token_names
 
 SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the max_soft_tokens the image processor accepts
 # Gemma 4's tokens, unless tokenizer_config.json names others; the processor fixes the video token's name itself
@@ -83,16 +83,8 @@ def from_preprocessor_config(config: dict) -> Gemma4ImageSettings:
 
 
 def from_checkpoint(path: str | Path) -> Gemma4ImageSettings:
-    """A checkpoint folder's settings, where transformers looks: ``processor_config.json``'s ``image_processor`` if
-    there is one, else ``preprocessor_config.json``."""
-    path = Path(path)
-    nested = read_json(path / PROCESSOR_CONFIG).get("image_processor")
-    if isinstance(nested, dict):
-        return from_preprocessor_config(nested)
-    if not (path / PREPROCESSOR_CONFIG).is_file():
-        raise ValueError(f"{path}: no image processor settings ({PREPROCESSOR_CONFIG}, or image_processor in "
-                         f"{PROCESSOR_CONFIG}); is this a vision checkpoint?")
-    return from_preprocessor_config(read_json(path / PREPROCESSOR_CONFIG))
+    """A checkpoint folder's settings, where transformers looks (``vision.processor_files.image_processor_settings``)."""
+    return from_preprocessor_config(image_processor_settings(path)[0])
 
 
 def target_size(height: int, width: int, patch_size: int, max_patches: int, kernel: int) -> tuple[int, int]:

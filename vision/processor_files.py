@@ -45,3 +45,17 @@ def single_id(tokenizer, token: str, name: str, source: str, family: str) -> int
         raise ValueError(f"{source}: the tokenizer reads {name} {token!r} as {len(ids)} tokens, not one: it is not "
                          f"a {family} vision tokenizer (or tokenizer_config.json names another token)")
     return ids[0]
+
+
+def image_processor_settings(directory: str | Path) -> tuple[dict, str]:
+    """(the image processor's settings, where they were read) in a checkpoint or processor folder, where transformers
+    looks: ``processor_config.json``'s ``image_processor`` if there is one, else ``preprocessor_config.json``; a
+    one-line ``ValueError`` when neither is there."""
+    directory = Path(directory)
+    nested = read_json(directory / PROCESSOR_CONFIG).get("image_processor")
+    if isinstance(nested, dict):
+        return nested, f"{directory / PROCESSOR_CONFIG} (image_processor)"
+    if not (directory / PREPROCESSOR_CONFIG).is_file():
+        raise ValueError(f"{directory}: no image processor settings ({PREPROCESSOR_CONFIG}, or image_processor in "
+                         f"{PROCESSOR_CONFIG}); is this a vision checkpoint?")
+    return read_json(directory / PREPROCESSOR_CONFIG), str(directory / PREPROCESSOR_CONFIG)

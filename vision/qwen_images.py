@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from waypoint.vision.processor_files import PREPROCESSOR_CONFIG, PROCESSOR_CONFIG, read_json, single_id, token_names
+from waypoint.vision.processor_files import image_processor_settings, read_json, single_id, token_names
 
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
@@ -80,16 +80,8 @@ def from_preprocessor_config(config: dict) -> QwenImageSettings:
 
 
 def from_checkpoint(path: str | Path) -> QwenImageSettings:
-    """A checkpoint folder's settings, where transformers looks: ``processor_config.json``'s ``image_processor`` if
-    there is one, else ``preprocessor_config.json``."""
-    path = Path(path)
-    nested = read_json(path / PROCESSOR_CONFIG).get("image_processor")
-    if isinstance(nested, dict):
-        return from_preprocessor_config(nested)
-    if not (path / PREPROCESSOR_CONFIG).is_file():
-        raise ValueError(f"{path}: no image processor settings ({PREPROCESSOR_CONFIG}, or image_processor in "
-                         f"{PROCESSOR_CONFIG}); is this a vision checkpoint?")
-    return from_preprocessor_config(read_json(path / PREPROCESSOR_CONFIG))
+    """A checkpoint folder's settings, where transformers looks (``vision.processor_files.image_processor_settings``)."""
+    return from_preprocessor_config(image_processor_settings(path)[0])
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
