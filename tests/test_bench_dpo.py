@@ -7,7 +7,6 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-
 from scripts import bench_dpo
 from tests.conftest import ROOT
 
