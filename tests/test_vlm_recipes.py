@@ -203,3 +203,10 @@ def test_tower_targets_that_do_not_fit_are_one_line(base):
     assert "\n" not in str(e.value) and "vision.qkv" in str(e.value)  # transformers' names are offered too
     with pytest.raises(CheckpointError, match="vision tower, which this model does not have"):
         apply_lora(load_model(ROOT / "assets/tiny_llama"), ["q_proj", "vision.q_proj"], rank=2, alpha=4)
+
+
+def test_packing_images_is_refused_in_one_line(base, tmp_path, capsys):
+    """A pack would lose its rows' images (and their bidirectional masks): refused before step 1, not trained silently."""
+    assert run(full_finetune, base, tmp_path / "out", "packed=true") != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: packed: true does not pack conversations with images yet; set packed: false"], err

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from torch.utils.data import Dataset
 
+from waypoint.errors import CheckpointError
+
 from waypoint.training.loss import IGNORE_INDEX
 
 
@@ -25,6 +27,8 @@ class PackedDataset(Dataset):
         if not isinstance(max_seq_len, int) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         self.max_seq_len = max_seq_len
+        if getattr(dataset, "images", None) is not None:  # a pack's rows would lose their images (and their masks)
+            raise CheckpointError("packed: true does not pack conversations with images yet; set packed: false")
         self.items = [dataset[i] for i in range(len(dataset))]  # tokenized once, here
         self.packs: list[list[int]] = []
         current, length = [], 0
