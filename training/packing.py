@@ -15,7 +15,6 @@ from __future__ import annotations
 from torch.utils.data import Dataset
 
 from waypoint.errors import CheckpointError
-
 from waypoint.training.loss import IGNORE_INDEX
 
 
