@@ -178,6 +178,7 @@ class Gemma4VisionTower(nn.Module):
     tower, its pooling and the embedder, the images' tokens one after another (see the module doc)."""
 
 
+    INPUTS = ("image_position_ids",)  # what its forward takes from the processor: each patch's (x, y), beside its pixel values
     PROJECTOR = ("projection.",)  # the embedder into the text's width: the projector, which trains when the tower is frozen
     def __init__(self, args: Gemma4VisionArgs) -> None:
         super().__init__()

@@ -162,6 +162,7 @@ class QwenVisionTower(nn.Module):
     packed as the processor packs them, their tokens in the same order."""
 
 
+    INPUTS = ("image_grid_thw",)  # what its forward takes from the processor: each image's patch grid, beside its pixel values
     PROJECTOR = ("merger.",)  # the merger projects into the text's width: the projector, which trains when the tower is frozen
     def __init__(self, args: QwenVisionArgs) -> None:
         super().__init__()

@@ -62,6 +62,7 @@ class SiglipVision(nn.Module):
     """``pixel_values`` [images, channels, size, size] -> the last hidden state [images, patches, dim]."""
 
 
+    INPUTS = ()  # what its forward takes from the processor: the pixel values alone
     PROJECTOR = ()  # Gemma 3's projector is a module of its own (models.image_projector)
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()

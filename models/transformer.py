@@ -329,10 +329,10 @@ class Transformer(nn.Module):
         each, 0 where the label is ignored, of the logits divided by ``temperature`` (``models.token_logps``).
         A vision-language model (``args.vision``) takes its processor's outputs by transformers' names: ``pixel_values``
         (Gemma 3's [images, channels, size, size]; Qwen3.5's patches with ``image_grid_thw``; Gemma 4's with
-        ``image_position_ids``), whose embeddings replace
-        the image tokens' (``models.image_tokens``), and ``token_type_ids`` (Gemma 3; its images' tokens attend each
-        other both ways) or ``mm_token_type_ids`` (Qwen3.5; its images' tokens take mRoPE positions, ``models.mrope``),
-        [batch, seq], 1 on image tokens."""
+        ``image_position_ids``), whose embeddings replace the image tokens' (``models.image_tokens``), and the token
+        types, 1 on image tokens, [batch, seq]: ``token_type_ids`` (Gemma 3: an image's tokens attend each other both
+        ways) or ``mm_token_type_ids`` (Gemma 4: both ways in the sliding layers where its config says so; Qwen3.5:
+        mRoPE positions for them, ``models.mrope``)."""
         if (per_sequence or per_token) and labels is None:
             raise ValueError("per_sequence and per_token need labels")
         start = cache.length if cache is not None else 0
@@ -417,13 +417,11 @@ class Transformer(nn.Module):
         """The processor's pixel values -> the embeddings the image tokens take, in order: the tower (Qwen3.5's with
         each image's grid, Gemma 4's with each patch's position), then the projector where the tower has none of its
         own (Gemma 3's)."""
-        tower = self.args.vision.tower
-        if tower in ("qwen3_5", "gemma4"):
-            where, name = (image_grid_thw, "image_grid_thw") if tower == "qwen3_5" else (image_position_ids, "image_position_ids")
-            if where is None:
-                raise ValueError(f"pixel_values without {name}: this model's vision tower needs it (its processor gives both)")
-            return self.vision(pixel_values, where)
-        features = self.vision(pixel_values)
+        given = {"image_grid_thw": image_grid_thw, "image_position_ids": image_position_ids}
+        missing = [name for name in self.vision.INPUTS if given[name] is None]
+        if missing:
+            raise ValueError(f"pixel_values without {missing[0]}: this model's vision tower needs it (its processor gives both)")
+        features = self.vision(pixel_values, *(given[name] for name in self.vision.INPUTS))
         return self.projector(features) if self.projector is not None else features
 
     def _image_token(self) -> int:
