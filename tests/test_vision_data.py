@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+from tests.conftest import ROOT
 from waypoint.text.tokenizer import load_tokenizer
 from waypoint.training.collate import vision_collate
 from waypoint.training.vision_chat_dataset import VisionChatDataset
@@ -24,47 +25,7 @@ from waypoint.vision.image_files import load_image
 
 # google/gemma-3-4b-it's chat template (its tokenizer_config.json "chat_template"), as two independent public copies
 # hold it, identical (the one in transformers' own tests is an older, shorter draft).
-GEMMA3_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
+GEMMA3_TEMPLATE = (ROOT / "assets/tiny_vlm/chat_template.jinja").read_text()  # google/gemma-3-4b-it's
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
            "<image_soft_token>", "<end_of_image>"]
 # Blank lines next to text, so that the tokenizer merges them (the image sequence's "\n\n" must tokenize with the text).

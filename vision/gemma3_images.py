@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 
 from waypoint.vision.image_files import convert_to_rgb
+from waypoint.vision.pixel_transforms import rescale_and_normalize
 from waypoint.vision.processor_files import PROCESSOR_CONFIG, image_processor_settings, read_json, single_id, token_names
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -112,11 +113,8 @@ class Gemma3Images:
         image = convert_to_rgb(image)  # also an RGB image with a transparent colour (a PNG's tRNS), as HF's does
         image = image.resize((self.width, self.height), resample=self.resample)
         pixels = np.asarray(image)  # [H, W, 3] uint8
-        if self.do_rescale:  # transformers.image_transforms.rescale: float64 product, then float32
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.do_normalize:  # transformers.image_transforms.normalize: float32 throughout
-            pixels = pixels if np.issubdtype(pixels.dtype, np.floating) else pixels.astype(np.float32)
-            pixels = (pixels - np.array(self.mean, dtype=pixels.dtype)) / np.array(self.std, dtype=pixels.dtype)
+        pixels = rescale_and_normalize(pixels, self.rescale_factor if self.do_rescale else None,
+                                       self.mean if self.do_normalize else None, self.std)
         return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32)
 
     def expand(self, text: str, n_images: int | None = None, where: str = "") -> str:

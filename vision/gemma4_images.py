@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 
 from waypoint.vision.image_files import convert_to_rgb
+from waypoint.vision.pixel_transforms import rescale_and_normalize
 from waypoint.vision.processor_files import image_processor_settings, read_json, single_id, token_names
 
 SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the max_soft_tokens the image processor accepts
@@ -127,12 +128,8 @@ def image_to_patches(image: Image.Image, settings: Gemma4ImageSettings) -> tuple
     if height % block or width % block or height * width > s.max_patches * p * p:
         raise ValueError(f"a {width}x{height} image (do_resize is off) is not whole {block}-pixel blocks within "
                          f"{s.max_patches} patches: the tower could not pool it")
-    if s.do_rescale:
-        pixels = (pixels.astype(np.float64) * s.rescale_factor).astype(np.float32)
-    if s.do_normalize:
-        pixels = pixels.astype(np.float32) if not np.issubdtype(pixels.dtype, np.floating) else pixels
-        pixels = (pixels - np.array(s.image_mean, dtype=pixels.dtype)) / np.array(s.image_std, dtype=pixels.dtype)
-    pixels = np.asarray(pixels, dtype=np.float32)
+    pixels = rescale_and_normalize(pixels, s.rescale_factor if s.do_rescale else None,
+                                   s.image_mean if s.do_normalize else None, s.image_std)
     rows, cols = height // p, width // p
     patches = pixels.reshape(rows, p, cols, p, -1).transpose(0, 2, 1, 3, 4).reshape(rows * cols, -1)
     x, y = np.meshgrid(np.arange(cols), np.arange(rows), indexing="xy")

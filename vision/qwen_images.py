@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from waypoint.vision.pixel_transforms import rescale_and_normalize
 from waypoint.vision.processor_files import image_processor_settings, read_json, single_id, token_names
 
 IMAGE_TOKEN = "<|image_pad|>"
@@ -125,12 +126,8 @@ def image_to_patches(image: Image.Image, settings: QwenImageSettings) -> tuple[n
         # through an array as transformers goes (so a palette image without do_convert_rgb resizes its indices, as there)
         resized = Image.fromarray(pixels[:, :, 0] if pixels.shape[2] == 1 else pixels).resize((width, height), resample=s.resample)
         pixels = np.array(resized).reshape(height, width, -1)
-    if s.do_rescale:
-        pixels = (pixels.astype(np.float64) * s.rescale_factor).astype(np.float32)
-    if s.do_normalize:
-        pixels = pixels.astype(np.float32) if not np.issubdtype(pixels.dtype, np.floating) else pixels
-        pixels = (pixels - np.array(s.image_mean, dtype=pixels.dtype)) / np.array(s.image_std, dtype=pixels.dtype)
-    pixels = np.asarray(pixels, dtype=np.float32)
+    pixels = rescale_and_normalize(pixels, s.rescale_factor if s.do_rescale else None,
+                                   s.image_mean if s.do_normalize else None, s.image_std)
     height, width, channels = pixels.shape
     p, m, t = s.patch_size, s.merge_size, s.temporal_patch_size
     if height % s.factor or width % s.factor:
