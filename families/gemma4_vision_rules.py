@@ -47,8 +47,9 @@ def gemma4_vision_rules(args: Gemma4VisionArgs) -> list[Rule]:
 
 def gemma4_vision(config: Mapping[str, Any]) -> Gemma4VisionArgs | None:
     """A Gemma4ForConditionalGeneration config.json's tower (``Gemma4VisionConfig``'s defaults for what it leaves
-    out; ``attention_bias``, which transformers' tower ignores, too), its image token and how the language model
-    attends over image tokens; None without a ``vision_config``."""
+    out; ``attention_bias``, which transformers' tower ignores, too), its placeholder tokens (image, video, audio:
+    ``Gemma4Config``'s defaults) and how the language model attends over image tokens; None without a
+    ``vision_config``."""
     c = config.get("vision_config")
     if not isinstance(c, Mapping):
         return None
@@ -71,5 +72,6 @@ def gemma4_vision(config: Mapping[str, Any]) -> Gemma4VisionArgs | None:
         rope_theta=float(rope.get("rope_theta", get("rope_theta", 100.0))),
         norm_eps=get("rms_norm_eps", 1e-6), clipped_linears=bool(get("use_clipped_linears", False)),
         standardize=bool(get("standardize", False)), image_token_id=int(config.get("image_token_id") or 258880),
+        video_token_id=config.get("video_token_id", 258884), audio_token_id=config.get("audio_token_id", 258881),
         image_attention="sliding_bidirectional" if bidirectional == "vision" else "causal",
         pad_token_id=int(text.get("pad_token_id") if text.get("pad_token_id") is not None else 0))

@@ -35,9 +35,10 @@ mask); the pooled tokens are scaled by ``sqrt(dim)`` and standardized in (at lea
 and the projection. Padding never enters: the tower works on the images' real patches only, packed.
 
 In the language model (transformers' ``Gemma4Model.forward``) these rows replace the image tokens' embeddings as they
-are (the text's embeddings are scaled by ``sqrt(hidden)``, these are not); positions stay 1-D, one a token; with
-per-layer embeddings an image token's own part is the pad token's (``pad_token_id``), the part projected from the
-embeddings sees the placed image rows; attention over image tokens as ``image_attention`` says.
+are (the text's embeddings are scaled by ``sqrt(hidden)``, these are not); positions stay 1-D, one a token; every
+placeholder (``placeholder_ids``: image, video, audio), with its media or without, is looked up as the pad token
+(``pad_token_id``) in the embeddings and the per-layer ones, the per-layer part projected from the embeddings seeing the
+placed image rows; attention over image tokens as ``image_attention`` says.
 """
 
 from __future__ import annotations
@@ -77,7 +78,11 @@ class Gemma4VisionArgs:
     # default) as text; "sliding_bidirectional" ("vision"): an image's tokens see each other both ways in the sliding
     # window layers only (inside their window), the full-attention layers staying causal
     image_attention: str = "causal"
-    pad_token_id: int = 0  # per-layer embeddings look an image token up as this one (transformers' Gemma4Model)
+    pad_token_id: int = 0  # what every placeholder is looked up as (transformers' Gemma4Model)
+    # the other placeholders (Gemma4Config's video_token_id, audio_token_id; None: none), looked up as the pad token
+    # like image_token_id whether or not their media came (this model reads no video or audio)
+    video_token_id: int | None = 258884
+    audio_token_id: int | None = 258881
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -93,6 +98,11 @@ class Gemma4VisionArgs:
     @property
     def patch_dim(self) -> int:
         return 3 * self.patch_size ** 2
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """The tokens the language model looks up as ``pad_token_id``: image, video and audio placeholders."""
+        return tuple(i for i in (self.image_token_id, self.video_token_id, self.audio_token_id) if i is not None)
 
 
 class ClippedLinear(nn.Linear):

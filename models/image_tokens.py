@@ -4,7 +4,8 @@ tokens' embeddings, and the attention mask under which an image's tokens see eac
 Both follow transformers: the embeddings replace the (already scaled) token embeddings row for row, in order
 (``masked_scatter``); an image is a run of consecutive tokens whose ``token_type_ids`` are 1, and a query in it
 attends every key of its run as well as the causal past; a sliding layer keeps its window on top
-(``create_masks_for_vision_model``: AND(window, OR(causal, image)))."""
+(``create_masks_for_vision_model``: AND(window, OR(causal, image))). Gemma 4 looks every placeholder (image, video,
+audio) up as the pad token first (``placeholders_as``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ def place_images(h: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, 
         raise ValueError(f"{int(where.sum())} image tokens for {features.numel() // h.shape[-1]} image embeddings: the "
                          "text and the images do not match (was an image cut off by max_seq_len?)")
     return h.masked_scatter(where.unsqueeze(-1), features.to(h.dtype))
+
+
+def placeholders_as(tokens: torch.Tensor, placeholder_ids: tuple[int, ...], pad_id: int) -> torch.Tensor:
+    """``tokens`` with every placeholder (image, video, audio token) replaced by ``pad_id``: what Gemma 4 looks up in
+    its embeddings and per-layer embeddings (transformers' ``Gemma4Model``), with its media or without."""
+    if not placeholder_ids:
+        return tokens
+    ids = torch.tensor(placeholder_ids, dtype=tokens.dtype, device=tokens.device)
+    return tokens.masked_fill(torch.isin(tokens, ids), pad_id)
 
 
 def image_groups(token_type_ids: torch.Tensor) -> torch.Tensor:

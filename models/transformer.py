@@ -68,7 +68,7 @@ from waypoint.models.balance_loss import load_balancing_loss, load_balancing_sta
 from waypoint.models.moe import MoE
 from waypoint.models.per_layer_embeddings import PerLayerEmbeddings, PerLayerInput
 from waypoint.models.shared_expert import FeedForward
-from waypoint.models.image_tokens import image_mask, place_images
+from waypoint.models.image_tokens import image_mask, place_images, placeholders_as
 from waypoint.models.mrope import mrope_positions, mrope_rows
 from waypoint.models.vision_towers import image_projector, vision_tower
 
@@ -340,7 +340,8 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {start + tokens.shape[1]} exceeds max_seq_len {self.args.max_seq_len}")
         if start + tokens.shape[1] > self.rope.shape[0]:  # the tables grow (doubling) as longer sequences come
             self.reset_rope(max(start + tokens.shape[1], 2 * self.rope.shape[0]))
-        h = self.tok_embeddings(tokens)
+        looked_up = self._text_tokens(tokens)
+        h = self.tok_embeddings(looked_up)
         if self.args.embedding_scale != 1.0:
             # as transformers: the scale rounded to fp32, then to the embedding's dtype
             h = h * torch.tensor(self.args.embedding_scale, dtype=torch.float32, device=h.device).to(h.dtype)
@@ -374,10 +375,6 @@ class Transformer(nn.Module):
             window_mask = image_mask(types, window, document_ids, start)
         if has_images and self.args.mrope_section is not None and image_grid_thw is not None:
             global_rope = self._mrope(types, image_grid_thw, start + offset, cache)
-        if self.per_layer is not None and self.args.vision is not None:  # an image token looked up as the pad token
-            looked_up = tokens.masked_fill(tokens == self.args.vision.image_token_id, self.args.vision.pad_token_id)
-        else:
-            looked_up = tokens
         per_layer = self.per_layer(looked_up, h) if self.per_layer is not None else None
         extra: dict = {"shared_kv": {}} if self.args.kv_shared_layers else {}  # Gemma 4: keys and values layers share
         for index, layer in enumerate(self.layers):
@@ -423,6 +420,12 @@ class Transformer(nn.Module):
             raise ValueError(f"pixel_values without {missing[0]}: this model's vision tower needs it (its processor gives both)")
         features = self.vision(pixel_values, *(given[name] for name in self.vision.INPUTS))
         return self.projector(features) if self.projector is not None else features
+
+    def _text_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The ids the embeddings look up: Gemma 4's placeholders (its vision args' ``placeholder_ids``) as the pad
+        token, as transformers' Gemma4Model, whether or not their media came; other models' tokens as they are."""
+        ids = getattr(self.args.vision, "placeholder_ids", ())
+        return placeholders_as(tokens, ids, self.args.vision.pad_token_id) if ids else tokens
 
     def _image_token(self) -> int:
         return self.args.vision.image_token_id if self.args.vision is not None else -1
