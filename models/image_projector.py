@@ -1,5 +1,6 @@
-"""Gemma 3's multimodal projector: the tower's patches average-pooled to ``tokens_per_image``, RMS-normed (Gemma's
-``1 + weight``) and multiplied by one [vision dim, text dim] matrix, as transformers' ``Gemma3MultiModalProjector``.
+"""Gemma 3's multimodal projector: the tower's patches average-pooled (``VisionArgs.pool_kernel``, to ``image_tokens``
+an image), RMS-normed (Gemma's ``1 + weight``) and multiplied by one [vision dim, text dim] matrix, as transformers'
+``Gemma3MultiModalProjector``.
 
 Parameter names under the model's ``projector.``: ``norm.weight`` (``mm_soft_emb_norm.weight``) and ``weight``
 (``mm_input_projection_weight``, kept [vision dim, text dim] as transformers keeps it: no transpose on disk)."""
@@ -22,9 +23,9 @@ class ImageProjector(nn.Module):
         self.weight = nn.Parameter(torch.zeros(args.dim, text_dim))
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        """[images, patches, vision dim] -> [images, tokens_per_image, text dim], in the patches' dtype."""
+        """[images, patches, vision dim] -> [images, image_tokens, text dim], in the patches' dtype."""
         images, _, dim = patches.shape
-        side, pooled = self.args.patches_per_side, round(self.args.tokens_per_image ** 0.5)
+        side, kernel = self.args.patches_per_side, self.args.pool_kernel
         grid = patches.transpose(1, 2).reshape(images, dim, side, side).contiguous()
-        tokens = F.avg_pool2d(grid, kernel_size=side // pooled, stride=side // pooled).flatten(2).transpose(1, 2)
+        tokens = F.avg_pool2d(grid, kernel_size=kernel, stride=kernel).flatten(2).transpose(1, 2)
         return torch.matmul(self.norm(tokens), self.weight).type_as(patches)

@@ -20,7 +20,7 @@ class VisionArgs:
     image_size: int  # the square images it takes, in pixels
     patch_size: int
     image_token_id: int  # the token the processor repeats where an image's embeddings go
-    tokens_per_image: int  # how many of them an image becomes (the projector pools the patches to this many)
+    tokens_per_image: int  # mm_tokens_per_image as the config gives it; an image becomes ``image_tokens`` of them
     channels: int = 3
     norm_eps: float = 1e-6  # the tower's LayerNorms
     activation: str = "gelu_pytorch_tanh"
@@ -34,16 +34,33 @@ class VisionArgs:
             raise ValueError(f"vision activation={self.activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         if self.dim % self.n_heads:
             raise ValueError(f"vision hidden size {self.dim} is not a multiple of its {self.n_heads} heads")
-        side, pooled = self.image_size // self.patch_size, round(self.tokens_per_image ** 0.5)
-        if self.image_size % self.patch_size or pooled * pooled != self.tokens_per_image or side % pooled:
-            raise ValueError(f"{self.tokens_per_image} tokens per image do not pool from a {side}x{side} patch grid "
-                             f"({self.image_size}-pixel images, {self.patch_size}-pixel patches)")
+        side = self.image_size // self.patch_size
+        if self.image_size % self.patch_size:
+            raise ValueError(f"vision_config.image_size {self.image_size} is not a multiple of its patch_size "
+                             f"{self.patch_size}")
+        if self.tokens_per_image < 1 or int(self.tokens_per_image ** 0.5) > side:  # transformers': a 0 kernel
+            raise ValueError(f"mm_tokens_per_image={self.tokens_per_image} does not pool from vision_config's "
+                             f"{side}x{side} patch grid (image_size {self.image_size}, patch_size {self.patch_size}): "
+                             f"set it to at least 1 and at most {side * side} (one token a patch)")
         if self.image_attention not in ("bidirectional", "causal"):
             raise ValueError(f"image_attention={self.image_attention!r}: bidirectional or causal")
 
     @property
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
+
+    @property
+    def pool_kernel(self) -> int:
+        """The projector's average-pooling kernel (and stride), as transformers' ``Gemma3MultiModalProjector``: the
+        patches per side over ``int(sqrt(tokens_per_image))``, floored."""
+        return self.patches_per_side // int(self.tokens_per_image ** 0.5)
+
+    @property
+    def image_tokens(self) -> int:
+        """The tokens an image becomes (what the processor's ``image_seq_length`` must give it): ``tokens_per_image``
+        when that is a square whose root divides the patch grid, else what the pooling leaves, as transformers (2 on
+        a 4x4 grid: a 4x4 kernel, 1 token; 4 on a 5x5 grid: a 2x2 kernel over the first 4x4 patches, 4 tokens)."""
+        return (self.patches_per_side // self.pool_kernel) ** 2
 
 
 def vision_args(value):

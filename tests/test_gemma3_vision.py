@@ -20,14 +20,16 @@ IMAGE, BOI, EOI = 127, 125, 126  # the tiny vocabulary's last ids
 TOKENS_PER_IMAGE = 4
 
 
-def vlm_repo(path, use_head: bool = False, seed: int = 0, sliding_window: int = 4):
+def vlm_repo(path, use_head: bool = False, seed: int = 0, sliding_window: int = 4, image_size: int = 28,
+             patch_size: int = 7, mm_tokens_per_image: int = TOKENS_PER_IMAGE):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     text = tiny_family_config("gemma3", sliding_window=sliding_window).to_dict()
     config = Gemma3Config(text_config={k: v for k, v in text.items() if k not in ("model_type", "architectures")},
                           vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                             image_size=28, patch_size=7, vision_use_head=use_head),
-                          mm_tokens_per_image=TOKENS_PER_IMAGE, image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI)
+                                             image_size=image_size, patch_size=patch_size, vision_use_head=use_head),
+                          mm_tokens_per_image=mm_tokens_per_image, image_token_index=IMAGE, boi_token_index=BOI,
+                          eoi_token_index=EOI)
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -38,17 +40,22 @@ def vlm_repo(path, use_head: bool = False, seed: int = 0, sliding_window: int = 
     return model
 
 
-def with_images(text: list[list[int]], n_images: list[int], seed: int = 1):
-    """Rows of token ids with ``<boi> <image>*4 <eoi>`` where a row says -1, the token types, random pixel values."""
+def with_images(text: list[list[int]], n_images: list[int], seed: int = 1, tokens: int = TOKENS_PER_IMAGE,
+                size: int = 28):
+    """Rows of token ids with ``<boi> <image>*tokens <eoi>`` where a row says -1 (right-padded with token 0 to one
+    length), the token types, random pixel values."""
     rows, types = [], []
     for row in text:
         ids = []
         for t in row:
-            ids += [BOI, *[IMAGE] * TOKENS_PER_IMAGE, EOI] if t == -1 else [t]
+            ids += [BOI, *[IMAGE] * tokens, EOI] if t == -1 else [t]
         rows.append(ids)
+    width = max(map(len, rows))
+    rows = [ids + [0] * (width - len(ids)) for ids in rows]
+    for ids in rows:
         types.append([int(t == IMAGE) for t in ids])
     images = sum(n_images)
-    pixels = torch.randn(images, 3, 28, 28, generator=torch.Generator().manual_seed(seed))
+    pixels = torch.randn(images, 3, size, size, generator=torch.Generator().manual_seed(seed))
     return torch.tensor(rows), torch.tensor(types), pixels
 
 
@@ -71,6 +78,34 @@ def test_logits_with_images_equal_transformers(tmp_path, use_head):
           f"text only {text_only:.3g}")
     assert diff <= 1e-5 and text_only <= 1e-5
     assert no_bidirectional > 1e-3  # the image's bidirectional attention is what makes them equal
+
+
+@pytest.mark.parametrize("image_size,mm_tokens_per_image,tokens", [(20, 2, 1), (25, 4, 4), (20, 5, 4)],
+                         ids=["2-on-4x4", "4-on-5x5", "5-on-4x4"])
+def test_tokens_per_image_pooled_as_transformers(tmp_path, image_size, mm_tokens_per_image, tokens):
+    """mm_tokens_per_image whose root does not divide the patch grid (transformers' own tester: 2 on 4x4 patches)
+    pools as transformers' projector does: a kernel of the grid's side over int(sqrt(mm_tokens_per_image)), so an
+    image becomes ``image_tokens`` tokens (the processor's image_seq_length must give it that many, as transformers')."""
+    hf = vlm_repo(tmp_path / "in", image_size=image_size, patch_size=5, mm_tokens_per_image=mm_tokens_per_image)
+    model = load_model(tmp_path / "in").eval()
+    assert (model.args.vision.tokens_per_image, model.args.vision.image_tokens) == (mm_tokens_per_image, tokens)
+    ids, types, pixels = with_images(ROWS, [2, 1], tokens=tokens, size=image_size)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, pixel_values=pixels, token_type_ids=types).logits
+        got = model(ids, pixel_values=pixels, token_type_ids=types)
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("n", [25, 0])
+def test_tokens_per_image_transformers_cannot_pool_are_refused(n):
+    """Where transformers' pooling kernel would be 0 (more tokens a side than patches), in one line by config.json's
+    names."""
+    from waypoint.families.vision_rules import gemma3_vision
+
+    with pytest.raises(ValueError, match=f"^mm_tokens_per_image={n} does not pool from vision_config's 4x4 patch grid "
+                                         r"\(image_size 20, patch_size 5\): set it to at least 1 and at most 16") as e:
+        gemma3_vision({"vision_config": {"image_size": 20, "patch_size": 5}, "mm_tokens_per_image": n})
+    assert "\n" not in str(e.value)
 
 
 def test_round_trip_is_bitwise_and_the_head_is_carried(tmp_path):
