@@ -120,6 +120,12 @@ class Checkpointer:
         """Write ``native`` into ``stage`` as a new checkpoint of this format (its weights and description files)."""
         raise NotImplementedError
 
+    @classmethod
+    def new_as_written(cls, conversion: Conversion) -> Callable[[torch.nn.Module], contextlib.AbstractContextManager] | None:
+        """For an export check of ``write_new``: ``written(model)``, within which ``model`` holds what the new files
+        will load as, where they round what they are given (as ``as_written``); None where they hold it as it is."""
+        return None
+
     @property
     def files(self) -> tuple[str, ...]:
         """The input's weight files (by default: its shard layout's)."""

@@ -1,7 +1,7 @@
 """The formats, found by name or by the files in a directory, and conversion between them.
 
     checkpointer_for(path)                    # the checkpointer of whatever format `path` holds
-    convert(checkpointer, "meta", target)     # its weights as a new checkpoint of another format (or re-sharded)
+    convert(checkpointer, state, "meta", target, conversion_of(checkpointer, "meta"))  # as another format (or re-sharded)
 
 A new format is one file with a ``Checkpointer`` subclass, added to ``FORMATS``.
 """
@@ -56,14 +56,28 @@ def write_checkpoint(native: Mapping[str, Any], conversion: Conversion, to: str,
     return write_directory(target, write, check)
 
 
-def convert(checkpointer: Checkpointer, state: Mapping[str, Any], to: str, target: str | os.PathLike,
-            model_type: str | None = None, num_shards: int | None = None, max_shard_bytes: int | None = None,
-            special_tokens: Mapping[str, int] | None = None, check: Callable[[Path], Any] | None = None) -> Path:
-    """The loaded ``state`` of ``checkpointer``'s input written at ``target`` in the format ``to``: its very files,
-    keys and split when that is the input's format and no other sharding is asked for; otherwise a new checkpoint
-    that remembers the HF checkpoint it came from (so that converting back reproduces it)."""
+def conversion_of(checkpointer: Checkpointer, to: str, model_type: str | None = None, num_shards: int | None = None,
+                  max_shard_bytes: int | None = None, special_tokens: Mapping[str, int] | None = None) -> Conversion | None:
+    """What ``convert`` writes a new ``to``-format checkpoint of ``checkpointer``'s input from; None where it writes
+    the input's very files, keys and split (``to`` its format, no other sharding asked for)."""
     if to == checkpointer.name and not (num_shards or max_shard_bytes):
+        return None
+    return Conversion(checkpointer.model_args(), model_type or checkpointer.model_type, checkpointer.hf_source(),
+                      dict(special_tokens or {}), len(checkpointer.files), num_shards, max_shard_bytes)
+
+
+def written_as(to: str, conversion: Conversion | None) -> Callable[[torch.nn.Module], Any] | None:
+    """For ``convert``'s export check (``ExportCheck(model, written=...)``): a context within which a model holds what
+    the output's files will load as, where they round it (back to a block-FP8 source: the weights that changed since,
+    re-quantized); None where they hold the model as it is (the input's own files hold what it loaded)."""
+    return None if conversion is None or to not in FORMATS else FORMATS[to].new_as_written(conversion)
+
+
+def convert(checkpointer: Checkpointer, state: Mapping[str, Any], to: str, target: str | os.PathLike,
+            conversion: Conversion | None, check: Callable[[Path], Any] | None = None) -> Path:
+    """The loaded ``state`` of ``checkpointer``'s input written at ``target`` in the format ``to``: with no
+    ``conversion`` (``conversion_of``) its very files, keys and split; otherwise a new checkpoint that remembers the
+    HF checkpoint it came from (so that converting back reproduces it)."""
+    if conversion is None:
         return checkpointer.save_to(state, target, check=check)
-    conversion = Conversion(checkpointer.model_args(), model_type or checkpointer.model_type, checkpointer.hf_source(),
-                            dict(special_tokens or {}), len(checkpointer.files), num_shards, max_shard_bytes)
     return write_checkpoint(state["model"], conversion, to, target, checkpointer.side_files(skip=DESCRIPTION_FILES), check)

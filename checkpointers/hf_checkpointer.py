@@ -241,20 +241,40 @@ class HFCheckpointer(Checkpointer):
         return self.quantized.as_written(model, self._source, frozenset(adapted))
 
     # -- a new HF checkpoint ------------------------------------------------------------
+    @staticmethod
+    def _source_output(source: HFSource) -> tuple[dict, Converter, QuantizedOutput | None, dict[str, torch.Tensor]]:
+        """How ``write_new`` writes for the HF checkpoint the weights came from: (its config.json, the converter, the
+        source's quantization where its files are known, its kept block-FP8 scales by converter key)."""
+        passthrough = source.passthrough or {}
+        scales = {source.converter_key(k): t for k, t in (source.scales or {}).items()}
+        config = dict(source.config)
+        converter = get_converter(detect_model_type(config), config)
+        quantized = None
+        if source.layout and source.layout.weight_map:
+            keys = [source.converter_key(k) for k in source.layout.weight_map if k not in passthrough]
+            quantized = QuantizedOutput(dequantizing_to(converter, config), config, None)
+            converter = quantized.adopt(keys, {k: t.dtype for k, t in scales.items()})  # the source's FP8 weights, if any
+            converter.plan(keys, "hf")  # the source's expert layout, if it has a choice
+        return config, converter, quantized, scales
+
+    @classmethod
+    def new_as_written(cls, conversion: Conversion):
+        """A source quantized as it came (block FP8, MXFP4) is written so again: the weights a run changed re-quantized,
+        those the kept input scales give back as they were (``QuantizedOutput.as_written``)."""
+        if conversion.source is None:
+            return None
+        _, _, quantized, scales = cls._source_output(conversion.source)
+        if quantized is None or not quantized.lossy:
+            return None
+        return lambda model: quantized.as_written(model, {}, scales=scales)
+
     @classmethod
     def write_new(cls, stage: StagedDir, native: Mapping[str, torch.Tensor], conversion: Conversion) -> None:
         source: HFSource | None = conversion.source
         passthrough = dict(source.passthrough or {}) if source is not None else {}
-        scales = {source.converter_key(k): t for k, t in (source.scales or {}).items()} if source is not None else {}
+        scales, quantized = {}, None
         if source is not None:
-            config = dict(source.config)
-            converter = get_converter(detect_model_type(config), config)
-            quantized = None
-            if source.layout and source.layout.weight_map:
-                keys = [source.converter_key(k) for k in source.layout.weight_map if k not in passthrough]
-                quantized = QuantizedOutput(dequantizing_to(converter, config), config, None)
-                converter = quantized.adopt(keys, {k: t.dtype for k, t in scales.items()})  # the source's FP8 weights, if any
-                converter.plan(keys, "hf")  # the source's expert layout, if it has a choice
+            config, converter, quantized, scales = cls._source_output(source)
         else:
             dtypes = {t.dtype for t in native.values() if t.is_floating_point()}
             dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32

@@ -261,24 +261,20 @@ class QuantizedOutput:
         (``scales``: HF key -> the input's ``weight_scale_inv``, ``hf_source.HFSource.scales``) written with those
         scales and the bytes they give back, where these read back as the native tensors (the run left them alone):
         the input's bytes, whatever rounding made them."""
-        from waypoint.converters.fp8 import input_bytes, is_scale_key
-
         for g in groups:
-            keys = [k for k in g.targets if is_scale_key(k)]
-            if not is_lossy(g.rule.op) or not keys or not all(k in scales for k in keys):
-                continue
-            written = input_bytes(g.rule.op, [native[k] for k in g.sources], [scales[k] for k in keys])
+            written = _with_input_scales(g, [native[k] for k in g.sources], scales) if is_lossy(g.rule.op) else None
             if written is not None:
                 converted.update(zip(g.targets, written))
         return converted
 
     @contextlib.contextmanager
     def as_written(self, model: torch.nn.Module, source: Mapping[str, torch.Tensor],
-                   adapted: frozenset[str] = frozenset()) -> Iterator[None]:
+                   adapted: frozenset[str] = frozenset(), scales: Mapping[str, torch.Tensor] | None = None) -> Iterator[None]:
         """Within: ``model``'s parameters that the output re-quantizes hold the values the files will load as (each
         round-tripped through the format; those still equal to what the input's bytes (``source``) load as are kept
-        with those bytes, so they stay; those written unquantized (``adapted``: see ``unquantized``) keep their
-        values), the trained values restored on exit."""
+        with those bytes, so they stay, as do those a conversion's kept input ``scales`` give back exactly
+        (``keep_input_scales``); those written unquantized (``adapted``: see ``unquantized``) keep their values), the
+        trained values restored on exit."""
         if not self.lossy:
             yield
             return
@@ -291,7 +287,7 @@ class QuantizedOutput:
             with torch.no_grad():
                 for g in groups:  # in the same order on every rank: a sharded parameter is gathered whole
                     values = [_whole(params[k].detach()) for k in g.sources]
-                    if _unchanged(g, values, source):
+                    if _unchanged(g, values, source) or (scales and _with_input_scales(g, values, scales) is not None):
                         continue
                     rounded = g.rule.op.forward(g.rule.op.inverse(values))
                     for key, value in zip(g.sources, rounded):
@@ -322,6 +318,17 @@ class PartlyDense:
 
     def __getattr__(self, name: str):  # native_keys_to_save, apply_groups, is_parameter: the quantized converter's
         return getattr(self.quantized, name)
+
+
+def _with_input_scales(group: Group, values: list[torch.Tensor], scales: Mapping[str, torch.Tensor]) -> list[torch.Tensor] | None:
+    """A block-FP8 group's tensors to write for its native ``values`` with the input's kept ``scales`` (HF key -> its
+    ``weight_scale_inv``), where these give back those very values; else None (they are re-quantized)."""
+    from waypoint.converters.fp8 import input_bytes, is_scale_key
+
+    keys = [k for k in group.targets if is_scale_key(k)]
+    if not keys or not all(k in scales for k in keys):
+        return None
+    return input_bytes(group.rule.op, values, [scales[k] for k in keys])
 
 
 def _unchanged(group: Group, values: list[torch.Tensor], source: Mapping[str, torch.Tensor]) -> bool:

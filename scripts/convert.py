@@ -33,6 +33,7 @@ if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from waypoint.checkpointers import CheckpointError, checkpointer_for, detect_format  # noqa: E402
+from waypoint.checkpointers.formats import conversion_of, written_as  # noqa: E402
 from waypoint.checkpointers.formats import convert as convert_checkpoint  # noqa: E402
 from waypoint.checkpointers.export_check import ExportCheck  # noqa: E402
 from waypoint.checkpointers.load_model import model_from  # noqa: E402
@@ -76,13 +77,16 @@ def convert(src: Path, dst: Path, to: str, source_format: str | None = None, mod
         ckpt = checkpointer_for(src, output_dir=dst.parent, **kwargs)
         state = ckpt.load_checkpoint()
         model = model_from(ckpt, state["model"]) if verify else None  # what the output must compute
-    # The output is read back into a fresh model before it is committed, and must compute what the input does
-    check = ExportCheck(model) if verify else None
+    # None: the input's very files, keys and split (--to its format, unsharded)
+    conversion = conversion_of(ckpt, to, model_type, num_shards, parse_size(max_shard_size) if max_shard_size else None,
+                               special_token_ids(src))
+    # The output is read back into a fresh model before it is committed, and must compute what the input does, as the
+    # output's format holds it (weights changed since a block-FP8 source re-quantized: compared as re-quantized)
+    check = ExportCheck(model, written=written_as(to, conversion)) if verify else None
     del model
 
-    def write(target: Path) -> Path:  # the input's very files, keys and split when --to is its format, unsharded
-        return convert_checkpoint(ckpt, state, to, target, model_type, num_shards,
-                                  parse_size(max_shard_size) if max_shard_size else None, special_token_ids(src), check)
+    def write(target: Path) -> Path:
+        return convert_checkpoint(ckpt, state, to, target, conversion, check)
     out = replace_dir(dst, write) if dst.exists() else write(dst)
     if check is not None:
         say(check.line)

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from waypoint.checkpointers import checkpointer_for
 from waypoint.checkpointers.file_formats import read_tensors
 from waypoint.checkpointers.hf_source import SCALES_FILE
 from scripts import convert
@@ -98,10 +99,35 @@ def test_meta_keeps_them_too(tmp_path):
     assert set(after) == set(before) and changed(before, after) == []
 
 
+@pytest.mark.parametrize("fmt", ["native", "meta"])
+def test_weights_changed_since_the_conversion_go_back_requantized_and_verified_as_such(tmp_path, capsys, fmt):
+    """HF block FP8 -> native or Meta, some weights changed there (a full fine-tune's step), -> HF with the export
+    check on: the changed weights are re-quantized, and the check compares the output with the model as those files
+    hold it (it compared with the dense model, and refused its own output by FP8's rounding); the rest is the
+    release's bytes."""
+    path = tmp_path / "llama"
+    write_encoded_fp8_checkpoint(path, tiny_family_config("llama"), block=(16, 16))
+    assert convert.main([str(path), str(tmp_path / fmt), "--to", fmt]) == 0
+    checkpointer = checkpointer_for(tmp_path / fmt, output_dir=tmp_path / "run")
+    state = dict(checkpointer.load_checkpoint()["model"])
+    generator = torch.Generator().manual_seed(0)
+    trained = [k for k in state if k.endswith((".q_proj.weight", ".w2.weight"))]
+    for key in trained:
+        state[key] = state[key] + 0.01 * state[key].abs().max() * torch.randn(state[key].shape, generator=generator)
+    step = checkpointer.save_checkpoint({"model": state}, step=1)
+    capsys.readouterr()
+    assert convert.main([str(step), str(tmp_path / "back"), "--to", "hf"]) == 0, capsys.readouterr().err
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("export verified"))
+    assert "the output's quantization moves the logits up to" in line
+    differs = changed(tensors_of(path), tensors_of(tmp_path / "back"))
+    modules = sorted(f"model.layers.{i}.{m}.weight{s}" for i in range(2) for m in ("self_attn.q_proj", "mlp.down_proj")
+                     for s in ("", "_scale_inv"))
+    assert len(trained) == 4 and differs == modules  # the changed ones re-quantized, the others as they came
+
+
 def test_a_lora_run_on_the_native_conversion_carries_the_scales_back_to_hf(release, tmp_path):
     """HF -> native, a LoRA run on the native checkpoint (its merged/ carries the input's scales), merged -> HF: the
-    weights the run left alone are the release's bytes. (--no-verify: the adapted weights re-quantized read back
-    within FP8's rounding, which the export check of a conversion does not allow yet.)"""
+    weights the run left alone are the release's bytes, the adapted ones re-quantized, read back as such."""
     from recipes import lora_finetune
 
     path, scale_dtype = release
@@ -114,6 +140,6 @@ def test_a_lora_run_on_the_native_conversion_carries_the_scales_back_to_hf(relea
                                "max_steps_per_epoch=1", "batch_size=2", "lora.targets=[q_proj,v_proj]",
                                "lr_scheduler.num_warmup_steps=1", "verify_export=false"]) == 0
     assert (out / "step_1" / "merged" / SCALES_FILE).is_file()
-    assert convert.main([str(out / "step_1" / "merged"), str(tmp_path / "back"), "--to", "hf", "--no-verify"]) == 0
+    assert convert.main([str(out / "step_1" / "merged"), str(tmp_path / "back"), "--to", "hf"]) == 0
     differs = changed(tensors_of(path), tensors_of(tmp_path / "back"))
     assert differs and all(".q_proj." in k or ".v_proj." in k for k in differs)  # the adapted ones, re-quantized
