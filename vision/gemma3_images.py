@@ -20,6 +20,7 @@ processor's default); the three tokens' names from ``tokenizer_config.json`` (``
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,9 +28,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from waypoint.vision.image_files import convert_to_rgb
+from waypoint.vision.image_files import MAX_PIXELS, convert_to_rgb
 from waypoint.vision.pixel_transforms import rescale_and_normalize
-from waypoint.vision.processor_files import PROCESSOR_CONFIG, image_processor_settings, read_json, single_id, token_names
+from waypoint.vision.processor_files import (PROCESSOR_CONFIG, image_processor_settings, over_pixel_limit, read_json,
+                                             single_id, token_names)
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # Gemma3ImageProcessorPil's class defaults: what a null or missing field means.
@@ -66,6 +68,10 @@ class Gemma3Images:
                 raise ValueError(f"{source}: {key} is {setting[key]!r}; only true is supported (Gemma 3's vision "
                                  "tower takes RGB images of one size)")
         self.height, self.width = _size(setting["size"], source)
+        if self.height * self.width > MAX_PIXELS:  # every image is resized to it: refused before one is
+            raise over_pixel_limit(source, f"size {json.dumps(setting['size'])}", self.height * self.width,
+                                   "set it to the vision tower's input size (Gemma 3's: "
+                                   '{"height": 896, "width": 896})')
         self.resample = setting["resample"]
         if not isinstance(self.resample, int) or not 0 <= self.resample <= 5:
             raise ValueError(f"{source}: resample must be a PIL filter number 0-5, got {self.resample!r}")
@@ -73,9 +79,7 @@ class Gemma3Images:
         self.mean = _channels(setting["image_mean"], "image_mean", source)
         self.std = _channels(setting["image_std"], "image_std", source)
         self.do_rescale, self.do_normalize = bool(setting["do_rescale"]), bool(setting["do_normalize"])
-        if not isinstance(image_seq_length, int) or isinstance(image_seq_length, bool) or image_seq_length < 1:
-            raise ValueError(f"{source}: image_seq_length must be a positive integer, got {image_seq_length!r}")
-        self.image_seq_length = image_seq_length
+        self.image_seq_length = _seq_length(image_seq_length, source)
         self.boi_token, self.image_token, self.eoi_token = (tokens[k] for k in ("boi_token", "image_token", "eoi_token"))
         self.boi_token_id, self.image_token_id, self.eoi_token_id = (
             single_id(tokenizer, tokens[k], k, source, "Gemma 3") for k in ("boi_token", "image_token", "eoi_token"))
@@ -99,6 +103,8 @@ class Gemma3Images:
         if image_processor is not None and not str(image_processor).startswith("Gemma3ImageProcessor"):
             raise ValueError(f"{source}: image_processor_type is {image_processor!r}, not Gemma3ImageProcessor")
         seq_length = processor.get("image_seq_length")
+        if seq_length is not None:  # named where it is read
+            _seq_length(seq_length, str(directory / PROCESSOR_CONFIG))
         tokens = token_names(read_json(directory / TOKENIZER_CONFIG), DEFAULT_TOKENS)
         return cls(config, DEFAULT_IMAGE_SEQ_LENGTH if seq_length is None else seq_length, tokens, tokenizer, source)
 
@@ -155,6 +161,15 @@ def _size(size, source: str) -> tuple[int, int]:
             isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size.values()):
         raise ValueError(f"{source}: size must be {{\"height\": H, \"width\": W}} (positive integers), got {size!r}")
     return size["height"], size["width"]
+
+
+def _seq_length(value, source: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{source}: image_seq_length must be a positive integer, got {value!r}")
+    if value > MAX_PIXELS:  # each image's text holds that many tokens, made before any image is read
+        raise ValueError(f"{source}: image_seq_length {value:,} is more tokens than an image may have pixels "
+                         f"({MAX_PIXELS:,}); set it to the vision tower's tokens per image (Gemma 3's: 256)")
+    return value
 
 
 def _number(value, name: str, source: str) -> float:

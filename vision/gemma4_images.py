@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from waypoint.vision.image_files import convert_to_rgb
+from waypoint.vision.image_files import MAX_PIXELS, convert_to_rgb
 from waypoint.vision.pixel_transforms import rescale_and_normalize
-from waypoint.vision.processor_files import image_processor_settings, read_json, single_id, token_names
+from waypoint.vision.processor_files import (image_processor_settings, over_pixel_limit, read_json, single_id,
+                                             token_names)
 
 SOFT_TOKENS = (70, 140, 280, 560, 1120)  # the max_soft_tokens the image processor accepts
 # Gemma 4's tokens, unless tokenizer_config.json names others; the processor fixes the video token's name itself
@@ -66,26 +67,35 @@ class Gemma4ImageSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        pixels = self.max_patches * self.patch_size ** 2  # pixel_values holds this many per image, whatever its size
+        if pixels > MAX_PIXELS:
+            raise over_pixel_limit(None, f"patch_size {self.patch_size} with pooling_kernel_size "
+                                   f"{self.pooling_kernel_size} and max_soft_tokens {self.max_soft_tokens}", pixels,
+                                   "set them to the vision tower's (Gemma 4's: patch_size 16, pooling_kernel_size 3)")
 
     @property
     def max_patches(self) -> int:
         return self.max_soft_tokens * self.pooling_kernel_size ** 2
 
 
-def from_preprocessor_config(config: dict) -> Gemma4ImageSettings:
-    """Settings from an image processor config dict; a missing or null field takes the default."""
+def from_preprocessor_config(config: dict, source: str = "the image processor") -> Gemma4ImageSettings:
+    """Settings from an image processor config dict; a missing or null field takes the default; a one-line
+    ``ValueError`` naming ``source`` and the key for a value that cannot be used."""
     fields = {name: config[name] for name in ("patch_size", "max_soft_tokens", "pooling_kernel_size", "resample",
                                               "rescale_factor", "do_resize", "do_rescale", "do_normalize",
                                               "do_convert_rgb") if config.get(name) is not None}
     for name in ("image_mean", "image_std"):
         if (value := config.get(name)) is not None:
             fields[name] = tuple(value) if isinstance(value, (list, tuple)) else (value,) * 3
-    return Gemma4ImageSettings(**fields)
+    try:
+        return Gemma4ImageSettings(**fields)
+    except ValueError as e:  # the settings' own checks, which name the key but not the file
+        raise ValueError(f"{source}: {e}") from None
 
 
 def from_checkpoint(path: str | Path) -> Gemma4ImageSettings:
     """A checkpoint folder's settings, where transformers looks (``vision.processor_files.image_processor_settings``)."""
-    return from_preprocessor_config(image_processor_settings(path)[0])
+    return from_preprocessor_config(*image_processor_settings(path))
 
 
 def target_size(height: int, width: int, patch_size: int, max_patches: int, kernel: int) -> tuple[int, int]:

@@ -12,7 +12,10 @@ image is decoded in full here, so a truncated file is found when the dataset is 
 The result is what the Hugging Face processors see: the EXIF orientation applied when the file has one (as
 ``datasets`` decodes and ``transformers.image_utils.load_image`` loads), then converted to RGB as their image
 processors' ``do_convert_rgb`` does (``transformers.image_transforms.convert_to_rgb``): transparency composited onto
-white, not dropped.
+white, not dropped. Except at 16 bits: a 16-bit greyscale image (a PNG's, a TIFF's, a PGM's) is scaled to 8 bits as
+the format means it, where transformers' conversion (PIL's) clips every value over 255, so that a mid-grey image is
+white there (see :func:`convert_to_rgb`); and a 32-bit one (PIL's mode "I" or "F", a TIFF's), whose values' range
+no file says, is refused before it is decoded. (PIL itself reads 16-bit RGB and RGBA PNGs as 8 bits a channel.)
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ import struct
 import warnings
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 MAX_PIXELS = 2**26  # about 67 M pixels (8192 x 8192): past it an image is refused before it is decoded
 # PIL decoders that only decode pixels (no plugin here calls another program).
 FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF", "PPM", "TGA", "ICO")
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")  # PIL's 16-bit greyscale (PNG, TIFF)
+THIRTY_TWO_BIT_MODES = {"I": "integer", "F": "floating-point"}  # PIL opens a 16-bit PGM as "I" too (0-65535)
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -59,8 +65,13 @@ def load_image(source, where: str, root: Path | None = None, max_pixels: int = M
                     raise _zero_size(where, what, width, height)
                 if width * height > max_pixels:
                     raise _too_large(where, what, (width, height), max_pixels)
+                sixteen_bit_pgm = image.mode == "I" and image.format == "PPM"  # PIL scales its maxval to 65535
+                if image.mode in THIRTY_TWO_BIT_MODES and not sixteen_bit_pgm:
+                    raise _thirty_two_bit(where, what, image.mode)
                 try:
                     image.load()
+                    if sixteen_bit_pgm:
+                        image = sixteen_to_eight_bit(image)
                     if image.getexif().get(0x0112) is not None:  # Orientation: upright, as datasets decodes it
                         image = ImageOps.exif_transpose(image)
                     return convert_to_rgb(image)
@@ -72,12 +83,34 @@ def load_image(source, where: str, root: Path | None = None, max_pixels: int = M
 
 def convert_to_rgb(image: Image.Image) -> Image.Image:
     """``image`` in RGB as ``transformers.image_transforms.convert_to_rgb`` makes it: an image with an alpha band or
-    a transparent colour is composited onto white; others are converted by PIL."""
+    a transparent colour is composited onto white; others are converted by PIL. 16-bit greyscale first becomes 8-bit
+    (:func:`sixteen_to_eight_bit`), where transformers' (PIL's ``convert``) clips it, so our pixel values differ
+    from its processors' for such images (and only those): a 16-bit mid-grey is white there, mid-grey here. A 32-bit
+    image (mode "I" or "F": no range of values is known) is a one-line ``ValueError``."""
+    if image.mode in SIXTEEN_BIT_MODES:
+        image = sixteen_to_eight_bit(image)
+    elif image.mode in THIRTY_TWO_BIT_MODES:
+        raise ValueError(f"a 32-bit {THIRTY_TWO_BIT_MODES[image.mode]} image (PIL mode {image.mode!r}): the range of "
+                         "its values is unknown; convert it to 8 bits (mode 'L' or 'RGB') first")
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
+
+
+def sixteen_to_eight_bit(image: Image.Image) -> Image.Image:
+    """A 16-bit greyscale image (values 0-65535) as 8-bit greyscale, each value ``v`` as ``round(v * 255 / 65535)``,
+    computed exactly in integers (``v / 257`` is never a half, so no rounding rule is needed), which is what 16 bits
+    mean: 32768 (mid-grey) -> 128. A transparent grey (a PNG's tRNS) becomes transparent pixels (mode "LA"): two
+    16-bit values may share an 8-bit one, so it cannot stay a transparent colour."""
+    values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
+    grey = Image.fromarray(((2 * values + 257) // 514).astype(np.uint8))  # floor((v + 128.5) / 257)
+    transparent = image.info.get("transparency")
+    if isinstance(transparent, int):
+        alpha = Image.fromarray(np.where(values == transparent, 0, 255).astype(np.uint8))
+        return Image.merge("LA", (grey, alpha))
+    return grey
 
 
 def _bytes_or_path(source, where: str, root: Path | None) -> tuple[bytes | None, Path | None]:
@@ -147,6 +180,11 @@ def _too_large(where: str, what: str, size: tuple[int, int] | None, max_pixels: 
     shown = f"{size[0]} x {size[1]} pixels" if size else "more pixels than PIL's decompression-bomb limit"
     return ValueError(f"{where}: {what} is too large to decode ({shown}; the limit is {max_pixels:,} pixels, and "
                       f"PIL's {Image.MAX_IMAGE_PIXELS:,}): downscale it first (the processor resizes it anyway)")
+
+
+def _thirty_two_bit(where: str, what: str, mode: str) -> ValueError:
+    return ValueError(f"{where}: {what} is a 32-bit {THIRTY_TWO_BIT_MODES[mode]} image (PIL mode {mode!r}), whose "
+                      "range of values no file says: save it as an 8- or 16-bit image (PNG) and give that")
 
 
 def _unreadable(where: str, what: str, error: BaseException) -> ValueError:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from waypoint.vision.image_files import MAX_PIXELS
+
 PROCESSOR_CONFIG = "processor_config.json"
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 MODEL_CONFIG = "config.json"
@@ -59,3 +61,13 @@ def image_processor_settings(directory: str | Path) -> tuple[dict, str]:
         raise ValueError(f"{directory}: no image processor settings ({PREPROCESSOR_CONFIG}, or image_processor in "
                          f"{PROCESSOR_CONFIG}); is this a vision checkpoint?")
     return read_json(directory / PREPROCESSOR_CONFIG), str(directory / PREPROCESSOR_CONFIG)
+
+
+def over_pixel_limit(source: str | None, what: str, pixels: int, fix: str) -> ValueError:
+    """The one-line error for image processor settings (``what``: their keys and values) that make images of
+    ``pixels`` pixels, over the limit on the images read (``vision.image_files.MAX_PIXELS``); ``fix`` says what to
+    set instead; ``source`` (None: not named) is where the settings are. Raised when the settings are read, so that
+    no image is resized to a size that cannot be held."""
+    at = f"{source}: " if source else ""
+    return ValueError(f"{at}{what} makes images of up to {pixels:,} pixels, over the {MAX_PIXELS:,}-pixel limit on "
+                      f"images (vision.image_files.MAX_PIXELS); {fix}")

@@ -27,8 +27,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from waypoint.vision.image_files import MAX_PIXELS, convert_to_rgb
 from waypoint.vision.pixel_transforms import rescale_and_normalize
-from waypoint.vision.processor_files import image_processor_settings, read_json, single_id, token_names
+from waypoint.vision.processor_files import (image_processor_settings, over_pixel_limit, read_json, single_id,
+                                             token_names)
 
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
@@ -65,24 +67,72 @@ class QwenImageSettings:
         return self.patch_size * self.merge_size
 
 
-def from_preprocessor_config(config: dict) -> QwenImageSettings:
+def from_preprocessor_config(config: dict, source: str = "the image processor") -> QwenImageSettings:
     """Settings from a ``preprocessor_config.json`` dict: ``min_pixels``/``max_pixels`` override ``size``'s
-    ``shortest_edge``/``longest_edge``, as in transformers' ``__init__``."""
-    size = dict(config.get("size") or {})
-    min_pixels = config.get("min_pixels", size.get("shortest_edge", QwenImageSettings.min_pixels))
-    max_pixels = config.get("max_pixels", size.get("longest_edge", QwenImageSettings.max_pixels))
+    ``shortest_edge``/``longest_edge``, as in transformers' ``__init__``; checked (:func:`check_settings`), each
+    problem a one-line ``ValueError`` naming ``source`` and the key as the file has it."""
+    size = config.get("size") or {}
+    if not isinstance(size, dict):
+        raise ValueError(f"{source}: size must be {{\"shortest_edge\": MIN, \"longest_edge\": MAX}} (pixel counts, "
+                         f"not edges), got {size!r}")
+    bounds, keys = {}, {}
+    for name, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if config.get(name) is not None:
+            bounds[name] = config[name]
+        elif size.get(edge) is not None:
+            bounds[name], keys[name] = size[edge], f'size["{edge}"]'
     fields = {name: config[name] for name in ("patch_size", "temporal_patch_size", "merge_size", "rescale_factor",
                                               "resample", "do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
               if config.get(name) is not None}
     for name in ("image_mean", "image_std"):
         if (value := config.get(name)) is not None:
             fields[name] = tuple(value) if isinstance(value, (list, tuple)) else (value,) * 3
-    return QwenImageSettings(min_pixels=min_pixels, max_pixels=max_pixels, **fields)
+    return check_settings(QwenImageSettings(**bounds, **fields), source, keys)
 
 
 def from_checkpoint(path: str | Path) -> QwenImageSettings:
     """A checkpoint folder's settings, where transformers looks (``vision.processor_files.image_processor_settings``)."""
-    return from_preprocessor_config(image_processor_settings(path)[0])
+    return from_preprocessor_config(*image_processor_settings(path))
+
+
+def check_settings(settings: QwenImageSettings, source: str, keys: dict[str, str] | None = None) -> QwenImageSettings:
+    """``settings``, or a one-line ``ValueError`` naming ``source`` and the key (``keys``: a field's key in the file
+    where it is not the field's name) when a size is not a positive integer or makes images past the limit on
+    images read (``vision.image_files.MAX_PIXELS``): the pixel values hold ``temporal_patch_size`` copies of each
+    image, resized to at most :func:`largest_resize` pixels. Checked before any image is, so that none is resized
+    to a size that cannot be held."""
+    s, key = settings, {name: (keys or {}).get(name, name) for name in ("min_pixels", "max_pixels")}
+    for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
+        value = getattr(s, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{source}: {key.get(name, name)} must be a positive integer, got {value!r}")
+    for name in ("min_pixels", "max_pixels"):
+        if getattr(s, name) > MAX_PIXELS:
+            raise over_pixel_limit(source, f"{key[name]} {getattr(s, name):,}", getattr(s, name),
+                                   f"set it to at most {MAX_PIXELS:,} (Qwen3.5's: 65,536 to 16,777,216)")
+    if s.min_pixels > s.max_pixels:
+        raise ValueError(f"{source}: {key['min_pixels']} {s.min_pixels} is over {key['max_pixels']} {s.max_pixels}")
+    largest = largest_resize(s.factor, s.min_pixels, s.max_pixels)
+    if largest > MAX_PIXELS:
+        raise over_pixel_limit(source, f"patch_size {s.patch_size} x merge_size {s.merge_size} (sides in multiples of "
+                               f"{s.factor}) with {key['max_pixels']} {s.max_pixels:,}", largest,
+                               "set them to the vision tower's (Qwen3.5's: 16 and 2)")
+    if s.temporal_patch_size * largest > MAX_PIXELS:
+        raise over_pixel_limit(source, f"temporal_patch_size {s.temporal_patch_size} (copies of each image in its "
+                               f"pixel values) with {key['max_pixels']} {s.max_pixels:,}",
+                               s.temporal_patch_size * largest, "set temporal_patch_size to the vision tower's "
+                               f"(Qwen3.5's: 2) and {key['max_pixels']} to at most "
+                               f"{MAX_PIXELS // s.temporal_patch_size:,}")
+    return settings
+
+
+def largest_resize(factor: int, min_pixels: int, max_pixels: int) -> int:
+    """A bound on the pixels of any image :func:`smart_resize` gives (its aspect ratio at most 200): ``max_pixels``,
+    unless a long thin image's short side rounds up to one ``factor`` (at most ``factor`` x its long side, sqrt(200
+    max_pixels)), or an upscale to ``min_pixels`` rounds both sides up by under ``factor`` each."""
+    long_side, short_side = math.isqrt(200 * min_pixels) + 1, math.isqrt(min_pixels // 200) + 1
+    upscaled = min_pixels + factor * (long_side + short_side) + factor ** 2
+    return max(max_pixels, factor * max(factor, math.isqrt(200 * max_pixels) + 1), upscaled)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -103,20 +153,12 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB, any transparency (an alpha band or a palette's transparent colour) composited onto white."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return image.convert("RGB")
-
-
 def image_to_patches(image: Image.Image, settings: QwenImageSettings) -> tuple[np.ndarray, tuple[int, int, int]]:
     """One image -> (its patches [t*h*w, C*T*P*P] float32, its grid (t, h, w) in patches; t is 1)."""
     if not isinstance(image, Image.Image):
         raise TypeError(f"expected a PIL image, got {type(image).__name__}")
     s = settings
-    pixels = np.array(to_rgb(image) if s.do_convert_rgb else image)
+    pixels = np.array(convert_to_rgb(image) if s.do_convert_rgb else image)
     if pixels.dtype != np.uint8:  # transformers would rescale other depths first; not mirrored here
         raise ValueError(f"a {image.mode!r} image without do_convert_rgb: only 8-bit images are supported")
     if pixels.ndim == 2:
@@ -188,13 +230,7 @@ class QwenImages:
 
     def __init__(self, settings: QwenImageSettings, tokenizer, tokens: dict[str, str] | None = None,
                  source: str = "the image processor") -> None:
-        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
-            value = getattr(settings, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
-        if settings.min_pixels > settings.max_pixels:
-            raise ValueError(f"{source}: min_pixels {settings.min_pixels} is over max_pixels {settings.max_pixels}")
-        self.settings, self.source = settings, source
+        self.settings, self.source = check_settings(settings, source), source
         tokens = {**DEFAULT_TOKENS, **(tokens or {})}
         ids = {key: single_id(tokenizer, tokens[key], key, source, "Qwen") for key in DEFAULT_TOKENS}
         self.placeholder = self.image_token = tokens["image_token"]
