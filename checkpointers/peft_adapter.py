@@ -9,7 +9,7 @@ needs none. Targets that a converter does not map one-to-one (Phi-3's fused ``qk
 ``gate_up_proj``) are refused: PEFT's module there is the fused one.
 
 Loading (``load_adapter``) runs the mapping backwards, for adapters written by us or by PEFT.
-At save, the adapter is checked against what vLLM serves (``vllm_problems``); each problem is a warning.
+At save, the adapter is checked against what vLLM serves for its family (``vllm_problems``); each problem is a warning.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tens
 from waypoint.checkpointers.peft_parameters import (check_shapes, is_parameter_target, native_module_of, native_targets,
                                                     parameter_names, peft_module, targeted)
 from waypoint.errors import CheckpointError, first_line
+from waypoint.families.family import VLLM_LORA_MODULES
 from waypoint.lazy import on_host, spec_of
 from waypoint.converters.ops import Identity, RopePermute
 from waypoint.converters.table import Converter, Rule
@@ -39,8 +40,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 OTHER_BASE = f"the adapter was trained for another base model (see base_model_name_or_path in its {ADAPTER_CONFIG})"
 PEFT_PREFIX = "base_model.model."
 DEFAULT_MAX_LORA_RANK = 16
-# The LoRA modules vLLM serves for Llama-family models (its packed_modules_mapping and embedding_modules aside)
-VLLM_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+# The adapter modules vLLM serves for a family that declares none (each family's vllm_lora_modules: families.family)
+VLLM_TARGETS = VLLM_LORA_MODULES
 VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
 
 
@@ -210,8 +211,10 @@ def target_names(target_modules: list[str] | str | None) -> list[str]:
     return list(target_modules or [])
 
 
-def vllm_problems(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> list[str]:
-    """What would stop vLLM (``--enable-lora --max-lora-rank``) from serving this adapter, one line each."""
+def vllm_problems(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+                  supported: frozenset[str] = VLLM_TARGETS) -> list[str]:
+    """What would stop vLLM (``--enable-lora --max-lora-rank``) from serving this adapter, one line each;
+    ``supported``: the module names vLLM serves LoRA on for the adapter's family (a converter's ``vllm_lora_modules``)."""
     problems = []
     if int(config.get("r", 0)) > max_lora_rank:
         problems.append(f"vLLM: rank r={config['r']} exceeds max_lora_rank={max_lora_rank} (serve with --max-lora-rank "
@@ -220,17 +223,18 @@ def vllm_problems(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LO
         problems.append(f"vLLM: bias={config['bias']!r} is not supported (LoRA biases are ignored or refused); use bias='none'")
     if config.get("modules_to_save"):
         problems.append(f"vLLM: modules_to_save={config['modules_to_save']} is not supported; those modules would not be served")
-    unsupported = sorted(set(target_names(config.get("target_modules"))) - VLLM_TARGETS)
+    unsupported = sorted(set(target_names(config.get("target_modules"))) - supported)
     if unsupported:
         problems.append(f"vLLM: target module(s) {', '.join(unsupported)} are not supported LoRA modules "
-                        f"(supported: {', '.join(sorted(VLLM_TARGETS))})")
+                        f"(supported: {', '.join(sorted(supported))})")
     if config.get("use_dora") or config.get("use_rslora"):
         problems.append("vLLM: DoRA / rsLoRA adapters are not supported")
     return problems
 
 
-def warn_vllm(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> list[str]:
-    problems = vllm_problems(config, max_lora_rank)
+def warn_vllm(config: Mapping[str, Any], max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+              supported: frozenset[str] = VLLM_TARGETS) -> list[str]:
+    problems = vllm_problems(config, max_lora_rank, supported)
     for line in problems:
         warnings.warn(line, stacklevel=3)
     return problems
@@ -264,7 +268,7 @@ def write_adapter_tensors(stage: StagedDir, adapter: Mapping[str, torch.Tensor],
     adapter = {k: on_host(v, k) for k, v in adapter.items()}  # wherever the model lives (CUDA), written from the host
     tensors = to_peft(adapter, converter)  # validates every target before anything is written
     config = adapter_config(converter, list(modules), rank, alpha, dropout, base_model_name_or_path)
-    warn_vllm(config, max_lora_rank)
+    warn_vllm(config, max_lora_rank, converter.vllm_lora_modules or VLLM_TARGETS)
     payload = save(tensors, metadata={"format": "pt"})
     stage.write_bytes(ADAPTER_WEIGHTS, payload)
     stage.write_bytes(ADAPTER_CONFIG, json_bytes(config))

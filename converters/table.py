@@ -85,6 +85,9 @@ class Converter:
     # native LoRA parameter targets whose HF parameter holds gate and up as halves (all gate rows, then all up rows:
     # Qwen3.5-MoE's gate_up_proj), where the native lora_B interleaves them (gpt-oss's order): its rows are regrouped
     lora_halves: frozenset[str] = frozenset()
+    # the HF module names vLLM serves LoRA on in this model (its family's ``vllm_lora_modules``; empty: not known, the
+    # PEFT adapter writer checks against Llama's)
+    vllm_lora_modules: frozenset[str] = frozenset()
     _compiled: dict = field(default_factory=dict, init=False, repr=False)
 
     # -- planning (keys only) -------------------------------------------------

@@ -19,6 +19,11 @@ from waypoint.families.hf_config import IGNORE, HFConfig
 from waypoint.models.args import ModelArgs
 
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "output")
+# The HF module names of an adapter that vLLM loads and applies for a Llama-like model: the last name of each of its
+# model's linear layers (its LoRA-able modules), a fused one (qkv_proj, gate_up_proj) read as the modules its
+# packed_modules_mapping packs into it (vllm/lora/utils.py get_supported_lora_modules, vllm/lora/worker_manager.py).
+# Not lm_head: vLLM has no LoRA on the head. A family whose vLLM model has other layers declares its own.
+VLLM_LORA_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Family:
     # transformers module registers them (which decides PEFT's nesting of its wrappers)
     lora_parameters: Mapping[str, str] = field(default_factory=dict)
     lora_halves: frozenset[str] = frozenset()  # of those, the ones whose HF parameter holds gate and up as halves
+    vllm_lora_modules: frozenset[str] = VLLM_LORA_MODULES  # the adapter modules vLLM serves for this family (above)
     # HF keys of layers the native model does not run, carried untouched through a fine-tune (DeepSeek-V3's
     # multi-token-prediction layer ``model.layers.{num_hidden_layers}.*``): config.json -> their key regex, or None
     carried: Callable[[Mapping[str, Any]], str | None] | None = None
@@ -70,4 +76,4 @@ class Family:
     def converter(self, args: ModelArgs) -> Converter:
         return Converter(rules=self.rules(args), ignore=self.ignore, tied_embeddings=args.tie_embeddings,
                          variants=self.layouts(args) if self.layouts else {}, lora_parameters=dict(self.lora_parameters), lora_halves=self.lora_halves,
-                         buffers=self.buffers)
+                         buffers=self.buffers, vllm_lora_modules=self.vllm_lora_modules)

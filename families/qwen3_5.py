@@ -10,7 +10,7 @@ written back untouched, in the files they came in."""
 
 from __future__ import annotations
 
-from waypoint.families.family import Family
+from waypoint.families.family import VLLM_LORA_MODULES, Family
 from waypoint.families.hf_config import HFConfig, common_fields
 from waypoint.families.hf_rules import mlp_rules
 from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, HYBRID_FIXED, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
@@ -22,6 +22,10 @@ MULTIMODAL = {"model.language_model.": "model.", "lm_head.": "lm_head."}  # the 
 QWEN_MULTIMODAL = {**MULTIMODAL, "model.visual.": "visual."}  # and the vision tower's (families.qwen_vision_rules)
 NESTED_MODULES = {"model.": "model.language_model.", "visual.": "model.visual."}  # transformers 5's module names
 MTP = r"^mtp\."  # the multi-token-prediction layers transformers does not load: carried through untouched
+# vLLM's Qwen3.5 (vllm/model_executor/models/qwen3_5.py, dense and MoE) with LoRA on keeps the Gated DeltaNet's
+# in_proj_qkv and in_proj_z apart (fused into in_proj_qkvz only without LoRA), packs in_proj_b and in_proj_a into
+# in_proj_ba, and serves out_proj: adapters on those load and apply, beside Llama's modules
+VLLM_LORA_MODULES_QWEN3_5 = VLLM_LORA_MODULES | {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
 
 
 def model_args(cfg: HFConfig) -> ModelArgs:
@@ -43,7 +47,7 @@ FAMILY = Family(
     fixed=HYBRID_FIXED,
     model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + mlp_rules() + vision_rules(args),
     lora_targets=LORA_TARGETS, hf_prefixes=(QWEN_MULTIMODAL,), nested_modules=NESTED_MODULES, nested_config="text_config", carried=lambda config: MTP,
-    vision=qwen3_5_vision,
+    vision=qwen3_5_vision, vllm_lora_modules=VLLM_LORA_MODULES_QWEN3_5,
 )
 
 

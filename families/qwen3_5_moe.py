@@ -12,7 +12,7 @@ from waypoint.families.hf_rules import LAYER
 from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, HYBRID_FIXED, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
 from waypoint.families.moe_rules import packed_rules, per_expert_rules
 from waypoint.families.qwen2_moe import shared_expert_rules
-from waypoint.families.qwen3_5 import MTP, NESTED_MODULES, QWEN_MULTIMODAL, _shape, vision_rules
+from waypoint.families.qwen3_5 import MTP, NESTED_MODULES, QWEN_MULTIMODAL, VLLM_LORA_MODULES_QWEN3_5, _shape, vision_rules
 from waypoint.families.qwen_vision_rules import qwen3_5_vision
 from waypoint.models.args import ModelArgs
 from waypoint.models.transformer import Transformer
@@ -61,7 +61,7 @@ FAMILY = Family(
     model_args=model_args, hf_config=hf_config, rules=lambda args: hybrid_rules(args) + shared_expert_rules() + vision_rules(args),
     layouts=expert_layouts, lora_targets=LORA_TARGETS + tuple(EXPERT_PARAMETERS), lora_parameters=EXPERT_PARAMETERS,
     lora_halves=frozenset({"experts_gate_up"}), hf_prefixes=(QWEN_MULTIMODAL,), nested_modules=NESTED_MODULES, nested_config="text_config",
-    carried=lambda config: MTP, vision=qwen3_5_vision,
+    carried=lambda config: MTP, vision=qwen3_5_vision, vllm_lora_modules=VLLM_LORA_MODULES_QWEN3_5,
 )
 
 

@@ -7,7 +7,7 @@ projections (PEFT would adapt q, k, v and z as one module), the rest as Qwen3.5'
 
 from __future__ import annotations
 
-from waypoint.families.family import Family
+from waypoint.families.family import VLLM_LORA_MODULES, Family
 from waypoint.families.hf_config import HFConfig, common_fields
 from waypoint.families.hf_rules import at, mlp_rules
 from waypoint.families.hybrid_rules import HYBRID_DEFAULTS, HYBRID_FIXED, LORA_TARGETS, hybrid_args, hybrid_fields, hybrid_rules
@@ -33,6 +33,9 @@ def hf_config(args: ModelArgs) -> dict:
 def rules(args: ModelArgs) -> list:
     return hybrid_rules(args, fused=True) + at(args.dense_layers, mlp_rules()) + shared_expert_rules()
 
+# vLLM's Qwen3-Next (vllm/model_executor/models/qwen3_next.py) serves the Gated DeltaNet's fused in_proj_qkvz and
+# in_proj_ba as they are (its packed_modules_mapping maps each to itself) and out_proj, beside Llama's modules
+VLLM_LORA_MODULES_QWEN3_NEXT = VLLM_LORA_MODULES | {"in_proj_qkvz", "in_proj_ba", "out_proj"}
 
 FAMILY = Family(
     name="qwen3_next", hf_model_types=("qwen3_next",), model_types=("QWEN3_NEXT",), architecture="Qwen3NextForCausalLM",
@@ -43,6 +46,7 @@ FAMILY = Family(
     model_args=model_args, hf_config=hf_config, rules=rules, layouts=expert_layouts,
     lora_targets=tuple(t for t in LORA_TARGETS if t not in ("in_proj_qkv", "in_proj_z")) + tuple(EXPERT_PARAMETERS),
     lora_parameters=EXPERT_PARAMETERS, lora_halves=frozenset({"experts_gate_up"}), carried=lambda config: MTP,
+    vllm_lora_modules=VLLM_LORA_MODULES_QWEN3_NEXT,
 )
 
 

@@ -6,6 +6,7 @@ generation through the recurrent state, and LoRA on the DeltaNet projections aga
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -247,6 +248,27 @@ def test_qwen3_next_fused_projections_split_and_refuse_lora(tmp_path):
     with pytest.raises(CheckpointError, match="in_proj_qkv") as e:
         check_targets(model, ckpt.hf_converter(), ckpt.family)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("fam,targets", [
+    ("qwen3_5", ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3"]),
+    ("qwen3_next", ["out_proj", "q_proj", "v_proj", "output_proj"])])
+def test_the_vllm_check_follows_what_vllm_serves_for_the_family(fam, targets, tmp_path):
+    """vLLM serves LoRA on the Gated DeltaNet's projections (its Qwen3.5 keeps in_proj_qkv and in_proj_z apart when
+    LoRA is on; both serve out_proj): such an adapter saves without a vLLM warning (each save warned they were not
+    supported); one on the head, which vLLM does not serve, still warns."""
+    base = tmp_path / "base"
+    write_family_checkpoint(base, tiny_family_config(fam, tie_word_embeddings=False))
+    converter = HFCheckpointer(base, output_dir=tmp_path / "out").hf_converter()
+    model = load_model(base)
+    apply_lora(model, targets, rank=4, alpha=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        save_adapter(tmp_path / "adapter", model, converter, str(base))
+    model = load_model(base)
+    apply_lora(model, [*targets, "output"], rank=4, alpha=8)
+    with pytest.warns(UserWarning, match=r"vLLM: target module\(s\) lm_head are not supported LoRA modules \(supported: "):
+        save_adapter(tmp_path / "with_head", model, converter, str(base))
 
 
 def test_config_defaults_and_interval_read_as_transformers():
