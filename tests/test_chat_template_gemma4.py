@@ -1,7 +1,7 @@
 """Gemma 4's chat templates as the Hub repos ship them: rendered as transformers renders them, and trained where the
 model writes.
 
-Templates: tests/data/chat_templates/, verbatim (their README names where each copy came from), Google's
+Templates: assets/chat_templates/, verbatim (their README names where each copy came from), Google's
 2026-07-09 revision ("Google Gemma 4 Canonical Chat Template"):
 
 * ``gemma4.jinja``: google/gemma-4-12B-it, -26B-A4B-it and -31B-it (one text); with thinking off, the generation
@@ -54,7 +54,7 @@ from waypoint.text.template_sandbox import STEP_LIMIT
 from waypoint.text.tokenizer import load_tokenizer
 from waypoint.training.chat_dataset import ChatDataset
 
-DATA = ROOT / "tests" / "data" / "chat_templates"
+DATA = ROOT / "assets" / "chat_templates"
 SHA256 = {  # the stored texts (the digests the Hub files have), so an edit to one shows
     "gemma4.jinja": "ae53464bf3be25802b3a5b37def7fd89667067d7577049b3b2d74c4d8de4c6d4",
     "gemma4_small.jinja": "0a2c8073c878ab1da004bee933a998606537bbb62016310352c7285c3f01c5b5",

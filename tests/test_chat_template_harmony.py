@@ -1,6 +1,6 @@
 """gpt-oss's harmony chat template: rendered as transformers renders it, trained where the model writes.
 
-Template: tests/fixtures/gpt_oss_chat_template.jinja, verbatim chat_template.jinja of huggingface.co/openai/gpt-oss-20b at commit cbf31f62664d4b1360b3a78427f7b3c3ed8f0fa8 (read from its GitHub mirror EchoCog/gpt-oss-20b, path chat_template.jinja).
+Template: assets/chat_templates/gpt_oss.jinja, verbatim chat_template.jinja of huggingface.co/openai/gpt-oss-20b at commit cbf31f62664d4b1360b3a78427f7b3c3ed8f0fa8 (read from its GitHub mirror EchoCog/gpt-oss-20b, path chat_template.jinja).
 
 Harmony ends the last assistant turn with ``<|return|>`` (where generation stops) and earlier ones with ``<|end|>``
 (after which the model would go on), and drops earlier turns' analysis: an earlier turn is trained on its content,
@@ -24,7 +24,7 @@ from waypoint.text.stop_tokens import end_of_turn
 from waypoint.text.template_sandbox import STEP_LIMIT
 from waypoint.text.tokenizer import load_tokenizer
 
-HARMONY = (ROOT / "tests" / "fixtures" / "gpt_oss_chat_template.jinja").read_text(encoding="utf-8")
+HARMONY = (ROOT / "assets" / "chat_templates" / "gpt_oss.jinja").read_text(encoding="utf-8")
 
 # The last turn: {% generation %} from the generation prompt's end through <|return|>, the analysis included.
 _LAST = """            {%- if "thinking" in message %}

@@ -1,7 +1,7 @@
 """Qwen3.5 / Qwen3.6 / Qwen3-Next chat templates as the Hub repos ship them: rendered as transformers renders
 them, and trained where the model writes.
 
-Templates: tests/data/chat_templates/, verbatim (their README names where each copy came from):
+Templates: assets/chat_templates/, verbatim (their README names where each copy came from):
 
 * ``qwen3_5.jinja``: Qwen/Qwen3.5-4B and larger (27B, 35B-A3B, 397B-A17B); huggingface/trl
   ``trl/chat_templates/qwen3_5_think.jinja``, identical to xorbitsai/inference ``xinference/model/llm/llm_family.json``
@@ -39,7 +39,7 @@ from waypoint.text.template_sandbox import STEP_LIMIT
 from waypoint.text.tokenizer import load_tokenizer
 from waypoint.training.chat_dataset import ChatDataset
 
-DATA = ROOT / "tests" / "data" / "chat_templates"
+DATA = ROOT / "assets" / "chat_templates"
 SHA256 = {  # the stored texts, so an edit to one shows
     "qwen3_5.jinja": "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715",
     "qwen3_5_small.jinja": "273d8e0e683b885071fb17e08d71e5f2a5ddfb5309756181681de4f5a1822d80",

@@ -435,7 +435,7 @@ def test_a_gemma4_vlm_trains_on_images_and_answers_about_one(tmp_path):
     base.mkdir()
     write_processor_files(base)
     config = json.loads((base / "tokenizer_config.json").read_text())
-    config["chat_template"] = (ROOT / "tests/data/chat_templates/gemma4_small.jinja").read_text()
+    config["chat_template"] = (ROOT / "assets/chat_templates/gemma4_small.jinja").read_text()
     (base / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = load_tokenizer(base)
     ids = {t: tokenizer.encode(t, add_bos=False)[0] for t in ("<|image|>", "<pad>", "<eos>", "<bos>")}

@@ -24,7 +24,7 @@ from waypoint.vision.processors import ImageProcessor, image_processor_for
 from waypoint.vision.qwen_images import QwenImages
 
 pytest.importorskip("transformers")
-TEMPLATE = (ROOT / "tests/data/chat_templates/qwen3_5_small.jinja").read_text(encoding="utf-8")  # Qwen3.5-0.8B's
+TEMPLATE = (ROOT / "assets/chat_templates/qwen3_5_small.jinja").read_text(encoding="utf-8")  # Qwen3.5-0.8B's
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
            "<|video_pad|>", "<think>", "</think>"]
 # patch 4, merge 2 (8-pixel blocks), 2 frames a patch, 128 to 2048 pixels: images from 4 to 32 tokens
