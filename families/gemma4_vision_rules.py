@@ -7,7 +7,7 @@ converter sees them as ``vision_tower.*`` and ``embed_vision.*`` (:data:`PREFIXE
 beside the text model's). Both load into the one native tower (the embedder is its ``projection``: there is no
 ``projector.``). Every tensor is renamed as it is: no transposes, no reshapes. The clip bounds (``use_clipped_linears``)
 and ``std_bias``/``std_scale`` (``standardize``) are buffers (:data:`BUFFERS`). The audio tower and ``embed_audio``
-are not this module's: they stay carried untouched."""
+are not this module's: they stay carried untouched (the audio tower's clip bounds buffers too, by the same pattern)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,11 @@ NORMS = [("input_layernorm", "sa_norm"), ("post_attention_layernorm", "post_attn
 LINEARS = [(f"self_attn.{p}_proj", f"attn.{p}_proj") for p in "qkvo"] + [
     (f"mlp.{p}_proj", f"mlp.{p}_proj") for p in ("gate", "up", "down")]
 CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
-# the converter's keys that hold buffers, not parameters (the family's ``buffers``)
-BUFFERS = (r"^vision_tower\.encoder\.layers\.\d+\..*\.(input|output)_(min|max)$", r"^vision_tower\.std_(bias|scale)$")
+# keys that hold buffers, not parameters (the family's ``buffers``: left out of an index's total_parameters, as
+# transformers' num_parameters()): every Gemma4ClippableLinear's bounds, the vision tower's and the carried audio
+# tower's alike, and the tower's standardization; by the module's own names at any prefix, the files'
+# (model.vision_tower., model.audio_tower.) as well as the converter's (vision_tower.)
+BUFFERS = (r"\.(input|output)_(min|max)$", r"(^|\.)std_(bias|scale)$")
 
 
 def gemma4_vision_rules(args: Gemma4VisionArgs) -> list[Rule]:
