@@ -21,6 +21,7 @@ from waypoint.checkpointers.extra_state import EXTRA_STATE_FILE, is_extra_state_
 from waypoint.checkpointers.formats import checkpointer_for, detect_format
 from waypoint.checkpointers.load_report import LoadReport, fold_keys
 from waypoint.checkpointers.sharded_checkpoint import SHARDED_DIR, load_sharded, sharded_keys
+from waypoint.converters.table import ConvertedState
 from waypoint.errors import CheckpointError
 from waypoint.families import from_hf_config
 from waypoint.lazy import local_shard, release_heap, release_pages, spec_of
@@ -108,6 +109,14 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
     tied = [k for k in missing if k.endswith(HEAD_KEYS) and getattr(getattr(model, "args", None), "tie_embeddings", False)]
     missing = [k for k in missing if k not in tied]
     if strict and missing:
+        absent, named = _absent_file_keys(state, missing, report.renamed)
+        if absent:  # a save writes the input's layout: these cannot be trained in (strict=false) and written out
+            files = state.files
+            where = f"{files[0]}: " if len(files) == 1 else f"{files[0]} ... ({len(files)} files): " if files else ""
+            raise CheckpointError(f"{where}checkpoint lacks {_fold(fold_keys(absent))} (the model's "
+                                  f"{_fold(fold_keys(named))}), which its config asks for and every save writes: the "
+                                  "checkpoint is incomplete; re-download or re-export it, or correct config.json if "
+                                  "the model has no such weight")
         raise CheckpointError(f"checkpoint lacks model key {_fold(fold_keys(missing))} (strict: set strict=false to allow new heads)")
     if strict and len(report.unexpected) > len(dropped_heads):
         others = sorted(set(report.unexpected) - set(dropped_heads))
@@ -177,6 +186,25 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
     for line in report.lines():
         log.info(line)
     return report
+
+
+def _absent_file_keys(state: Mapping[str, torch.Tensor], missing: list[str],
+                      renamed: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """(The file keys a converted checkpoint, ``ConvertedState``, lacks for these missing model keys, the model keys
+    they are): each model key named as the checkpoint names the others (``renamed``'s prefixes undone); nothing for
+    any other state, or for keys no rule names (a new head)."""
+    if not isinstance(state, ConvertedState):
+        return [], []
+    prefixes = set()  # (the checkpoint's prefix, the model's) of each renamed key
+    for ours, theirs in renamed.items():
+        common = len(os.path.commonprefix([ours[::-1], theirs[::-1]]))
+        prefixes.add((ours[:len(ours) - common], theirs[:len(theirs) - common]))
+    undone = {}
+    for key in missing:
+        ours, theirs = max(((o, t) for o, t in prefixes if key.startswith(t)), key=lambda p: len(p[1]), default=("", ""))
+        undone[ours + key[len(theirs):]] = key
+    absent = state.absent(list(undone))
+    return absent, [undone[k] for k in state.named(list(undone))] if absent else []
 
 
 def refresh_derived(model: torch.nn.Module) -> None:

@@ -202,7 +202,7 @@ class Converter:
         """
         groups = self.plan(hf_state, "hf", where)
         converted = self.apply_groups(groups, on_meta(hf_state, [k for g in groups for k in g.sources]), True, where)
-        native = LazyState({}, {})
+        native = ConvertedState(self, sorted(set(where.values())) if where else [])
         for g in groups:
             for target in g.targets:
                 native.put(target, lambda g=g, target=target: self._convert_one(g, target, hf_state, where),
@@ -227,3 +227,26 @@ class Converter:
     def native_keys_to_save(self, native_keys: Iterable[str]) -> list[str]:
         """The native keys that have an HF counterpart (the tied head is the embedding in HF)."""
         return [k for k in native_keys if not (self.tied_embeddings and k == self.native_head_key)]
+
+
+class ConvertedState(LazyState):
+    """What :meth:`Converter.to_native` gives: the input's tensors, converted as they are read, and for native keys
+    they lack the file keys (:meth:`absent`) that saving would write: every checkpointer writes the input's layout,
+    so a weight its ``files`` lack cannot be added by training it (``strict=false``)."""
+
+    def __init__(self, converter: Converter, files: list[str]) -> None:
+        super().__init__({}, {})
+        self.converter, self.files = converter, files
+
+    def named(self, native_keys: Iterable[str]) -> list[str]:
+        """Those of ``native_keys`` that a save would write (a rule names them; not a tied head)."""
+        return [k for k in self.converter.native_keys_to_save(native_keys) if self.converter.matches(k, "native")]
+
+    def absent(self, native_keys: Iterable[str]) -> list[str]:
+        """The file keys that these native keys (ones the input lacks) would be saved as; [] for keys no rule names
+        (a new head beside the model)."""
+        try:
+            groups = self.converter.plan(self.named(native_keys), "native")
+        except CheckpointError:
+            return []
+        return sorted({key for g in groups for key in g.targets})
