@@ -17,6 +17,7 @@ from typing import Any
 
 from waypoint.converters.table import Converter
 from waypoint.errors import CheckpointError
+from waypoint.families.config_names import in_config_names
 from waypoint.families.family import Family
 from waypoint.families.hf_config import HFConfig, check_fixed
 from waypoint.models.args import ModelArgs
@@ -79,7 +80,10 @@ def model_args_from_hf_config(config: Mapping[str, Any]) -> ModelArgs:
     outer, config = config, text_config(family, config)
     cfg = HFConfig(config, family.defaults)
     check_fixed(cfg, family.fixed, hf_type)
-    args = family.model_args(cfg)
+    try:
+        args = family.model_args(cfg)
+    except ValueError as e:  # ModelArgs' own checks name its fields: the file's names instead
+        raise type(e)(in_config_names(str(e), config)) from e
     vision = family.vision(outer) if family.vision is not None and config is not outer else None
     return replace(args, vision=vision) if vision is not None else args
 

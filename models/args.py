@@ -229,7 +229,8 @@ def check_shared_kv(args: ModelArgs) -> None:
     first = args.n_layers - args.kv_shared_layers
     kinds = {args.is_full_attention(i) for i in range(first)}
     if any(args.is_full_attention(i) not in kinds for i in range(first, args.n_layers)):
-        raise ValueError("a kv-shared layer's attention type (sliding or full) has no earlier layer to share keys and values with")
+        raise ValueError(f"kv_shared_layers={args.kv_shared_layers}: a kv-shared layer's attention type (sliding or full) has "
+                         "no earlier layer to share keys and values with")
     if not 0 < args.rope_proportion <= 1:
         raise ValueError(f"rope_proportion={args.rope_proportion} must be in (0, 1]")
     for name in ("global_head_dim", "global_kv_heads"):

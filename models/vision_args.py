@@ -33,7 +33,8 @@ class VisionArgs:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"vision activation={self.activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         if self.dim % self.n_heads:
-            raise ValueError(f"vision hidden size {self.dim} is not a multiple of its {self.n_heads} heads")
+            raise ValueError(f"vision_config.hidden_size {self.dim} is not a multiple of its num_attention_heads "
+                             f"{self.n_heads}")
         side = self.image_size // self.patch_size
         if self.image_size % self.patch_size:
             raise ValueError(f"vision_config.image_size {self.image_size} is not a multiple of its patch_size "

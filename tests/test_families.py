@@ -342,6 +342,14 @@ def test_phi3_fused_tensor_of_the_wrong_size_names_the_key():
     ("gemma4", "per_layer_config", {"0": {"head_dim": 8}}, "per_layer_config other than one head_dim"),
     ("gemma4", "rope_parameters", {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, "rope type 'dynamic'"),
+    # the native model's own checks, in the config's names (families.config_names), a field several families name
+    # differently by the name this config holds
+    ("gemma4", "num_kv_shared_layers", 7, "num_kv_shared_layers=7 must be 0, or less than num_hidden_layers=6"),
+    ("llama", "num_key_value_heads", 3, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ("qwen3_next", "linear_num_value_heads", 3, "linear_num_value_heads=3 is not a multiple of linear_num_key_heads=2"),
+    ("mixtral", "num_experts_per_tok", 5, "num_experts_per_tok=5 must be between 1 and num_local_experts=4"),
+    ("qwen2_moe", "num_experts_per_tok", 5, "num_experts_per_tok=5 must be between 1 and num_experts=4"),
+    ("deepseek_v3", "num_experts_per_tok", 9, "num_experts_per_tok=9 must be between 1 and n_routed_experts=8"),
 ])
 def test_a_config_field_the_native_model_cannot_reproduce_is_one_line(fam, field, value, message, tmp_path):
     config = {**tiny_family_config(fam).to_dict(), field: value}
