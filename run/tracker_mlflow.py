@@ -14,8 +14,9 @@ line at start; a server that is down or does not answer only drops the tracker (
 The resolved config goes in as the run's parameters, flattened to dotted keys (``optimizer.lr``); each record's
 numbers as metrics at its step, through ``log_batch``; the final model's path as the ``final_model`` tag. A run
 stopped to be resumed is left ``KILLED`` and set ``RUNNING`` again when it resumes (one that ends in an error,
-``FAILED``); it keeps the parameters it started with (MLflow cannot change one), and a note names those the resumed
-config changed.
+``FAILED``); so is one the training run dropped (a call that failed or timed out: ``abandon``), marked from a thread
+of its own that training never waits for. It keeps the parameters it started with (MLflow cannot change one), and a
+note names those the resumed config changed.
 
 MLflow appends every value it is given, so a step sent twice would be there twice: each ``log_batch`` also sets the
 run tag ``waypoint.logged_through`` to its last step, in the same transaction in a database store, and a resumed run
@@ -29,6 +30,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -54,7 +56,10 @@ class MLflowLogger:
         self.client = None
         self.run_id: str | None = None
         self.held = 0
-        self.abandoned = False  # dropped by the run (a call failed or timed out): nothing more is sent, at exit either
+        self.abandoned = False  # dropped by the run (a call failed or timed out): nothing more is sent but its status
+        self.ending: str | None = None  # the status finish() ends the run with, once it is called
+        self._marking: threading.Thread | None = None  # a dropped run's status being set (abandon)
+        self._mark_lock = threading.Lock()
 
     @staticmethod
     def check_options(options: Mapping[str, Any]) -> str | None:
@@ -111,6 +116,8 @@ class MLflowLogger:
         if not self.abandoned:
             atexit.register(self._failed)  # a process that ends without finish(): an error stopped the run
         self._log_params(flatten(config), run.data.params, name, report)
+        if self.abandoned:  # given up on while its run started: that run is a dropped one too
+            self._mark_dropped()
         return self.run_id
 
     def _existing(self, run_id: str, name: str, report: Callable[[str], None]):
@@ -150,16 +157,29 @@ class MLflowLogger:
     def finish(self, final_model: str | None) -> None:
         if self.client is None or self.run_id is None:
             return
+        self.ending = "FINISHED" if final_model is not None else "KILLED"
         if final_model is not None:
             self.client.set_tag(self.run_id, "final_model", final_model)
-        self.client.set_terminated(self.run_id, status="FINISHED" if final_model is not None else "KILLED")
+        self.client.set_terminated(self.run_id, status=self.ending)
         self.client = None
 
     def abandon(self) -> None:
-        """Dropped (a call failed or timed out): no more calls, and none at exit, where a silent server would hold
-        the process. The run is left as it is (RUNNING); a resumed run continues it."""
+        """Dropped (a call failed or timed out): no more calls from the run. Its MLflow run is marked ``KILLED`` (a
+        finish() given up on: the status it was ending it with), not left ``RUNNING``, from a thread of its own: the
+        run never waits for it (a silent server would hold it), and the process waits for it at exit at most
+        ``timeout_s``. A resumed run sets it ``RUNNING`` again and continues it."""
         self.abandoned = True
         atexit.unregister(self._failed)
+        self._mark_dropped()
+
+    def _mark_dropped(self) -> None:
+        with self._mark_lock:
+            if self._marking is not None or self.client is None or self.run_id is None:
+                return  # marked already, finished, or no run started
+            self._marking = threading.Thread(target=_terminate, args=(self.client, self.run_id, self.ending or "KILLED"),
+                                             name="waypoint-tracker mlflow: marking its dropped run", daemon=True)
+            self._marking.start()
+        atexit.register(self._marking.join, getattr(self, "timeout_s", None) or 60.0)
 
     def _failed(self) -> None:
         if self.client is not None and not self.abandoned:
@@ -168,6 +188,14 @@ class MLflowLogger:
             except Exception:  # leaving: nothing more to be done about it
                 pass
             self.client = None
+
+
+def _terminate(client, run_id: str, status: str) -> None:
+    """``client.set_terminated(run_id, status)``, whatever comes of it (a dropped tracker's server may be gone)."""
+    try:
+        client.set_terminated(run_id, status=status)
+    except Exception:  # noqa: BLE001 - nothing more to be done about a run the training run went on without
+        pass
 
 
 def uri_problem(uri: str | None) -> str | None:

@@ -50,8 +50,9 @@ A tracker class takes its options as keyword arguments (a typo among them is one
 (``requires = (import name, waypoint extra)``) and a ``check_options(options) -> str | None``, and has
 ``start(name, config, run_id, output_dir, report) -> run id``, ``logged_through() -> int | None``, ``log(rows)``
 with rows of (step, {key: number}) and ``finish(final_model)`` (None: the run stopped before its end, to be
-resumed); optionally ``abandon()``, told without a network call that it is dropped (no more calls come; nothing to
-be sent at exit), and a ``timeout_s`` attribute, which start() may pass on to its library's own timeouts.
+resumed); optionally ``abandon()``, told without a network call that it is dropped (no more calls come: it may mark
+its run stopped from a thread of its own, never waited for by training), and a ``timeout_s`` attribute, which start()
+may pass on to its library's own timeouts.
 """
 
 from __future__ import annotations

@@ -273,6 +273,49 @@ def test_lora_recipe_logs_to_its_tracker(tmp_path, offline):
     assert tracker_runs(out / "step_2")["mlflow"]["run_id"] == run.info.run_id
 
 
+def mlflow_status(out, deadline_s: float = 10.0, leaving: str = "RUNNING"):
+    """The status of output_dir's one MLflow run, once it is not ``leaving`` (or ``deadline_s`` has passed)."""
+    started = time.monotonic()
+    while True:
+        status = mlflow_run(out)[1].info.status
+        if status != leaving or time.monotonic() - started > deadline_s:
+            return status
+        time.sleep(0.05)
+
+
+def test_a_dropped_mlflow_run_is_marked_killed_and_a_resumed_run_finishes_it(tmp_path, offline):
+    """MLflow's log_batch fails mid-run (a connection reset): the tracker is dropped with its warning line and its run
+    marked KILLED, from a thread training does not wait for (it was left RUNNING, as if training were still sending to
+    it); a resumed training run continues that run, RUNNING again, sends it what it lacks and finishes it."""
+    from waypoint.run.metrics import MetricsLog
+    from waypoint.run.trackers import open_trackers
+
+    section = {"mlflow": {"_target_": "waypoint.run.tracker_mlflow.MLflowLogger"}}
+    lines = []
+    trackers = open_trackers(section, {"seed": 1}, None, tmp_path, 0, report=lines.append)
+    log = MetricsLog(tmp_path, trackers=trackers)
+    log.write(step=1, loss=1.0)
+
+    def reset(*args, **kwargs):
+        raise ConnectionResetError("Connection reset by peer")
+    trackers.trackers["mlflow"].client.log_batch = reset
+    log.write(step=2, loss=2.0)
+    assert lines == ["warning: metric_loggers.mlflow: cannot log step 2 (Connection reset by peer); the run goes on "
+                     "without it (metrics.jsonl has every step; a resumed run sends it the steps it lacks)"]
+    assert mlflow_status(tmp_path) == "KILLED"
+    log.close(final_model=None)  # stopped to be resumed: nothing more is sent to the dropped tracker
+    client, run = mlflow_run(tmp_path)
+    assert run.info.status == "KILLED" and [s for s, _ in mlflow_history(client, run, "loss")] == [1]
+
+    trackers = open_trackers(section, {"seed": 1}, trackers.runs, tmp_path, 2, report=lines.append)
+    assert mlflow_run(tmp_path)[1].info.status == "RUNNING"
+    log = MetricsLog(tmp_path, keep_through_step=2, trackers=trackers)
+    log.write(step=3, loss=3.0)
+    log.close(final_model="/m")
+    client, run = mlflow_run(tmp_path)
+    assert run.info.status == "FINISHED" and mlflow_history(client, run, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+
 # -- a tracker never hangs or stops training ----------------------------------------------------------------------------
 @contextlib.contextmanager
 def silent_server():
