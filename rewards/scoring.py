@@ -9,8 +9,10 @@ binds options with ``functools.partial``.
 function is called as ``f(prompts=..., completions=..., completion_ids=..., **columns)``; None becomes NaN; the
 reward is ``(per_func * weights).nansum(dim=1)`` in float32 (a function's None leaves it out of that sum); a row
 where every function gave None is unscorable and its reward is NaN (TRL then leaves it out of the group baseline
-and sets its advantage to 0). A function that raises or returns something unusable is a one-line ``RewardError``
-naming it, the original exception chained as its cause.
+and sets its advantage to 0). A function that raises (``sys.exit`` included), returns something unusable or a
+number that is not finite in float32 (``waypoint.rewards.finite``), or runs past ``timeout``, is a one-line
+``RewardError`` naming it, the original exception chained as its cause. Each call runs bounded in the main thread
+(``waypoint.rewards.bounded``): cut short at ``timeout``, or as soon as ``stop()`` is true (``Interrupted``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from waypoint.errors import CheckpointError, first_line
+from waypoint.rewards.bounded import Interrupted, TimedOut, bounded_call
+from waypoint.rewards.finite import prompt_excerpt, sum_problem, value_problem
 from waypoint.rewards.functions import BUILTINS
 
 NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # TRL passes these by their plural names instead
@@ -100,6 +104,9 @@ def _lookup(name: str) -> Callable:
     for module_name, attrs in splits:
         try:
             module = importlib.import_module(module_name)
+        except SystemExit as e:  # sys.exit() at import: an error, never the run's exit status
+            raise RewardError(f"reward_funcs: {name}: importing {module_name} called sys.exit({e.code!r}); "
+                              "a reward module must not exit") from e
         except ModuleNotFoundError as e:
             if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
                 continue  # this prefix is no module: try a shorter one
@@ -138,12 +145,15 @@ def _check_options(name: str, func: Callable, options: dict) -> None:
             raise RewardError(f"reward_funcs: {name}: no option {key} (options: {have})")
 
 
-def score(funcs, weights, prompts, completions, completion_ids, columns=None) -> tuple[torch.Tensor, torch.Tensor]:
+def score(funcs, weights, prompts, completions, completion_ids, columns=None, *, timeout: float | None = None,
+          stop=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rewards [N] float32, per_func [N, F] float32 with NaN for None)`` for N completions and F functions.
 
     ``columns``: the dataset's other fields, each a list of N values (``prompt``, ``completion`` and
     ``completion_ids`` among them are dropped, as TRL does); other values (TRL's ``trainer_state``) pass as they
     are. ``weights``: one number per function, or None for all 1. An async function's coroutines run together.
+    ``timeout``: the seconds one call may take (the async functions' coroutines: together); ``stop``: polled while
+    a function runs, ``Interrupted`` once it is true (None: neither bound).
     """
     n = len(prompts)
     if not funcs:
@@ -159,28 +169,57 @@ def score(funcs, weights, prompts, completions, completion_ids, columns=None) ->
     pending = []
     for i, func in enumerate(funcs):
         name = reward_name(func)
+        call = functools.partial(func, prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                 **columns)
         try:
-            out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as e:  # noqa: BLE001
-            raise _raised(name, e) from e
+            out = bounded_call(call, timeout, stop)
+        except Interrupted:
+            raise
+        except (Exception, SystemExit) as e:  # noqa: BLE001 (a user's function: anything can go wrong in it)
+            raise _failed(name, e, timeout, prompts) from e
         if inspect.isawaitable(out):
             pending.append((i, name, out))
         else:
-            per_func[:, i] = _values(name, out, n)
+            per_func[:, i] = _values(name, out, prompts)
     if pending:
-        async def gather():
-            return await asyncio.gather(*(out for _, _, out in pending), return_exceptions=True)
+        finished = set()
 
-        for (i, name, _), out in zip(pending, asyncio.run(gather()), strict=True):
+        async def tracked(k, awaitable):
+            try:
+                out = await awaitable
+            except (Exception, SystemExit) as e:  # noqa: BLE001
+                out = e
+            finished.add(k)
+            return out
+
+        async def gather():
+            return await asyncio.gather(*(tracked(k, out) for k, (_, _, out) in enumerate(pending)))
+
+        try:
+            outs = bounded_call(lambda: asyncio.run(gather()), timeout, stop)
+        except TimedOut as e:  # the first function whose coroutine was still running
+            name = next(name for k, (_, name, _) in enumerate(pending) if k not in finished)
+            raise _failed(name, e, timeout, prompts) from e
+        for (i, name, _), out in zip(pending, outs, strict=True):
             if isinstance(out, BaseException):
-                raise _raised(name, out) from out
-            per_func[:, i] = _values(name, out, n)
+                raise _failed(name, out, timeout, prompts) from out
+            per_func[:, i] = _values(name, out, prompts)
     rewards = (per_func * w.unsqueeze(0)).nansum(dim=1)
     rewards[torch.isnan(per_func).all(dim=1)] = torch.nan  # unscorable: every function said None
+    problem = sum_problem(rewards, per_func, w, [reward_name(f) for f in funcs], prompts)
+    if problem:
+        raise RewardError(problem)
     return rewards, per_func
 
 
-def _raised(name: str, e: BaseException) -> RewardError:
+def _failed(name: str, e: BaseException, timeout: float | None, prompts) -> RewardError:
+    if isinstance(e, TimedOut):
+        return RewardError(f"reward function {name} took longer than reward_timeout={timeout:g} s on {len(prompts)} "
+                           f"completions (the first prompt: {prompt_excerpt(prompts[0]) if prompts else 'none'}); "
+                           "make it return sooner, or raise reward_timeout")
+    if isinstance(e, SystemExit):  # sys.exit() in a reward: an error, never the run's exit status
+        return RewardError(f"reward function {name} called sys.exit({e.code!r}); return its values, or raise an "
+                           "exception for an error")
     return RewardError(f"reward function {name} raised {type(e).__name__}: {first_line(e)}")
 
 
@@ -193,12 +232,18 @@ def _weights(weights, count: int) -> torch.Tensor:
     for weight in weights:
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
             raise RewardError(f"reward_weights: {weight!r} is not a number")
-    return torch.tensor(weights, dtype=torch.float32)
+    out = torch.tensor(weights, dtype=torch.float32)
+    for weight, stored in zip(weights, out):
+        if not torch.isfinite(stored):
+            raise RewardError(f"reward_weights: {weight!r} is not a finite number in float32; give finite weights")
+    return out
 
 
-def _values(name: str, out, n: int) -> torch.Tensor:
+def _values(name: str, out, prompts) -> torch.Tensor:
     """One function's answer as N float32 values, None as NaN (TRL: ``torch.tensor([r if r is not None else nan
-    ...], dtype=float32)``), or a ``RewardError`` saying what was wrong with it."""
+    ...], dtype=float32)``), or a ``RewardError`` saying what was wrong with it (a returned NaN, infinity or number
+    past float32's range among it)."""
+    n = len(prompts)
     if isinstance(out, torch.Tensor):
         out = out.tolist() if out.dim() == 1 else out
     if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__iter__"):
@@ -210,13 +255,24 @@ def _values(name: str, out, n: int) -> torch.Tensor:
                           "return one per completion (None to leave one out)")
     for j, value in enumerate(values):
         if value is None:
-            values[j] = torch.nan
+            continue
         elif isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
-            values[j] = float(value)
+            values[j] = _float(value)
         elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
             values[j] = float(value.item())
         else:
             raise RewardError(f"reward function {name} returned {type(value).__name__} {repr(value)[:40]} for "
                               f"completion {j}; return a number or None")
-    return torch.tensor(values, dtype=torch.float32)
+    stored = torch.tensor([torch.nan if v is None else v for v in values], dtype=torch.float32)
+    problem = value_problem(name, values, stored, prompts)
+    if problem:
+        raise RewardError(problem)
+    return stored
+
+
+def _float(value) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int past float64's range
+        return float("inf") if value > 0 else float("-inf")
 

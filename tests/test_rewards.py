@@ -1,4 +1,5 @@
-"""Reward functions: the built-ins on edge cases, naming them from a config, and ``score`` against TRL 1.16.
+"""Reward functions: the built-ins on edge cases, naming them from a config, and ``score`` against TRL 1.16; a
+reward that never returns, is cut short by a preemption, is not finite or calls ``sys.exit``: one line each.
 
 TRL's part: ``GRPOTrainer._calculate_rewards`` is called unbound on a stand-in holding the attributes it reads
 (``test_per_function_values_are_trls_own``, marked slow: importing TRL's trainer takes ~25 s here). The weighted
@@ -8,17 +9,26 @@ sum and the unscorable rows live inside ``_generate_and_score_completions`` with
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import os
 import random
+import signal
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
 
 from waypoint.errors import CheckpointError
+from waypoint.rewards import bounded
+from waypoint.rewards.bounded import Interrupted
+from waypoint.rewards.finite import group_problem
 from waypoint.rewards.functions import answer_match, completion_text, extract_answer, format_reward, length_penalty
 from waypoint.rewards.scoring import RewardError, resolve, reward_name, score
+from waypoint.run.preemption import PreemptionWatch
 
 
 def chat(text):
@@ -245,3 +255,133 @@ def test_per_function_values_are_trls_own():
     assert same(ours, theirs)
     assert same(rewards, trl_combine(theirs, torch.tensor(weights)))
     assert [reward_name(f) for f in funcs] == stand_in.reward_func_names
+
+
+# ---- bounded: a reward that never returns, a preemption while one runs ----
+
+def sleeps(prompts, completions, **kwargs):
+    time.sleep(3600)
+
+
+def spins(prompts, completions, **kwargs):
+    while True:  # pure Python: the GIL passes at each switch interval, signal handlers run between bytecodes
+        pass
+
+
+def swallows(prompts, completions, **kwargs):
+    try:
+        time.sleep(3600)
+    except BaseException:  # noqa: BLE001 (the cut too: the call still counts as too long)
+        return [1.0] * len(completions)
+
+
+async def awaits(prompts, completions, **kwargs):
+    await asyncio.sleep(3600)
+
+
+async def blocks(prompts, completions, **kwargs):
+    time.sleep(3600)  # blocks its event loop
+
+
+async def quick(prompts, completions, **kwargs):
+    return [0.5] * len(completions)
+
+
+@pytest.mark.parametrize("funcs, name", [([sleeps], "sleeps"), ([spins], "spins"), ([swallows], "swallows"),
+                                         ([quick, awaits], "awaits"), ([blocks, quick], "blocks")],
+                         ids=["sleep", "busy-loop", "swallows-the-cut", "async-await", "async-blocking"])
+def test_a_reward_that_does_not_return_is_cut_at_its_timeout(funcs, name):
+    started = time.monotonic()
+    with pytest.raises(RewardError) as e:
+        score(funcs, None, ["Write the letter a.", "q"], ["a", "b"], [[1], [2]], timeout=0.3)
+    assert time.monotonic() - started < 5
+    assert str(e.value).startswith(f"reward function {name} took longer than reward_timeout=0.3 s on 2 completions "
+                                   "(the first prompt: 'Write the letter a.')"), e.value
+    assert isinstance(e.value, CheckpointError) and "\n" not in str(e.value)
+    assert signal.getsignal(bounded.SIGNAL) in (signal.SIG_DFL, None)  # the call's handler is gone
+    assert score([quick], None, ["p"], ["a"], [[1]], timeout=0.3)[0].tolist() == [0.5]  # and the next call is fine
+
+
+def test_a_preemption_signal_while_a_reward_runs_interrupts_it():
+    """SIGTERM to this process as PreemptionWatch handles it in a run: the sleeping reward is cut at once, not at its
+    timeout, and ``Interrupted`` (not an error) tells the step to save and stop."""
+    watch = PreemptionWatch(["SIGTERM"])
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(Interrupted):
+            score([sleeps], None, ["p"], ["a"], [[1]], timeout=60, stop=lambda: watch.requested)
+        assert time.monotonic() - started < 5 and watch.received == "SIGTERM"
+    finally:
+        timer.cancel()
+        watch.restore()
+
+
+# ---- finite: a number that would train nothing ----
+
+def returns(*values):
+    def odd(prompts, completions, **kwargs):
+        return list(values)
+    return odd
+
+
+@pytest.mark.parametrize("values, says", [
+    ((1.0, float("nan")), "reward function odd returned nan for completion 1 (prompt 'q'); return a finite number, "
+                          "or None to leave the completion out"),
+    ((float("inf"), 1.0), "reward function odd returned inf for completion 0 (prompt 'Write the letter a.')"),
+    ((None, -float("inf")), "reward function odd returned -inf for completion 1"),
+    ((1e308, 0.0), "reward function odd returned 1e+308 for completion 0, past float32's range"),
+    ((torch.tensor(float("nan")), 0.0), "reward function odd returned nan for completion 0"),
+], ids=["nan", "inf", "-inf-beside-None", "past-float32", "nan-tensor"])
+def test_a_reward_that_is_not_finite_is_one_line(values, says):
+    with pytest.raises(RewardError) as e:
+        score([returns(*values)], None, ["Write the letter a.", "q"], ["a", "b"], [[1], [2]])
+    assert str(e.value).startswith(says) and "\n" not in str(e.value), e.value
+
+
+def test_weights_and_weighted_sums_that_are_not_finite_are_one_line():
+    funcs = [returns(3e38, None), returns(3e38, 1.0)]
+    with pytest.raises(RewardError, match=r"^reward_weights: nan is not a finite number"):
+        score(funcs, [float("nan"), 1.0], ["p", "q"], ["a", "b"], None)
+    with pytest.raises(RewardError, match=r"^reward_weights: the weighted sum of completion 0's rewards "
+                                          r"\(odd 3e\+38 x 1, odd 3e\+38 x 1\) is past float32's range \(prompt 'p'\)"):
+        score(funcs, None, ["p", "q"], ["a", "b"], None)
+    rewards, _ = score(funcs, [1e-3, 1.0], ["p", "q"], ["a", "b"], None)  # None stays TRL's NaN, left out of the sum
+    assert torch.isfinite(rewards).all()
+
+
+def test_group_statistics_that_overflow_are_one_line():
+    """Finite rewards whose group mean or spread overflows float32 would become advantages of 0."""
+    fine = torch.tensor([1.0, float("nan"), 3.0, 4.0, float("nan"), float("nan"), float("nan"), float("nan")])
+    assert all(group_problem(fine, 4, scale, str) is None for scale in ("group", "batch", "none"))
+    big = torch.tensor([1e20, -1e20, 0.0, 1.0, 1.0, 2.0, 3.0, 4.0])
+    assert group_problem(big, 4, "group", lambda g: f"'P{g}'").startswith(
+        "the rewards of prompt 'P0''s group (-1e+20 to 1e+20) overflow float32")
+    assert group_problem(big, 4, "none", str) is None  # no spread taken: the advantages are the differences
+    huge = torch.tensor([0.0, 0.0, 0.0, 0.0, 3e38, 3e38, 0.0, 0.0])  # group 1's mean
+    assert "prompt 'P1''s group (0 to 3e+38)" in group_problem(huge, 4, "none", lambda g: f"'P{g}'")
+    split = torch.tensor([1e19, 1e19, 1e19, 1e19, -1e19, -1e19, -1e19, -1e19])  # each group alike, the batch not
+    assert group_problem(split, 4, "group", str) is None
+    assert "the step's rewards (scale_rewards=batch)" in group_problem(split, 4, "batch", str)
+
+
+# ---- sys.exit in a user's reward: an error, never the run's exit status ----
+
+async def exits_later(prompts, completions, **kwargs):
+    sys.exit(0)
+
+
+def test_sys_exit_in_a_reward_is_an_error(user_dir):
+    def exits(prompts, completions, **kwargs):
+        sys.exit(0)
+    for func, name in ((exits, "exits"), (exits_later, "exits_later")):
+        with pytest.raises(RewardError, match=rf"^reward function {name} called sys.exit\(0\); return its values"):
+            score([func], None, ["p"], ["a"], [[1]], timeout=5)
+    (user_dir / "wp_exiting_rewards.py").write_text("import sys\nsys.exit(3)\n")
+    try:
+        with pytest.raises(RewardError, match=r"wp_exiting_rewards.f: importing wp_exiting_rewards called "
+                                              r"sys.exit\(3\)"):
+            resolve(["wp_exiting_rewards.f"])
+    finally:
+        sys.modules.pop("wp_exiting_rewards", None)
