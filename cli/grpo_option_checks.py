@@ -3,6 +3,7 @@ each checked on its own before the run loads anything, so a typo or a value out 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from waypoint.cli.option_checks import Check, Problem, boolean, integer, number, one_of, optional
@@ -23,9 +24,10 @@ def reward_funcs(v) -> str | None:
 
 
 def reward_weights(v) -> str | None:
-    if v is None or (isinstance(v, (list, tuple)) and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in v)):
+    if v is None or (isinstance(v, (list, tuple)) and all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                          and math.isfinite(w) for w in v)):
         return None
-    return "null (all 1) or a list of numbers, one per reward function"
+    return "null (all 1) or a list of finite numbers, one per reward function"
 
 
 def stop_strings(v) -> str | None:
@@ -46,6 +48,7 @@ def generation(v) -> str | None:
 GRPO: dict[str, tuple[bool, Check]] = {
     "reward_funcs": (True, reward_funcs),
     "reward_weights": (False, reward_weights),
+    "reward_timeout": (False, number(0, inclusive=False)),  # seconds one reward call may take
     "generation": (True, generation),
     "generation.num_generations": (True, integer(2)),
     "generation.max_completion_length": (True, integer(1)),

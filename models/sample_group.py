@@ -85,9 +85,11 @@ class _GroupCache(KVCache):
 def generate_group(model: torch.nn.Module, prompt: list[int], n: int, max_new_tokens: int,
                    sampling: Sampling = Sampling(), stop_ids: Iterable[int] = (), stop_strings: Sequence[str] | None = None,
                    decode: Callable[[list[int]], str] | None = None,
-                   generator: torch.Generator | None = None) -> list[list[int]]:
+                   generator: torch.Generator | None = None,
+                   interrupt: Callable[[], None] | None = None) -> list[list[int]]:
     """``n`` completions of ``prompt`` by ``model`` (each row's tokens, a stop token included); see the module's
-    docstring for the draws each row takes and how stop strings end a row (``decode``: token ids -> text)."""
+    docstring for the draws each row takes and how stop strings end a row (``decode``: token ids -> text).
+    ``interrupt``: called before each forward; what it raises abandons the group (a preemption)."""
     if not prompt:
         raise ValueError("generate_group: the prompt has no tokens")
     if n < 1 or max_new_tokens < 0:
@@ -105,6 +107,8 @@ def generate_group(model: torch.nn.Module, prompt: list[int], n: int, max_new_to
     was_training = model.training
     model.eval()
     try:
+        if interrupt is not None:
+            interrupt()
         prefill = KVCache(len(model.layers))
         logits = model(torch.tensor([prompt], device=device), cache=prefill)[:, -1].float().expand(n, -1)
         cache = _GroupCache(prefill, n, len(prompt) + max_new_tokens)
@@ -127,6 +131,8 @@ def generate_group(model: torch.nn.Module, prompt: list[int], n: int, max_new_to
                 tokens, seen = tokens[picked], seen[picked]
                 running = [running[i] for i in keep]
             seen[:, len(prompt) + step] = tokens
+            if interrupt is not None:
+                interrupt()
             logits = model(tokens[:, None], cache=cache)[:, -1].float()
     finally:
         model.train(was_training)

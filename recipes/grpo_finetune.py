@@ -11,7 +11,9 @@ and torchrun support as the other recipes, with what online RL adds:
   (``waypoint.models.sample_group``), deterministically from the run's seed and the step: the sampling generator is
   part of every step's recipe_state.pt, so a resumed run samples what the uninterrupted one sampled;
 - ``reward_funcs`` score them (``waypoint.rewards``: built-ins, or ``module.function`` from the working directory, TRL's
-  signature), ``reward_weights`` weigh them, and the rewards become group advantages (``loss.scale_rewards``);
+  signature), ``reward_weights`` weigh them, and the rewards become group advantages (``loss.scale_rewards``); each
+  reward call is bounded by ``reward_timeout`` seconds, and a preemption signal that arrives while the step samples
+  or scores drops its samples and saves the last whole step;
 - the loss is TRL's for ``loss.loss_type`` (dapo by default; grpo, bnpo, dr_grpo, cispo, sapo, luspo, vespo), per
   token or per sequence (``importance_sampling_level``, GSPO), clipped by ``epsilon``/``epsilon_high``; each sample
   batch serves ``num_iterations`` optimizer steps; ``beta`` > 0 adds the KL to the input model (for LoRA the base
@@ -64,7 +66,7 @@ from waypoint.training.data_order import iterate_batches, optimizer_steps_per_ep
 from waypoint.training.distributed import Distributed
 from waypoint.training.fsdp import shard_model
 from waypoint.training.grpo_loss import GRPOLossOptions
-from waypoint.training.grpo_step import GRPOStep, RolloutOptions, step_seed
+from waypoint.training.grpo_step import GRPOStep, Preempted, RolloutOptions, step_seed
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
 from waypoint.training.quantize import NF4Options, quantize_base
 from waypoint.training.run_data import run_data
@@ -75,6 +77,7 @@ LOSS_OPTIONS = [k for k in GRPOLossOptions.__dataclass_fields__
                 if k not in ("max_completion_length", "gradient_accumulation_steps", "steps_per_generation")]
 # beside waypoint.run.resume.BREAKING_KEYS: another adapter or base, a LoRA run resumed as a full one, another group size
 GRPO_BREAKING = ("lora", "quantize_base", "nf4", "generation.num_generations")
+REWARD_TIMEOUT_S = 120  # reward_timeout's default: one reward call that takes longer stops the run in one line
 
 
 def train(cfg: DictConfig, dist: Distributed) -> int:
@@ -180,7 +183,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     template = getattr(_origin(dataset), "prompt_format", None)
     step = GRPOStep(rollout, options, reward_funcs, reward_weights, tokenizer, stop_token_ids(tokenizer, template),
                     conversational=bool(getattr(_origin(dataset), "conversational", False)), device=device, dist=dist,
-                    loss_chunk=None if cfg.get("fused_loss", True) else 0)
+                    loss_chunk=None if cfg.get("fused_loss", True) else 0,
+                    reward_timeout=cfg.get("reward_timeout", REWARD_TIMEOUT_S))
     accumulate = cfg.gradient_accumulation_steps
     steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
                                                 cfg.max_steps_per_epoch)
@@ -226,6 +230,18 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     preemption = PreemptionWatch(cfg.preemption_signals)
     progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main)
     first_step, saved = global_step + 1, None
+    saved_step, whole = global_step, None  # the newest step on disk; (epoch, step in it) of the newest step trained
+
+    def preempted_exit() -> int:
+        saver.close()
+        progress.close()
+        if metrics:
+            metrics.close()
+        say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
+            "rerun the same command to resume")
+        if cfg.requeue and main:
+            requeue_slurm_job()
+        return PREEMPTED_EXIT_CODE
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=list,
@@ -234,9 +250,16 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             started = time.perf_counter()
             prompts = [next(batches)[1] for _ in range(accumulate)]
             # Sample and score (the policy as it is), then num_iterations optimizer steps on those samples.
-            rollouts, record = step.rollouts(model, prompts, step_seed(sampling))
+            before = sampling.get_state()
+            try:
+                rollouts, record = step.rollouts(model, prompts, step_seed(sampling), stop=lambda: preemption.requested)
+            except Preempted:  # a signal while it sampled or scored: nothing of it trained; save the last whole step
+                sampling.set_state(before)  # so that the resumed run draws this step's seed again
+                if global_step > saved_step:
+                    saved = save(*whole, final=False, preempted=True)
+                return preempted_exit()
             step.fill_fixed_logps(model, rollouts, reference)
-            global_step += 1
+            global_step, whole = global_step + 1, (epoch, step_in_epoch)
             losses, loss_metrics = [], []
             for iteration in range(options.num_iterations):
                 loss_value, logged = step.backward(model, rollouts)
@@ -257,9 +280,12 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             if main:
                 metrics.write(**record)
             if validation and validation.due(global_step, plan.total_steps):
-                held_out = step.evaluate(model, validation.dataset, cfg.seed)
+                try:
+                    held_out = step.evaluate(model, validation.dataset, cfg.seed, stop=lambda: preemption.requested)
+                except Preempted:  # the step is whole and saved below; its held-out reward goes unmeasured
+                    held_out = {}
                 record.update(held_out)
-                if main:
+                if main and held_out:
                     metrics.write(step=global_step, **held_out)
             progress.update(global_step, loss=f"{record['loss']:.4f}", reward=f"{record['reward']:.3f}",
                             len=f"{record['completions/mean_length']:.0f}", tok_s=f"{record['tokens_per_s']:.0f}",
@@ -270,17 +296,9 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             saver.check()
             preempted = dist.any(preemption.requested)
             if plan.save_due(global_step, step_in_epoch, preempted):
-                saved = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted)
+                saved, saved_step = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted), global_step
             if preempted and global_step < plan.total_steps:
-                saver.close()
-                progress.close()
-                if metrics:
-                    metrics.close()
-                say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
-                    "rerun the same command to resume")
-                if cfg.requeue and main:
-                    requeue_slurm_job()
-                return PREEMPTED_EXIT_CODE
+                return preempted_exit()
     saver.close()
     progress.close()
     if metrics:

@@ -1,7 +1,8 @@
 """recipes/grpo_finetune.py end to end: it writes the input's format (full) or a PEFT adapter and merged/ (LoRA), logs
 TRL's metric names, resumes bit-identically after a preemption or a SIGKILL during generation, between steps or during
-a save, refuses a bad reward function in one line with nothing lost, and two processes under torchrun train as one;
-the shipped tiny config learns its task on held-out prompts."""
+a save, refuses a bad reward function in one line with nothing lost (one that never returns, answers NaN or calls
+sys.exit too), saves the last whole step when preempted while a reward runs, and two processes under torchrun train as
+one; the shipped tiny config learns its task on held-out prompts."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ import torch
 
 from recipes.grpo_finetune import main as grpo_finetune
 from tests.conftest import ROOT, sigterm_at_step
+from tests.test_dpo_bad_input import error_lines
 from waypoint.checkpointers.commit import verify
+from waypoint.training.distributed import Distributed
+from waypoint.training.grpo_loss import GRPOLossOptions
+from waypoint.training.grpo_step import GRPOStep, Preempted, RolloutOptions, step_seed
 
 FAST = ["epochs=1", "max_steps_per_epoch=4", "validation.every_n_steps=2", "save_every_n_steps=2",
         "keep_last_n_checkpoints=null", "progress=off"]
@@ -179,6 +184,76 @@ def test_a_reward_function_given_a_column_the_data_lacks_is_one_line(tmp_path, c
     assert run("tiny_grpo", tmp_path / "out", "reward_funcs=[answer_match]", "validation=null") != 0
     err = capsys.readouterr().err
     assert "reward function answer_match raised" in err and "answer" in err and "Traceback" not in err, err
+
+
+def test_a_preemption_while_a_reward_runs_saves_the_last_whole_step(tmp_path, monkeypatch, capsys):
+    """SIGTERM while step 2's reward runs, which would take a minute more: the reward is cut short at once, step 2's
+    samples are dropped (its seed drawn again on resume), step 1 is saved and the run exits with the preemption code."""
+    (tmp_path / "slow_rewards_b.py").write_text(
+        "import os, signal, time\n"
+        "from waypoint.assets.tiny_grpo_rewards import letter_share as share\n"
+        "calls = 0\n"
+        "def letter_share(prompts, completions, completion_ids, **kw):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(60)\n"
+        "        open('slept', 'w').close()\n"
+        "    return share(prompts, completions, completion_ids, **kw)\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    code = run("tiny_grpo", out, "reward_funcs=[slow_rewards_b.letter_share]", "validation=null",
+               "max_steps_per_epoch=2", "save_every_n_steps=null")
+    assert code == 75, capsys.readouterr().err[-2000:]
+    assert "stopped by SIGTERM at step 1" in capsys.readouterr().out
+    assert [p.name for p in out.glob("step_*")] == ["step_1"] and verify(out / "step_1").ok
+    assert not (tmp_path / "slept").exists()
+    state = torch.load(out / "step_1" / "recipe_state.pt", weights_only=True)
+    one_draw = torch.Generator().manual_seed(1234)  # the config's seed, and step 1's draw only
+    step_seed(one_draw)
+    assert state["global_step"] == 1 and torch.equal(state["sampling_rng"], one_draw.get_state())
+
+
+def test_a_preemption_while_sampling_drops_the_step_before_its_other_groups_and_rewards():
+    """The step's part (``GRPOStep.rollouts``), with an engine in the policy's place: a signal after the second group
+    stops the sampling there (within a group the policy's sampler checks before each token:
+    tests/test_sample_group.py) and no reward runs."""
+    signalled, sampled, scored = [], [], []
+
+    def engine(prompt_ids, n, generator):
+        sampled.append(prompt_ids)
+        if len(sampled) == 2:
+            signalled.append("SIGTERM")
+        return [[3, 4]] * n
+
+    step = GRPOStep(RolloutOptions(num_generations=2), GRPOLossOptions(), [lambda **kw: scored.append(1)], None,
+                    tokenizer=None, stop_ids=[], conversational=False, device=torch.device("cpu"), dist=Distributed(),
+                    engine=engine)
+    items = [{"prompt_ids": [1, i], "index": i, "prompt": "p", "columns": {}} for i in range(4)]
+    with pytest.raises(Preempted):
+        step.rollouts(None, [items[:2], items[2:]], seed=0, stop=lambda: bool(signalled))
+    assert len(sampled) == 2 and not scored
+
+
+@pytest.mark.parametrize("body, more, says", [
+    ("time.sleep(60)", ["reward_timeout=0.5"], "reward function bad took longer than reward_timeout=0.5 s on "),
+    ("return [float('nan')] * len(completions)", [], "reward function bad returned nan for completion 0 (prompt '"),
+    ("sys.exit(0)", [], "reward function bad called sys.exit(0); return its values"),
+], ids=["never-returns", "nan", "sys-exit"])
+def test_a_reward_that_cannot_be_trained_on_stops_in_one_line_before_any_update(body, more, says, tmp_path,
+                                                                                 monkeypatch, capsys, request):
+    """Each used to hang forever, train nothing and report done, or end the run with exit status 0 and no line."""
+    module = f"bad_rewards_{request.node.callspec.id.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(f"import sys, time\ndef bad(prompts, completions, **kw):\n    {body}\n")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    code = run("tiny_grpo", out, f"reward_funcs=[{module}.bad]", "validation=null", "max_steps_per_epoch=1", *more)
+    printed = capsys.readouterr()
+    err = error_lines(printed.err)
+    assert code == 1 and len(err) == 1 and err[0].startswith(f"error: {says}"), err
+    assert "Traceback" not in printed.err and "done:" not in printed.out
+    assert not list(out.glob("step_*"))
 
 
 @pytest.mark.slow

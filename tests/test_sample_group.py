@@ -104,3 +104,27 @@ def test_edges(model):
     generate_group(model, PROMPT, 2, 2)
     assert model.training  # the mode is restored
     model.eval()
+
+
+def test_interrupt_is_called_before_each_forward_and_what_it_raises_abandons_the_group(model):
+    """A preemption mid-group (``waypoint.training.grpo_step``): the group stops at the next token, not its last."""
+    calls, forwards = [], []
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
+
+    class Preempted(Exception):
+        pass
+
+    def interrupt():
+        calls.append(1)
+        if len(calls) == 3:
+            raise Preempted
+    try:
+        with pytest.raises(Preempted):
+            generate_group(model, PROMPT, 2, NEW, SAMPLED, generator=seeded(), interrupt=interrupt)
+        assert len(forwards) == 2  # the prompt and one token; the third forward never ran
+        calls.clear()
+        assert generate_group(model, PROMPT, 2, 4, SAMPLED, generator=seeded(), interrupt=lambda: calls.append(1)) \
+            == generate_group(model, PROMPT, 2, 4, SAMPLED, generator=seeded())
+        assert len(calls) == 4  # the prompt's forward and each token's but the last
+    finally:
+        hook.remove()

@@ -11,6 +11,12 @@ Under FSDP2 the policy samples with its parameters gathered whole on every rank 
 rank generates its own prompts' completions, forwards of different numbers, with no collective among them. The
 rewards are gathered from every rank, as TRL gathers them, for the advantages ``scale_rewards: batch`` needs and for
 the logged metrics; the rest of the step is each rank's micro-batches, ``accumulate`` of them, as in SFT.
+
+Preemption: sampling and scoring take ``stop`` (the recipe's "a preemption signal arrived"), checked before every
+token and polled while a reward function runs (``waypoint.rewards.bounded``). Once it is true on a rank, that rank
+drops the step's samples; every rank then learns it at the collective after scoring (``dist.any``) and raises
+``Preempted``, with nothing of the step trained, so the caller saves the last whole step. Each reward call is also
+bounded by ``reward_timeout`` seconds; past it the run stops in one line naming the function.
 """
 
 from __future__ import annotations
@@ -24,12 +30,19 @@ import torch
 from waypoint.models.fused_loss import IGNORE_INDEX
 from waypoint.models.generate import Sampling
 from waypoint.models.sample_group import generate_group
-from waypoint.rewards.scoring import reward_name, score
+from waypoint.rewards.bounded import Interrupted
+from waypoint.rewards.finite import group_problem, prompt_excerpt
+from waypoint.rewards.scoring import RewardError, reward_name, score
 from waypoint.training.fsdp import gathered, reshard
 from waypoint.training.grpo_loss import GRPOLossOptions, group_advantages, grpo_loss, rollout_metrics, weighted_rewards
 from waypoint.training.loss import backward_with_balance
 
 _MIX = 0x9E3779B97F4A7C15  # an odd 64-bit constant: prompt indices far apart in seed space
+
+
+class Preempted(Exception):
+    """A preemption signal (on this rank or another) cut the step's sampling or scoring short: nothing of it was
+    trained; save the last whole step and stop."""
 
 
 def step_seed(generator: torch.Generator) -> int:
@@ -81,45 +94,64 @@ class GRPOStep:
     """A GRPO step's parts, set up once per run; :meth:`rollouts` samples and scores, :meth:`train` takes the
     optimizer steps. ``engine``: None (sample with the policy, ``models.sample_group``), or a callable
     ``engine(prompt_ids, n, generator) -> list[list[int]]`` in its place (an external engine such as vLLM, given the
-    policy's weights after each step by the caller)."""
+    policy's weights after each step by the caller). ``reward_timeout``: the seconds one reward call may take (None:
+    no bound)."""
 
     def __init__(self, rollout: RolloutOptions, loss: GRPOLossOptions, reward_funcs: list[Callable],
                  reward_weights, tokenizer, stop_ids: list[int], conversational: bool, device: torch.device, dist,
-                 loss_chunk: int | None = None, engine=None) -> None:
+                 loss_chunk: int | None = None, engine=None, reward_timeout: float | None = None) -> None:
         self.rollout, self.options, self.funcs, self.weights = rollout, loss, reward_funcs, reward_weights
         self.names = [reward_name(f) for f in reward_funcs]
         self.tokenizer, self.stop_ids, self.conversational = tokenizer, list(stop_ids), conversational
         self.device, self.dist, self.loss_chunk, self.engine = device, dist, loss_chunk, engine
+        self.reward_timeout = reward_timeout
 
     # Sampling and scoring ------------------------------------------------------------------------------------------
 
-    def _sample(self, model, prompt_ids: list[int], generator: torch.Generator) -> list[list[int]]:
+    def _sample(self, model, prompt_ids: list[int], generator: torch.Generator, stop) -> list[list[int]]:
         r = self.rollout
+        interrupt = _interrupter(stop)
         if self.engine is not None:
+            if interrupt is not None:
+                interrupt()
             return self.engine(prompt_ids, r.num_generations, generator)
         return generate_group(model, prompt_ids, r.num_generations, r.max_completion_length, r.sampling, self.stop_ids,
-                              list(r.stop_strings), self._text if r.stop_strings else None, generator)
+                              list(r.stop_strings), self._text if r.stop_strings else None, generator, interrupt)
 
     def _text(self, ids: list[int]) -> str:
         stops = set(self.stop_ids) | {self.tokenizer.pad_id}
         return self.tokenizer.decode([t for t in ids if t not in stops])
 
-    def rollouts(self, model, micro_batches: list[list[dict]], seed: int) -> tuple[list[Rollout], dict[str, float]]:
+    def _sample_and_score(self, model, items: list[dict], seed: int, stop) -> tuple[list[list[int]], torch.Tensor]:
+        """(every item's ``num_generations`` completions, their rewards per function); ``Preempted`` on every rank
+        once ``stop()`` was true on one while it sampled or scored."""
+        n, interrupted = self.rollout.num_generations, False
+        completions, per_func = [], torch.zeros(0, len(self.funcs))
+        try:
+            with gathered(model) if self.dist.enabled else contextlib.nullcontext():
+                completions = [c for item in items for c in self._sample(model, item["prompt_ids"],
+                                                                          group_generator(seed, item["index"]), stop)]
+            if items:
+                texts = [self._text(ids) for ids in completions]
+                shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+                columns = {key: [item["columns"].get(key) for item in items for _ in range(n)]
+                           for key in {k for item in items for k in item["columns"]}}
+                _, per_func = score(self.funcs, self.weights, [item["prompt"] for item in items for _ in range(n)],
+                                    shown, completions, columns, timeout=self.reward_timeout, stop=stop)
+        except Interrupted:
+            interrupted = True
+        if self.dist.any(interrupted):
+            raise Preempted
+        return completions, per_func
+
+    def rollouts(self, model, micro_batches: list[list[dict]], seed: int,
+                 stop: Callable[[], bool] | None = None) -> tuple[list[Rollout], dict[str, float]]:
         """(one :class:`Rollout` per micro-batch of prompt items, TRL's reward and completion metrics of the whole
-        step) for the step whose seed is ``seed``."""
+        step) for the step whose seed is ``seed``; ``Preempted`` once ``stop()`` is true before the step is scored."""
         r, n = self.rollout, self.rollout.num_generations
         items = [item for batch in micro_batches for item in batch]
-        with gathered(model) if self.dist.enabled else contextlib.nullcontext():
-            completions = [c for item in items
-                           for c in self._sample(model, item["prompt_ids"], group_generator(seed, item["index"]))]
-        texts = [self._text(ids) for ids in completions]
+        completions, per_func = self._sample_and_score(model, items, seed, stop)
         terminated = torch.tensor([bool(ids) and (ids[-1] in self.stop_ids or self._stopped(ids)) for ids in completions])
-        prompts = [item["prompt"] for item in items for _ in range(n)]
-        shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
-        columns = {}
-        for key in {k for item in items for k in item["columns"]}:
-            columns[key] = [item["columns"].get(key) for item in items for _ in range(n)]
-        _, per_func = score(self.funcs, self.weights, prompts, shown, completions, columns)
         lengths = torch.tensor([len(ids) for ids in completions])
 
         # every rank's rewards, in rank order (TRL's gather), for the advantages and the metrics
@@ -128,6 +160,12 @@ class GRPOStep:
         all_per_func = everyone[:, : len(self.funcs)]
         weights = None if self.weights is None else torch.tensor(list(self.weights), dtype=torch.float32)
         rewards = weighted_rewards(all_per_func, weights)
+        first = self.dist.rank * len(items)  # this rank's first group (every rank samples as many)
+        problem = group_problem(rewards, n, self.options.scale_rewards,
+                                lambda g: prompt_excerpt(items[g - first]["prompt"]) if 0 <= g - first < len(items)
+                                else f"{g} of the step (rank {g // len(items)}'s)")
+        if problem:
+            raise RewardError(problem)
         advantages, zero_std = group_advantages(rewards, n, self.options.scale_rewards)
         metrics = rollout_metrics(all_per_func, self.names, everyone[:, -2], everyone[:, -1].bool(), weights)
         metrics.update(zero_std)
@@ -157,23 +195,13 @@ class GRPOStep:
                 labels[row, len(p): len(p) + len(c)] = torch.tensor(c, dtype=torch.long)
         return Rollout(tokens, labels, advantages.clone())
 
-    def evaluate(self, model, prompts, seed: int) -> dict[str, float]:
+    def evaluate(self, model, prompts, seed: int, stop: Callable[[], bool] | None = None) -> dict[str, float]:
         """``val_reward`` (and ``val_rewards/<func>/mean``, ``val_completions/mean_length``): the mean reward of
         ``num_generations`` completions of every held-out prompt, sampled as in training from a generator fixed for
-        the run (each evaluation sees the same draws), each rank its share of the prompts."""
+        the run (each evaluation sees the same draws), each rank its share of the prompts; ``Preempted`` as
+        :meth:`rollouts`."""
         items = [prompts[i] for i in range(self.dist.rank, len(prompts), self.dist.world_size)]
-        n = self.rollout.num_generations
-        with gathered(model) if self.dist.enabled else contextlib.nullcontext():
-            completions = [c for item in items for c in self._sample(model, item["prompt_ids"],
-                                                                      group_generator(seed, item["index"]))]
-        per_func = torch.zeros(0, len(self.funcs))
-        if items:
-            texts = [self._text(ids) for ids in completions]
-            shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
-            columns = {key: [item["columns"].get(key) for item in items for _ in range(n)]
-                       for key in {k for item in items for k in item["columns"]}}
-            _, per_func = score(self.funcs, self.weights, [item["prompt"] for item in items for _ in range(n)], shown,
-                                completions, columns)
+        completions, per_func = self._sample_and_score(model, items, seed, stop)
         lengths = torch.tensor([float(len(ids)) for ids in completions])
         per_func = torch.cat(self.dist.all_gather(per_func))
         lengths = torch.cat(self.dist.all_gather(lengths))
@@ -224,6 +252,17 @@ class GRPOStep:
             total += float(loss.detach()) / w
             logged.append(metrics)
         return self.dist.sum(total), reduce_metrics([m for ms in self.dist.all_gather(logged) for m in ms])
+
+
+def _interrupter(stop: Callable[[], bool] | None) -> Callable[[], None] | None:
+    """What sampling calls before each token: ``Interrupted`` once ``stop()`` is true."""
+    if stop is None:
+        return None
+
+    def interrupt() -> None:
+        if stop():
+            raise Interrupted
+    return interrupt
 
 
 def reduce_metrics(records: list[dict[str, float]]) -> dict[str, float]:
