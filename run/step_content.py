@@ -2,9 +2,10 @@
 
 ``model_step``: a full fine-tune's model, optimizer and recipe state; one process writes the model in the
 input's format, torchrun writes DCP shards (and, for the final step, the model in the input's format as well).
-``adapter_step``: LoRA's adapters in PEFT's format with their optimizer and recipe state, and the merged model
-in ``merged/`` when asked. With ``verify`` (an :class:`ExportReload`) the model in the input's format is read back
-into a fresh model before the step is committed (``ExportCheck``), and the line it prints goes to ``report``.
+``adapter_step``: LoRA's adapters in PEFT's format with their optimizer and recipe state, the tokenizer with the chat
+template the run trains with beside them (``write_tokenizer``), and the merged model in ``merged/`` when asked. With
+``verify`` (an :class:`ExportReload`) the model in the input's format is read back into a fresh model before the
+step is committed (``ExportCheck``), and the line it prints goes to ``report``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from waypoint.models.lora import MergedState, adapter_state, lora_modules
 from waypoint.models.quantized_base import is_quantized_base
 from waypoint.run.recipe_state import RECIPE_STATE_FILE, RecipeState, optimizer_state
 from waypoint.run.savers import StepContent
+from waypoint.text.inference_bundle import TOKENIZER_FILES
 
 MERGED_DIR = "merged"
 
@@ -124,6 +126,7 @@ def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, convert
     def writer(state: Mapping[str, Any]) -> Callable[[StagedDir], None]:
         def write(stage: StagedDir) -> None:
             write_adapter(stage, model, converter, base_name, max_lora_rank, layout=layout, adapter=state["adapter"])
+            write_tokenizer(stage, checkpointer)
             stage.write(RECIPE_STATE_FILE, lambda f: torch.save(state["recipe_state"], f))
             if merge:
                 with GatheredState(model_state) if dist.enabled else nullcontext({**model_state, **state["adapter"]}) as whole:
@@ -132,6 +135,18 @@ def adapter_step(model, optimizer, recipe: RecipeState, checkpointer, *, convert
         return write
     return StepContent({"adapter": adapter, "recipe_state": recipe.as_dict()}, writer,
                        serve=(lambda: serve_gathers(model_state)) if merge else None)
+
+
+def write_tokenizer(stage: StagedDir, checkpointer) -> None:
+    """Beside an adapter, the input's tokenizer files and, where the run trains with another chat template than the
+    input's own, that one (``chat_template.jinja`` from ``output_files``), as ``merged/`` gets them: transformers'
+    ``AutoTokenizer.from_pretrained(step_N)``, what PEFT and vLLM users load with the adapter, prompts as it trained."""
+    files = {name: data for name, data in checkpointer.output_files.items() if name in TOKENIZER_FILES}
+    for path in checkpointer.side_files(skip=frozenset(files)):
+        if path.name in TOKENIZER_FILES:
+            stage.copy_file(path)
+    for name, data in files.items():
+        stage.write_bytes(name, data)
 
 
 def write_gathered(stage: StagedDir, checkpointer, model_state: Mapping[str, Any], check: ExportCheck | None = None) -> None:

@@ -2,9 +2,10 @@
 
     python scripts/merge_lora.py BASE_DIR ADAPTER_DIR OUT_DIR
 
-OUT_DIR gets the base's format, file names and key -> file map (and its tokenizer and other side files),
-with every adapted weight replaced by W + (lora_alpha / r) * B @ A (computed in fp32, cast back to W's
-dtype), committed atomically with a MANIFEST.json. OUT_DIR must not exist yet, nor be or lie inside BASE_DIR
+OUT_DIR gets the base's format, file names and key -> file map (and its tokenizer and other side files; the
+adapter's ``chat_template.jinja``, the template a LoRA run trained it with, where it has one), with every adapted
+weight replaced by W + (lora_alpha / r) * B @ A (computed in fp32, cast back to W's dtype), committed atomically with
+a MANIFEST.json. OUT_DIR must not exist yet, nor be or lie inside BASE_DIR
 or ADAPTER_DIR, and is a local directory (a URL there is refused). An adapter whose tensors do not fit the base is
 refused in one line; one whose adapter_config.json names another base (``base_model_name_or_path``, or the model
 class PEFT records) is merged with a ``warning:`` line on stderr.
@@ -29,6 +30,7 @@ from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
 from waypoint.cli.hub_source import base_model_name  # noqa: E402
 from waypoint.models.lora import merge_state_dict  # noqa: E402
 from waypoint.run.output_dir import local_output, refuse_overlap  # noqa: E402
+from waypoint.text.inference_bundle import TEMPLATE_FILE  # noqa: E402
 
 
 def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -46,6 +48,9 @@ def merge(base_dir: str | os.PathLike, adapter_dir: str | os.PathLike, out_dir: 
     if converter.tied_embeddings and any(k.startswith(converter.native_head_key.rsplit(".", 1)[0] + ".lora_") for k in adapter):
         raise CheckpointError("the adapter changes the output head, which this base ties to the embedding")
     merged = merge_state_dict(base, adapter, float(config["lora_alpha"]) / int(config["r"]))
+    template = Path(adapter_dir) / TEMPLATE_FILE
+    if template.is_file():  # the merged model prompted as the adapter trained, as a LoRA run's merged/ is
+        checkpointer.output_files[TEMPLATE_FILE] = template.read_bytes()
     return checkpointer.save_to({"model": merged}, out_dir)
 
 

@@ -218,7 +218,9 @@ def test_stop_and_resume_is_bit_exact(tmp_path, reference):
     assert stopped.returncode == 75, stopped.stderr[-3000:]
     assert sorted(p.name for p in out.glob("step_*")) == ["step_4", "step_6"]
     assert not (out / "step_6" / "merged").exists()  # save_merged: final
-    assert sorted(p.name for p in (out / "step_6").iterdir()) == ["MANIFEST.json", ADAPTER_CONFIG, ADAPTER_WEIGHTS, "recipe_state.pt"]
+    assert sorted(p.name for p in (out / "step_6").iterdir()) == ["MANIFEST.json", ADAPTER_CONFIG, ADAPTER_WEIGHTS,
+                                                                  "chat_template.jinja", "recipe_state.pt", "tokenizer.json",
+                                                                  "tokenizer_config.json"]
     resumed = run_lora(out, *BASE)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step_6 (epoch 0, sample 48/64)" in resumed.stdout
@@ -253,10 +255,39 @@ def test_recipe_output_is_peft_and_transformers_ready(reference, tokens):
     out = reference / "offline_merge"
     result = run_script("merge_lora", [str(source), str(final), str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
-    # the same files but the prompt template: an adapter directory does not carry it (yet), the run's merged/ does
-    assert sorted(os.listdir(out)) == sorted(set(os.listdir(merged)) - {"chat_template.jinja"})
+    # the same files, the prompt template too: the adapter directory carries it
+    assert sorted(os.listdir(out)) == sorted(os.listdir(merged))
+    assert (out / "chat_template.jinja").read_bytes() == (merged / "chat_template.jinja").read_bytes()
     mine, theirs = hf_weights(out), hf_weights(merged)
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_the_adapter_directory_carries_the_tokenizer_and_the_chat_template_the_run_trained_with(tmp_path):
+    """Conversations rendered with the built-in chatml (the tiny base has no template): the step's adapter directory
+    holds the tokenizer and that template, as its merged/ does, so transformers' AutoTokenizer on the adapter directory
+    (what PEFT and vLLM users load beside the adapter) prompts as the run trained (it held no tokenizer: the base's
+    template, here none); scripts/merge_lora.py passes the adapter's template on to what it merges."""
+    from transformers import AutoTokenizer
+
+    from waypoint.text.chat_template import BUILTIN_TEMPLATES
+
+    out = tmp_path / "run"
+    result = run_lora(out, BASE[0], f"dataset.source={ROOT / 'assets/tiny_chat.jsonl'}", "dataset.template=chatml",
+                      "dataset._target_=waypoint.training.chat_dataset.ChatDataset", "dataset.max_seq_len=320",
+                      "epochs=1", "max_steps_per_epoch=1", "lora.targets=[q_proj,v_proj]")
+    assert result.returncode == 0, result.stderr[-3000:]
+    step = out / "step_1"
+    assert verify(step).ok
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(os.listdir(step))
+    assert not (step / "config.json").exists() and not (step / "generation_config.json").exists()  # an adapter, no model
+    adapter, merged = AutoTokenizer.from_pretrained(step), AutoTokenizer.from_pretrained(step / "merged")
+    assert adapter.chat_template == merged.chat_template == BUILTIN_TEMPLATES["chatml"]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert adapter.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        merged.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    result = run_script("merge_lora", [str(ROOT / "assets/tiny_llama"), str(step), str(tmp_path / "offline")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "offline" / "chat_template.jinja").read_text() == BUILTIN_TEMPLATES["chatml"]
 
 
 @pytest.mark.slow

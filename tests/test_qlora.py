@@ -150,7 +150,8 @@ def test_qlora_recipe_resumes_bit_exactly_and_merges_from_the_full_precision_bas
     assert run(base, tmp_path / "stopped", targets, stop_at=3) == 75
     step_3 = tmp_path / "stopped/step_3"
     assert sorted(p.name for p in step_3.iterdir()) == ["MANIFEST.json", "adapter_config.json", "adapter_model.safetensors",
-                                                        "recipe_state.pt"]  # the 4-bit base is re-derived, never saved
+                                                        "chat_template.jinja", "recipe_state.pt", "tokenizer.json",
+                                                        "tokenizer_config.json"]  # the 4-bit base is re-derived, never saved
     assert run(base, tmp_path / "stopped", targets) == 0
     final, expected = tmp_path / "stopped/step_6", tmp_path / "straight/step_6"
     index = "model.safetensors.index.json"  # the merged model: the input's files and key -> file map

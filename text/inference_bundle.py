@@ -1,7 +1,8 @@
 """What a fine-tuned chat model needs beside its weights to stop where users expect: a ``generation_config.json``
 whose ``eos_token_id`` includes the chat template's end-of-turn token (Llama 3's ``<|eot_id|>``, ChatML's
 ``<|im_end|>``, Gemma's ``<end_of_turn>``), which transformers' ``generate`` and vLLM stop at. The tokenizer files
-and the template travel with every checkpoint as the input's side files."""
+and the template travel with every checkpoint as the input's side files, and beside every LoRA adapter
+(``TOKENIZER_FILES``), where PEFT and vLLM users load the tokenizer from."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from waypoint.text.stop_tokens import end_of_turn
 
 GENERATION_CONFIG = "generation_config.json"
 TEMPLATE_FILE = "chat_template.jinja"  # transformers reads it before tokenizer_config.json's chat_template
+# what transformers' AutoTokenizer (and AutoProcessor's chat template) reads from a directory, as its save_pretrained
+# writes them: the files a LoRA adapter's directory gets from the input, as PEFT users put them there
+TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                             "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", TEMPLATE_FILE, "chat_template.json"})
 
 
 def generation_config(checkpoint_dir: str | Path, tokenizer, template: ChatTemplate) -> tuple[bytes, str] | None:
