@@ -63,12 +63,13 @@ def rules(args: ModelArgs) -> list[Rule]:
 
 
 def layouts(args: ModelArgs) -> dict[str, list[Rule]]:
+    # dense first: what a model written without a source checkpoint takes (MXFP4 blocks need a quantization_config)
     return {
+        "dense": [Rule(EXPERTS + "gate_up_proj", (MOE + "w1", MOE + "w3"), Chain(Transpose((1, 2)), Interleave(2, dim=1))),
+                  Rule(EXPERTS + "down_proj", MOE + "w2", Transpose((1, 2)))],
         "mxfp4": [Rule((EXPERTS + "gate_up_proj_blocks", EXPERTS + "gate_up_proj_scales"), (MOE + "w1", MOE + "w3"),
                        Chain(MXFP4(), Interleave(2, dim=1))),
                   Rule((EXPERTS + "down_proj_blocks", EXPERTS + "down_proj_scales"), MOE + "w2", MXFP4())],
-        "dense": [Rule(EXPERTS + "gate_up_proj", (MOE + "w1", MOE + "w3"), Chain(Transpose((1, 2)), Interleave(2, dim=1))),
-                  Rule(EXPERTS + "down_proj", MOE + "w2", Transpose((1, 2)))],
     }
 
 

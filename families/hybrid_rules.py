@@ -74,6 +74,8 @@ def hybrid_args(cfg: HFConfig, model_type: str) -> dict[str, Any]:
 def hybrid_fields(args: ModelArgs) -> dict[str, Any]:
     """The config.json fields ``hybrid_args`` reads (after ``common_fields``)."""
     rope = dict(rope_fields(args), partial_rotary_factor=args.partial_rotary_factor)
+    if args.mrope_section is not None:  # Qwen3.5's, as its releases write it (interleaved: the only mRoPE read)
+        rope.update(mrope_section=list(args.mrope_section), mrope_interleaved=True)
     return {"hidden_act": args.activation, "rope_parameters": rope, "partial_rotary_factor": args.partial_rotary_factor,
             "layer_types": [LINEAR if i in args.linear_attention_layers else FULL for i in range(args.n_layers)],
             "linear_num_key_heads": args.linear_key_heads, "linear_num_value_heads": args.linear_value_heads,

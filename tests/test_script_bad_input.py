@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from scripts import convert, download, inspect as inspect_script, make_tiny_vlm, merge_lora, plot_metrics
+from scripts import convert, download, inspect as inspect_script, make_tiny, make_tiny_vlm, merge_lora, plot_metrics
 from tests.conftest import ROOT
 from tests.s3_server import free_port
 
@@ -113,7 +113,7 @@ class Setup:
 
 
 SCRIPTS = {"inspect": inspect_script, "convert": convert, "merge_lora": merge_lora, "download": download,
-           "plot_metrics": plot_metrics, "make_tiny_vlm": make_tiny_vlm}
+           "plot_metrics": plot_metrics, "make_tiny_vlm": make_tiny_vlm, "make_tiny": make_tiny}
 
 # (case id, setup -> argv (the script's name first), the one error line's expected regex)
 CASES = [
@@ -181,6 +181,11 @@ CASES = [
     ("make_tiny_vlm_into_a_folder_with_files", lambda s: ["make_tiny_vlm", str(TINY)],
      r"tiny_llama: not empty; name a new or empty folder \(see "),
     ("make_tiny_vlm_seed_not_a_number", lambda s: ["make_tiny_vlm", "out", "--seed", "x"], r"argument --seed: invalid int value: 'x'"),
+    ("make_tiny_unknown_kind", lambda s: ["make_tiny", "qwen35", "out"],
+     r"argument KIND: unknown kind 'qwen35'; did you mean qwen3_5, qwen3, qwen3_5_vl\? \(--list names them all\)"),
+    ("make_tiny_without_a_folder", lambda s: ["make_tiny", "llama"], r"name a KIND and an OUT folder \(--list names the kinds\)"),
+    ("make_tiny_into_a_folder_with_files", lambda s: ["make_tiny", "llama", str(TINY)], r"tiny_llama: not empty; name a new or empty folder"),
+    ("make_tiny_seed_not_a_number", lambda s: ["make_tiny", "llama", "out", "--seed", "x"], r"argument --seed: invalid int value: 'x'"),
     ("convert_bad_shard_size", lambda s: ["convert", str(TINY), "out", "--to", "hf", "--max-shard-size", "0"],
      r"argument --max-shard-size: invalid size value: '0' \(see "),
 ]
