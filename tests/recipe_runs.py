@@ -3,8 +3,9 @@
 In the test's own process (``recipes/NAME.py``'s ``main(argv)``) wherever that is the same run: a child Python
 pays about 3 s of imports and start-up per run, most of a tiny run's time. ``main`` is built to be called so (it
 puts back the signal handlers it installs, reports bad input as one line and returns the exit status), and a
-signal fault is a real signal to this process. A child process only where the run must really die (a SIGKILL
-fault), needs process-wide limits (``preexec_fn``) or another working directory.
+signal fault is a real signal to this process. A process of its own (forked with the recipes already imported:
+``tests/launch.py``) only where the run must really die (a SIGKILL fault), needs process-wide limits
+(``preexec_fn``) or another working directory.
 """
 
 from __future__ import annotations
@@ -13,16 +14,11 @@ import contextlib
 import importlib
 import io
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from tests.faults import injected, kills
-
-ROOT = Path(__file__).resolve().parents[1]
-RECIPES = {"full": "full_finetune", "lora": "lora_finetune", "dpo": "dpo_finetune", "grpo": "grpo_finetune"}
+from tests.launch import RECIPES, launch
 
 
 @dataclass
@@ -54,17 +50,15 @@ def in_process(main: Callable[[list[str]], int], argv: list[str], fault=None, en
     return Finished(code, out.getvalue(), err.getvalue())
 
 
-def run_recipe(recipe: str, argv: list[str], *, fault=None, env=None, preexec_fn=None, cwd=None,
+def run_recipe(recipe: str, argv: list[str], *, fault=None, env=None, preexec_fn=None, cwd=None, processes: int = 1,
                timeout: int = 300) -> Finished:
-    """``recipes/{full_finetune,lora_finetune,dpo_finetune}.py`` (``recipe``: full, lora or dpo) with ``argv``;
-    ``fault``: ``[MODE, A, B]`` of ``tests/faults.py``."""
-    if not (kills(fault or []) or preexec_fn or cwd):
+    """``recipes/{full,lora,dpo,grpo}_finetune.py`` (``recipe``: full, lora, dpo or grpo) with ``argv``;
+    ``fault``: ``[MODE, A, B]`` of ``tests/faults.py``. A run that must die, needs process-wide settings or runs
+    as several ranks (``processes``, as torchrun starts them) runs in processes forked for it (``tests/launch.py``)."""
+    if not (kills(fault or []) or preexec_fn or cwd or processes > 1):
         return in_process(importlib.import_module(f"recipes.{RECIPES[recipe]}").main, list(argv), fault, env)
-    script = [str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [str(ROOT / f"recipes/{RECIPES[recipe]}.py")]
-    done = subprocess.run([sys.executable, *script, *argv], cwd=cwd or ROOT, capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=preexec_fn, start_new_session=True,  # a group of its own to kill
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "INTERRUPT_RECIPE": recipe, **(env or {})})
-    return Finished(done.returncode, done.stdout, done.stderr)
+    return Finished(*launch(recipe, list(argv), processes=processes, fault=fault, env=env, cwd=cwd,
+                            preexec_fn=preexec_fn, timeout=timeout))
 
 
 def run_script(name: str, argv: list[str]) -> Finished:

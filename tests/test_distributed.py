@@ -31,19 +31,18 @@ WEIGHT_TOLERANCE = 2e-5  # after 8 AdamW steps at lr 3e-3 (measured: 3e-6)
 
 def run(out: Path, *overrides: str, processes: int = 1, fault: list[str] | None = None,
         source: Path | None = None, recipe: str = "full", env: dict | None = None) -> Finished:
-    """A recipe (``full`` or ``lora``) on ``processes`` CPU processes (torchrun when more than one, else in this
-    process unless the fault kills it: ``tests/recipe_runs.py``), global batch 8."""
+    """A recipe (``full`` or ``lora``) on ``processes`` CPU processes, global batch 8: ranks forked as torchrun starts
+    them (``tests/recipe_runs.py``), or under a real ``torchrun`` for a fault that kills rank 0, whose report and
+    stopping of the other ranks are torchrun's own."""
     overrides = (f"checkpointer.checkpoint_dir={source or ROOT / 'assets/tiny_llama'}",
                  f"batch_size={GLOBAL_BATCH // processes}", *overrides)
     config = ROOT / ("configs/tiny.yaml" if recipe == "full" else "configs/tiny_lora.yaml")
     args = ["--config", str(config), f"output_dir={out}", *BASE, *overrides]
-    if processes == 1:
-        return run_recipe(recipe, args, fault=fault, env=env)
-    script = ([str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault
-              else [str(ROOT / f"recipes/{recipe}_finetune.py")])
+    if processes == 1 or not fault:
+        return run_recipe(recipe, args, fault=fault, env=env, processes=processes)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    done = subprocess.run([*launcher, *script, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          start_new_session=True,
+    done = subprocess.run([*launcher, str(ROOT / "tests/interrupt.py"), *fault, "--", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, start_new_session=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_RECIPE": recipe, **(env or {})})
     return Finished(done.returncode, done.stdout, done.stderr)
 

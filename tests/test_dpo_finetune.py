@@ -6,9 +6,6 @@ processes under torchrun train as one."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ import torch
 
 from recipes.dpo_finetune import main as dpo_finetune
 from tests.conftest import ROOT, sigterm_at_step
+from tests.recipe_runs import Finished, run_recipe
 from waypoint.checkpointers.commit import verify
 from waypoint.run.reference_logps import REFERENCE_DIR, REFERENCE_FILE, ReferenceLogps
 
@@ -40,13 +38,10 @@ def run(config: str, out: Path, data: Path, *more: str, stop_at: int | None = No
 
 
 def run_process(config: str, out: Path, data: Path, *more: str, fault: list[str] | None = None, processes: int = 1,
-                recipe: str = "dpo") -> subprocess.CompletedProcess:
-    script = [str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [str(ROOT / "recipes/dpo_finetune.py")]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-                if processes > 1 else [sys.executable])
-    return subprocess.run([*launcher, *script, *args(config, out, data, *more)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, start_new_session=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_RECIPE": recipe})
+                recipe: str = "dpo") -> Finished:
+    """The run in processes of its own (forked: ``tests/launch.py``): ``processes`` ranks, or one killed by ``fault``."""
+    return run_recipe(recipe, args(config, out, data, *more), fault=fault, processes=processes, cwd=ROOT,
+                      env={"OMP_NUM_THREADS": "1"})
 
 
 def final(out: Path) -> Path:

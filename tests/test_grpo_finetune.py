@@ -7,9 +7,6 @@ one; the shipped tiny config learns its task on held-out prompts."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ import torch
 
 from recipes.grpo_finetune import main as grpo_finetune
 from tests.conftest import ROOT, sigterm_at_step
+from tests.recipe_runs import Finished, run_recipe
 from tests.test_dpo_bad_input import error_lines
 from waypoint.checkpointers.commit import verify
 from waypoint.training.distributed import Distributed
@@ -40,14 +38,10 @@ def run(config: str, out: Path, *more: str, stop_at: int | None = None) -> int:
 
 
 def run_process(config: str, out: Path, *more: str, fault: list[str] | None = None, processes: int = 1,
-                cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    script = [str(ROOT / "tests/interrupt.py"), *fault, "--"] if fault else [str(ROOT / "recipes/grpo_finetune.py")]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-                if processes > 1 else [sys.executable])
-    return subprocess.run([*launcher, *script, *args(config, out, *more)], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, start_new_session=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "INTERRUPT_RECIPE": "grpo",
-                               "PYTHONPATH": str(ROOT)})
+                cwd: Path = ROOT) -> Finished:
+    """The run in processes of its own (forked: ``tests/launch.py``): ``processes`` ranks, or one killed by ``fault``."""
+    return run_recipe("grpo", args(config, out, *more), fault=fault, processes=processes, cwd=cwd,
+                      env={"OMP_NUM_THREADS": "1"})
 
 
 def final(out: Path) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 
@@ -15,6 +14,7 @@ import torch
 from waypoint.checkpointers.commit import verify
 from waypoint.checkpointers.file_formats import read_tensors
 from tests.conftest import ROOT, sigterm_at_step
+from tests.launch import FileSizeLimit
 from tests.recipe_runs import run_recipe
 
 STEPS_PER_EPOCH, EPOCHS = 8, 2
@@ -153,11 +153,7 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, interrupted):
     shutil.rmtree(out / "step_12")
     before = {p: p.read_bytes() for p in (out / "step_8").iterdir()}
 
-    def small_disk():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
-
-    result = run(out, preexec_fn=small_disk)
+    result = run(out, preexec_fn=FileSizeLimit(1_000_000))
     assert result.returncode == 1
     assert result.stderr.count("error:") == 1, result.stderr
     assert re.search(r"error: could not write \S+/step_12: File too large \(OSError\); nothing was committed", result.stderr)

@@ -138,17 +138,13 @@ def test_a_bad_image_stops_the_run_before_step_1(base, tmp_path, capsys, image, 
 
 def test_two_processes_train_what_one_does(base, tmp_path):
     """torchrun (FSDP2; the tower in the root unit, frozen): 2 processes compute 1's losses, the tower stays as it came."""
-    import os
-    import subprocess
-    import sys
+    from tests.recipe_runs import run_recipe
 
     short = (f"checkpointer.checkpoint_dir={base}", f"dataset.source={DATA / 'colours.jsonl'}", "epochs=1",
              "max_steps_per_epoch=2", "progress=off", "optimizer._target_=torch.optim.SGD")
     assert run(full_finetune, base, tmp_path / "one", *short[2:], "batch_size=8") == 0
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run([*launcher, str(ROOT / "recipes/full_finetune.py"), "--config", str(ROOT / "configs/tiny_vlm.yaml"),
-                           f"output_dir={tmp_path / 'two'}", "batch_size=4", *short], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_recipe("full", ["--config", str(ROOT / "configs/tiny_vlm.yaml"), f"output_dir={tmp_path / 'two'}",
+                               "batch_size=4", *short], processes=2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert max(abs(a - b) for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two"))) < 1e-5
     before, after = read_tensors(base / "model.safetensors"), read_tensors(tmp_path / "two/step_2/model.safetensors")
