@@ -15,6 +15,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# TRL's trainers take 12-25 s to import: the tests that use them as oracles share one xdist worker (`--dist
+# loadgroup`, pyproject's addopts), so the suite pays that import once.
+TRL_ORACLE = pytest.mark.xdist_group("trl")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: each worker one thread (and its children), one per core
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -15,11 +15,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
-from trl.trainer.utils import nanstd  # noqa: E402
-
-from waypoint.training.grpo_loss import (  # noqa: E402
+from tests.conftest import TRL_ORACLE
+from waypoint.training.grpo_loss import (
     LOSS_TYPES, GRPOLossOptions, group_advantages, grpo_loss, rollout_metrics, weighted_rewards)
+
+pytestmark = TRL_ORACLE
+
+
+class _TRL:
+    """TRL's GRPO trainer module, imported by the first test that runs it, not when the suite is collected."""
+
+    def __getattr__(self, name):
+        return getattr(pytest.importorskip("trl.trainer.grpo_trainer"), name)
+
+
+trl_grpo = _TRL()
 
 B, T = 6, 9
 
@@ -143,6 +153,8 @@ def trl_advantages_and_reward_metrics(rewards_per_func, names, weights, num_gene
         multi_objective_aggregation="sum_then_normalize", reward_weights=weights, reward_func_names=names,
         scale_rewards={True: "group", False: "none"}.get(scale_rewards, scale_rewards),
         _metrics={"train": defaultdict(list)})
+    from trl.trainer.utils import nanstd
+
     scope = {"self": self, "torch": torch, "nanstd": nanstd, "rewards_per_func": rewards_per_func,
              "num_generations": num_generations, "device": torch.device("cpu"), "mode": "train"}
     exec(trl_block("unscorable_mask = torch.isnan(rewards_per_func)", "advantages = torch.nan_to_num"), scope)

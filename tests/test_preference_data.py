@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, Subset
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TRL_ORACLE
 from waypoint.errors import CheckpointError
 from waypoint.text.chat_template import BUILTIN_TEMPLATES
 from waypoint.text.tokenizer import load_tokenizer
@@ -117,6 +117,7 @@ def trl_pairs(records, hf_tokenizer, tmp_path, max_length=None):
 
 # TRL oracle ---------------------------------------------------------------------------------------------------
 
+@TRL_ORACLE
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_ids_equal_trls_dpo_trainer(tmp_path, tokenizer, hf_tokenizer, fmt):
     records = FORMATS[fmt]
@@ -135,6 +136,7 @@ def test_ids_equal_trls_dpo_trainer(tmp_path, tokenizer, hf_tokenizer, fmt):
             assert extract_prompt(record["chosen"], record["rejected"]) == tuple(trl_extract_prompt(record).values())
 
 
+@TRL_ORACLE
 def test_a_prompt_merging_with_its_completion_is_cut_where_trl_cuts_it(tmp_path, tokenizer, hf_tokenizer):
     """'... is fo' + 'ur.': 'o' and 'u' are read as one token 'ou', so the tokenized prompt is not a prefix of the
     prompt + completion; the completion starts where they part (common_prefix_length), as in TRL: its 'o' is left
@@ -153,6 +155,7 @@ LONG = {"prompt": "A much longer question, about many things at once: the sky, t
         "chosen": " Blue.", "rejected": " Red."}
 
 
+@TRL_ORACLE
 @pytest.mark.parametrize("max_length", [12, 20, 48])
 @pytest.mark.parametrize("records", [STANDARD + [LONG], IMPLICIT_STANDARD], ids=["standard", "implicit"])
 def test_batches_equal_trls_collator(tmp_path, tokenizer, hf_tokenizer, max_length, records):
@@ -180,6 +183,7 @@ def test_batches_equal_trls_collator(tmp_path, tokenizer, hf_tokenizer, max_leng
         assert int(ours["completion_tokens"][row]) == int(completion.sum())
 
 
+@TRL_ORACLE
 def test_conversations_equal_trls_collator(tmp_path, tokenizer, hf_tokenizer):
     theirs = trl_pairs(CONVERSATIONAL, hf_tokenizer, tmp_path, max_length=80)
     dataset = PreferenceDataset(write_jsonl(tmp_path / "d.jsonl", CONVERSATIONAL), tokenizer, max_length=80,

@@ -10,11 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TRL_ORACLE
 from waypoint.errors import CheckpointError
 from waypoint.training.preference_loss import METRICS, PreferenceLoss, pair_metrics
 
 trl = pytest.importorskip("trl")
+pytestmark = TRL_ORACLE
 TINY = ROOT / "assets" / "tiny_llama"
 
 

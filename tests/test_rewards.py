@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 
+from tests.conftest import TRL_ORACLE
 from waypoint.errors import CheckpointError
 from waypoint.rewards import bounded
 from waypoint.rewards.bounded import Interrupted
@@ -230,6 +231,7 @@ def test_score_bad_weights_and_columns():
 
 
 @pytest.mark.slow
+@TRL_ORACLE
 def test_per_function_values_are_trls_own():
     """TRL's ``_calculate_rewards``, unbound, on a stand-in: same per-function values; TRL's names."""
     from types import SimpleNamespace
