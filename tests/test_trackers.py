@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +19,7 @@ import torch
 
 from recipes import full_finetune, lora_finetune
 from tests.conftest import ROOT, sigterm_at_step
+from tests.recipe_runs import run_recipe
 from waypoint.run.wandb_files import history, parsed, run_files
 
 pytest.importorskip("wandb")
@@ -39,11 +38,6 @@ def offline(tmp_path, monkeypatch):
     for key in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
         monkeypatch.delenv(key, raising=False)
     return tmp_path / "wb" / "wandb"
-
-
-def own_service():
-    """This process's environment but its W&B service (a child would share it, as a process of the same job does)."""
-    return {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
 
 
 def args(config, out, *overrides):
@@ -202,9 +196,8 @@ def test_kill_and_resume_continue_each_tracker_run_with_each_step_once(tmp_path,
     offline = out / "wandb"
     overrides = [*STEPS, "validation={fraction: 0.05, every_n_steps: 3}", "+metric_logger=[wandb,mlflow]",
                  "metric_loggers.wandb.project=trackers", "metric_loggers.wandb.tags=[tiny,resume]"]
-    killed = subprocess.run([sys.executable, str(ROOT / "tests/interrupt.py"), "signal-at-step", "5", "SIGKILL", "--",
-                             *args("configs/tiny.yaml", out, *overrides)], cwd=here, capture_output=True, text=True,
-                            timeout=300, env={**own_service(), "PYTHONPATH": str(ROOT)})
+    killed = run_recipe("full", args("configs/tiny.yaml", out, *overrides), fault=["signal-at-step", "5", "SIGKILL"],
+                        cwd=here, env={"WANDB_SERVICE": None})  # its own W&B service, as a process of the same job has
     assert killed.returncode == -9, killed.stderr[-3000:]
     client, run = mlflow_run(out)
     assert [s for s, _ in mlflow_history(client, run, "loss")] == [1, 2, 3, 4, 5] and run.info.status == "RUNNING"
