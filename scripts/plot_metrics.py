@@ -6,9 +6,15 @@ Panels against the optimizer step: the training loss (raw, light, and smoothed b
 debiased as TensorBoard's is; ``--smooth 0`` turns it off) with the validation loss as markers when the log has
 any, the learning rate, the throughput (tokens/s), the gradient norm (before clipping), and the MoE auxiliary
 loss and a preference run's reward accuracy and margin (TRL's ``rewards/accuracies``, ``rewards/margins``) when
-present. Several OUTPUT_DIRs are a comparison: one colour per run, named by its directory in the
-legend, on the same axes. The PNG goes to ``OUTPUT_DIR/metrics.png`` for one run; ``--out`` names it (required
-for several). Its path is printed. An argument may also name the .jsonl file itself.
+present. An online RL run (its records have ``reward``: recipes/grpo_finetune.py) shows what learning moves instead:
+the mean reward, smoothed, in the large panel with ``val_reward`` as markers, then ``reward_std``,
+``frac_reward_zero_std`` (the share of groups whose completions all scored the same: they teach nothing), the
+completions' mean length, ``kl`` when logged, and the loss in a small panel (near 0 on-policy by construction).
+A share is drawn on a 0-1 axis; any other axis spans at least a fifth of its series' magnitude
+(``waypoint.run.metric_panels``), so a flat series reads as flat, not as a jump in its last digits. Several
+OUTPUT_DIRs are a comparison: one colour per run, named by its directory in the legend, on the same axes. The PNG
+goes to ``OUTPUT_DIR/metrics.png`` for one run; ``--out`` names it (required for several). Its path is printed. An
+argument may also name the .jsonl file itself.
 
 A resumed run appends to the log of the run it continues. Where a resumed run began is marked by a thin vertical
 line labelled "resumed", found from the records: the step sequence repeating or restarting (a log written without
@@ -17,9 +23,9 @@ of another run), or a record carrying ``"resumed": true``. A resume at the very 
 that MetricsLog cut back to the checkpoint (what the recipes write), leaves records that read like an
 uninterrupted run, so it is not marked.
 
-Lines that are not a step record (not JSON, no integer ``step``, neither ``loss`` nor ``val_loss``) are skipped
-with a note; an unreadable last line without its newline (a run still writing it) is skipped silently. Where a
-step appears twice, its last record counts (the resumed run's).
+Lines that are not a step record (not JSON, no integer ``step``, none of ``loss``, ``val_loss`` and ``val_reward``)
+are skipped with a note; an unreadable last line without its newline (a run still writing it) is skipped silently.
+Where a step appears twice, its last record counts (the resumed run's).
 
 Needs matplotlib (``pip install 'waypoint[plot]'``); it draws with the non-interactive Agg backend.
 """
@@ -43,10 +49,11 @@ from dataclasses import dataclass, field  # noqa: E402 (imports inspect: only on
 
 from waypoint.errors import CheckpointError  # noqa: E402
 from waypoint.cli.command import OneLineParser, run_command  # noqa: E402
+from waypoint.run.metric_panels import PANELS, RL_PANELS, Panel, y_limits  # noqa: E402
 
 METRICS_FILE = "metrics.jsonl"
 TRAIN_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "aux_loss", "rewards/accuracies", "rewards/margins", "reward",
-                "completions/mean_length")
+                "reward_std", "frac_reward_zero_std", "kl", "completions/mean_length")
 NAN = float("nan")
 
 
@@ -65,6 +72,8 @@ class Run:
     smoothed: list[float] = field(default_factory=list)  # ema(series["loss"])
     val_steps: list[int] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
+    val_reward_steps: list[int] = field(default_factory=list)  # online RL's held-out reward
+    val_reward: list[float] = field(default_factory=list)
     resumes: list[int] = field(default_factory=list)  # the first step each resumed segment wrote
     skipped: int = 0  # lines that are not step records
 
@@ -110,6 +119,7 @@ def read_run(arg: str | Path, smooth: float = 0.9, name: str | None = None) -> R
     lines = data.splitlines(keepends=True)
     train: dict[int, dict] = {}  # step -> record, the last one written for it
     val: dict[int, float] = {}
+    val_reward: dict[int, float] = {}
     prev = None  # the step of the previous training record, in file order
     for i, line in enumerate(lines):
         if not line.strip():
@@ -124,17 +134,19 @@ def read_run(arg: str | Path, smooth: float = 0.9, name: str | None = None) -> R
                 run.skipped += 1
             continue
         is_train, val_loss = "loss" in record, _number(record.get("val_loss"))
-        if not is_train and "val_loss" not in record:
-            run.skipped += "val_reward" not in record  # online RL's held-out reward: a step record, not plotted
+        if not is_train and "val_loss" not in record and "val_reward" not in record:
+            run.skipped += 1
             continue
         if "val_loss" in record:
             val[step] = val_loss
+        if "val_reward" in record:
+            val_reward[step] = _number(record["val_reward"])
         if is_train:
             if (prev is None and step > 1) or (prev is not None and step != prev + 1) or record.get("resumed") is True:
                 run.resumes.append(step)
             train[step] = record
             prev = step
-    if not train and not val:
+    if not train and not val and not val_reward:
         if run.skipped:
             raise PlotError(f"{path}: no step records ({run.skipped} unreadable line{'s' * (run.skipped != 1)})")
         raise PlotError(f"{path}: empty (no step has been logged yet)")
@@ -143,6 +155,8 @@ def read_run(arg: str | Path, smooth: float = 0.9, name: str | None = None) -> R
     run.smoothed = ema(run.series["loss"], smooth)
     run.val_steps = sorted(val)
     run.val_loss = [val[s] for s in run.val_steps]
+    run.val_reward_steps = sorted(val_reward)
+    run.val_reward = [val_reward[s] for s in run.val_reward_steps]
     run.resumes = sorted(set(run.resumes))
     return run
 
@@ -180,18 +194,6 @@ def load_pyplot():
     return plt
 
 
-PANELS = (  # series key, title, y label
-    ("lr", "learning rate", "lr"),
-    ("tokens_per_s", "throughput", "tokens/s"),
-    ("grad_norm", "gradient norm (before clipping)", "norm"),
-    ("aux_loss", "MoE auxiliary loss", "aux loss"),
-    ("rewards/accuracies", "preference: pairs whose chosen reward is the higher", "share"),  # recipes/dpo_finetune.py
-    ("rewards/margins", "preference: reward margin (chosen - rejected)", "margin"),
-    ("reward", "online RL: mean reward of the step's completions", "reward"),  # recipes/grpo_finetune.py
-    ("completions/mean_length", "online RL: mean completion length", "tokens"),
-)
-
-
 def broken(steps: list[int], values: list[float]) -> tuple[list[float], list[float]]:
     """``steps, values`` with a NaN where steps are missing, so the line breaks there instead of bridging the gap."""
     xs, ys = [], []
@@ -205,71 +207,82 @@ def broken(steps: list[int], values: list[float]) -> tuple[list[float], list[flo
 
 
 def plot(runs: list[Run], out: Path, smooth: float) -> Path:
-    """Draw ``runs`` into the PNG ``out``."""
+    """Draw ``runs`` into the PNG ``out``: the loss on top, or an online RL run's reward (a run with ``reward``)."""
     plt = load_pyplot()
     from matplotlib.lines import Line2D
 
-    panels = [p for p in PANELS if any(run.has(p[0]) for run in runs)]
+    rl = any(run.has("reward") for run in runs)
+    head = "reward" if rl else "loss"  # the large panel's series
+    panels = [p for p in (RL_PANELS if rl else PANELS) if any(run.has(p.key) for run in runs)]
     rows = 1 + (len(panels) + 1) // 2
     fig = plt.figure(figsize=(13, 3.6 + 2.7 * (rows - 1)), dpi=110)
     grid = fig.add_gridspec(rows, 2, height_ratios=[1.5] + [1] * (rows - 1))
-    loss_ax = fig.add_subplot(grid[0, :])
+    head_ax = fig.add_subplot(grid[0, :])
     axes = {}
-    for i, (key, _, _) in enumerate(panels):
+    for i, panel in enumerate(panels):
         row, col = 1 + i // 2, i % 2
         span = slice(0, 2) if i == len(panels) - 1 and len(panels) % 2 else col
-        axes[key] = fig.add_subplot(grid[row, span], sharex=loss_ax)
+        axes[panel.key] = fig.add_subplot(grid[row, span], sharex=head_ax)
 
     several = len(runs) > 1
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    val = [(run.val_reward_steps, run.val_reward) if rl else (run.val_steps, run.val_loss) for run in runs]
     for i, run in enumerate(runs):
         colour = colours[i % len(colours)]
-        loss = run.series["loss"]
+        values = run.series[head]
         if smooth > 0:
-            loss_ax.plot(*broken(run.steps, loss), color=colour, alpha=0.25, linewidth=0.9)
-            loss_ax.plot(*broken(run.steps, run.smoothed), color=colour, linewidth=1.8)
+            head_ax.plot(*broken(run.steps, values), color=colour, alpha=0.25, linewidth=0.9)
+            head_ax.plot(*broken(run.steps, run.smoothed if head == "loss" else ema(values, smooth)), color=colour,
+                         linewidth=1.8)
         else:
-            loss_ax.plot(*broken(run.steps, loss), color=colour, linewidth=1.4)
-        if run.val_steps:
-            loss_ax.plot(run.val_steps, run.val_loss, color=colour, marker="o", markersize=5, linestyle=":",
+            head_ax.plot(*broken(run.steps, values), color=colour, linewidth=1.4)
+        if val[i][0]:
+            head_ax.plot(*val[i], color=colour, marker="o", markersize=5, linestyle=":",
                          linewidth=1, markeredgecolor="black", markeredgewidth=0.6)
         for key, ax in axes.items():
             if run.has(key):
                 ax.plot(*broken(run.steps, run.series[key]), color=colour, linewidth=1.2)
         for step in run.resumes:
-            for ax in [loss_ax, *axes.values()]:
+            for ax in [head_ax, *axes.values()]:
                 ax.axvline(step - 0.5, color=colour if several else "0.35", linewidth=0.8, linestyle="--", alpha=0.8)
-            loss_ax.annotate("resumed" + (f" ({run.name})" if several else ""), xy=(step - 0.5, 1),
+            head_ax.annotate("resumed" + (f" ({run.name})" if several else ""), xy=(step - 0.5, 1),
                              xycoords=("data", "axes fraction"), xytext=(3, -4), textcoords="offset points",
                              rotation=90, va="top", ha="left", fontsize=8, color=colour if several else "0.25")
 
-    finite = [v for run in runs for v in run.series["loss"] + run.val_loss if math.isfinite(v)]
-    if finite and min(finite) > 0 and max(finite) / min(finite) >= 4:
-        loss_ax.set_yscale("log")
-    loss_ax.set_title("loss" + (f" (smoothed: debiased EMA, weight {smooth:g})" if smooth > 0 else ""))
-    loss_ax.set_ylabel("loss")
-    loss_ax.set_xlabel("step")
+    head_values = [v for run, (_, held_out) in zip(runs, val) for v in run.series[head] + held_out]
+    finite = [v for v in head_values if math.isfinite(v)]
+    if head == "loss" and finite and min(finite) > 0 and max(finite) / min(finite) >= 4:
+        head_ax.set_yscale("log")
+    elif limits := y_limits(head_values, Panel(head, head, head)):
+        head_ax.set_ylim(*limits)
+    what = "mean reward of the step's completions" if rl else "loss"
+    head_ax.set_title(what + (f" (smoothed: debiased EMA, weight {smooth:g})" if smooth > 0 else ""))
+    head_ax.set_ylabel(head)
+    head_ax.set_xlabel("step")
     # the line styles' swatches: in the run's colour for one run; for several (a colour each, named above), neutral
     grey = "0.3" if several else colours[0]
     handles = [Line2D([], [], color=colours[i % len(colours)], linewidth=2.5, label=run.name)
                for i, run in enumerate(runs)] if several else []
+    series = "reward" if rl else "training loss"
     if smooth > 0:
-        handles += [Line2D([], [], color=grey, alpha=0.3, label="training loss"),
-                    Line2D([], [], color=grey, linewidth=1.8, label="training loss, smoothed")]
+        handles += [Line2D([], [], color=grey, alpha=0.3, label=series),
+                    Line2D([], [], color=grey, linewidth=1.8, label=f"{series}, smoothed")]
     else:
-        handles += [Line2D([], [], color=grey, label="training loss")]
-    if any(run.val_steps for run in runs):
+        handles += [Line2D([], [], color=grey, label=series)]
+    if any(steps for steps, _ in val):
         handles.append(Line2D([], [], color=grey, marker="o", linestyle=":", markeredgecolor="black",
-                              label="validation loss"))
-    loss_ax.legend(handles=handles, loc="upper right", fontsize=9, framealpha=0.85)
-    for key, title, ylabel in panels:
-        ax = axes[key]
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
+                              label="val_reward (held-out prompts)" if rl else "validation loss"))
+    head_ax.legend(handles=handles, loc="lower right" if rl else "upper right", fontsize=9, framealpha=0.85)
+    for panel in panels:
+        ax = axes[panel.key]
+        ax.set_title(panel.title)
+        ax.set_ylabel(panel.ylabel)
         ax.set_xlabel("step")
-        if key == "lr":
+        if panel.key == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    for ax in [loss_ax, *axes.values()]:
+        if limits := y_limits([v for run in runs for v in run.series[panel.key]], panel):
+            ax.set_ylim(*limits)
+    for ax in [head_ax, *axes.values()]:
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"{runs[0].name}: {runs[0].path.name}" if not several else f"{len(runs)} runs compared",
                  fontsize=13)

@@ -180,3 +180,56 @@ def test_bad_smoothing_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plot_metrics.main([str(tmp_path), "--smooth", "1"])
     assert "--smooth" in capsys.readouterr().err
+
+
+def grpo_record(step, reward, length):
+    return {"step": step, "epoch": 0, "loss": (-1) ** step * 1e-9, "lr": 1e-2, "grad_norm": 0.5 + 0.1 * step,
+            "tokens_per_s": 900.0 + step, "reward": reward, "reward_std": 0.3 - 0.02 * step,
+            "frac_reward_zero_std": 0.125 * step, "completions/mean_length": length, "entropy": 6.0}
+
+
+def test_an_online_rl_run_shows_its_reward_first_and_what_learning_moves(tmp_path, monkeypatch, capsys):
+    """A GRPO log (records with reward; val_reward records of their own): the large panel is the reward, smoothed, with
+    val_reward as markers; below it reward_std, frac_reward_zero_std and the completion length before the loss, which
+    stays near 0 by construction. A flat series gets an axis that shows it flat: the length's 5.94-6.00 is not drawn
+    across the whole panel, the loss's 1e-9 either, and a share is drawn on 0-1."""
+    from waypoint.run.metric_panels import RL_PANELS
+
+    lengths = [5.94, 5.97, 6.0, 6.0, 6.0, 6.0]
+    lines = [grpo_record(s, 0.1 * s, length) for s, length in enumerate(lengths, 1)]
+    lines.insert(4, {"step": 4, "val_reward": 0.45, "val_completions/mean_length": 6.0})
+    lines.append({"step": 6, "val_reward": 0.7, "val_completions/mean_length": 6.0})
+    write_log(tmp_path / "run", lines)
+    figure = drawn_figure(monkeypatch, [str(tmp_path / "run")])
+    assert "skipped" not in capsys.readouterr().err  # the val_reward records are step records
+    head, *below = figure.axes
+    assert head.get_title().startswith("mean reward") and head.get_ylabel() == "reward"
+    assert all(head.get_position().height > ax.get_position().height for ax in below)
+    drawn = [(list(line.get_xdata()), list(line.get_ydata())) for line in head.get_lines()]
+    assert ([1, 2, 3, 4, 5, 6], pytest.approx([0.1 * s for s in range(1, 7)])) in drawn
+    assert ([4, 6], [0.45, 0.7]) in drawn
+    panels = {p.key: ax for ax in below for p in RL_PANELS if ax.get_title() == p.title}
+    assert list(panels) == ["reward_std", "frac_reward_zero_std", "completions/mean_length", "loss", "lr",
+                            "tokens_per_s", "grad_norm"]
+    for key, ax in panels.items():
+        (line,) = ax.get_lines()
+        assert list(line.get_ydata()) == pytest.approx([r[key] for r in lines if "loss" in r]), key
+    length_low, length_high = panels["completions/mean_length"].get_ylim()
+    assert length_high - length_low >= 0.2 * 6.0 and length_low <= 5.94 and length_high >= 6.0
+    loss_low, loss_high = panels["loss"].get_ylim()
+    assert loss_high - loss_low >= 0.2 and loss_low < 0 < loss_high
+    share_low, share_high = panels["frac_reward_zero_std"].get_ylim()
+    assert share_low <= 0 and share_high >= 1 and share_high - share_low < 1.1
+
+
+def test_a_flat_series_gets_an_axis_a_fifth_of_its_size_and_a_share_zero_to_one():
+    from waypoint.run.metric_panels import Panel, y_limits
+
+    plain, share, floor = Panel("x", "x", "x"), Panel("s", "s", "s", share=True), Panel("l", "l", "l", min_span=0.2)
+    assert y_limits([5.94, 6.0, float("nan")], plain) == pytest.approx((5.37, 6.57))
+    assert y_limits([0.05, 0.06], plain) == pytest.approx((0.049, 0.061))
+    assert y_limits([1.0, 4.0], plain) is None  # not flat: matplotlib's own axis
+    assert y_limits([0.0, 0.0], plain) is None and y_limits([float("nan")], plain) is None
+    assert y_limits([-1e-9, 1e-9], floor) == pytest.approx((-0.1, 0.1))
+    assert y_limits([0.01, 0.02], floor) == (0.0, 0.2)  # widened, but not below 0 for values that are not
+    assert y_limits([0.25, 0.25], share) == pytest.approx((-0.03, 1.03))
