@@ -18,6 +18,9 @@ sys.path.insert(0, str(ROOT))
 # TRL's trainers take 12-25 s to import: the tests that use them as oracles share one xdist worker (`--dist
 # loadgroup`, pyproject's addopts), so the suite pays that import once.
 TRL_ORACLE = pytest.mark.xdist_group("trl")
+# Likewise lm-evaluation-harness's task index (every task's YAML read once a process), and MLflow's and W&B's imports.
+LM_EVAL = pytest.mark.xdist_group("lm_eval")
+TRACKERS = pytest.mark.xdist_group("trackers")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: each worker one thread (and its children), one per core
     torch.set_num_threads(1)

@@ -103,10 +103,12 @@ def free_port() -> int:
 
 
 def launch(recipe: str, argv: list[str], *, processes: int = 1, fault=None, env=None, cwd=None, preexec_fn=None,
-           timeout: float = 300) -> tuple[int, str, str]:
+           rank_env: list[dict] | None = None, timeout: float = 300) -> tuple[int, str, str, list[str]]:
     """``recipes/NAME.py`` (``recipe``: full, lora, dpo or grpo) with ``argv`` on ``processes`` forked processes, in
     this process's environment with ``env`` added (a None value removes the variable), each with ``fault`` (``tests/faults.py``) injected, in ``cwd`` (the repository's root by default) after
-    ``preexec_fn()`` (picklable: a module's function or ``FileSizeLimit``); returns (exit status, stdout, stderr), ranks' outputs in rank order as torchrun passes its
+    ``preexec_fn()`` (picklable: a module's function or ``FileSizeLimit``), rank i's environment with
+    ``rank_env[i]`` added last (several machines of one process each: ``{"LOCAL_RANK": "0", ...}``); returns
+    (exit status, stdout, stderr, each rank's stdout and stderr), the outputs in rank order as torchrun passes its
     workers' through."""
     context = _context()
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "INTERRUPT_RECIPE": recipe, **(env or {})}
@@ -118,17 +120,15 @@ def launch(recipe: str, argv: list[str], *, processes: int = 1, fault=None, env=
         ranks = []
         for rank in range(processes):
             own = {**environ, "RANK": str(rank), "LOCAL_RANK": str(rank)} if processes > 1 else environ
+            own.update((rank_env or [{}] * processes)[rank])
             outputs = (f"{logs}/{rank}.out", f"{logs}/{rank}.err")
             process = context.Process(target=_child, args=(recipe, argv, own, cwd and str(cwd), fault, preexec_fn, *outputs))
             process.start()
             ranks.append((process, outputs))
         codes = _wait([p for p, _ in ranks], timeout)
-        read = lambda path: Path(path).read_text(errors="replace")  # noqa: E731
-        stdout = "".join(read(out) for _, (out, _) in ranks)
-        stderr = "".join(read(err) for _, (_, err) in ranks)
-    if processes == 1:
-        return codes[0], stdout, stderr
-    return (0 if all(c == 0 for c in codes) else 1), stdout, stderr
+        outputs = [tuple(Path(path).read_text(errors="replace") for path in paths) for _, paths in ranks]
+    code = codes[0] if processes == 1 else (0 if all(c == 0 for c in codes) else 1)
+    return code, "".join(out for out, _ in outputs), "".join(err for _, err in outputs), [out + err for out, err in outputs]
 
 
 def _wait(processes, timeout: float) -> list[int]:

@@ -15,7 +15,7 @@ import importlib
 import io
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tests.faults import injected, kills
 from tests.launch import RECIPES, launch
@@ -26,6 +26,7 @@ class Finished:
     returncode: int
     stdout: str
     stderr: str
+    ranks: list[str] = field(default_factory=list)  # each rank's output, stdout then stderr (runs of their own)
 
 
 @contextlib.contextmanager
@@ -51,14 +52,14 @@ def in_process(main: Callable[[list[str]], int], argv: list[str], fault=None, en
 
 
 def run_recipe(recipe: str, argv: list[str], *, fault=None, env=None, preexec_fn=None, cwd=None, processes: int = 1,
-               timeout: int = 300) -> Finished:
+               rank_env: list[dict] | None = None, timeout: int = 300) -> Finished:
     """``recipes/{full,lora,dpo,grpo}_finetune.py`` (``recipe``: full, lora, dpo or grpo) with ``argv``;
     ``fault``: ``[MODE, A, B]`` of ``tests/faults.py``. A run that must die, needs process-wide settings or runs
     as several ranks (``processes``, as torchrun starts them) runs in processes forked for it (``tests/launch.py``)."""
-    if not (kills(fault or []) or preexec_fn or cwd or processes > 1):
+    if not (kills(fault or []) or preexec_fn or cwd or processes > 1 or rank_env):
         return in_process(importlib.import_module(f"recipes.{RECIPES[recipe]}").main, list(argv), fault, env)
     return Finished(*launch(recipe, list(argv), processes=processes, fault=fault, env=env, cwd=cwd,
-                            preexec_fn=preexec_fn, timeout=timeout))
+                            preexec_fn=preexec_fn, rank_env=rank_env, timeout=timeout))
 
 
 def run_script(name: str, argv: list[str]) -> Finished:

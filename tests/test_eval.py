@@ -15,11 +15,12 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import LM_EVAL, ROOT
 from waypoint.errors import CheckpointError
 from tests.test_generate import lora_adapter_of
 
 pytest.importorskip("lm_eval")
+pytestmark = LM_EVAL
 
 TINY = ROOT / "assets/tiny_llama"  # 512 positions
 TASKS = ROOT / "assets/eval_tasks"

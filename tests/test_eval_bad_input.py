@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import LM_EVAL, ROOT
 from tests.test_generate_bad_input import ADAPTER_PATH, OTHER_BASE, committed_step, damaged_adapter, other_base_adapter
+
+pytestmark = LM_EVAL
 
 TINY = ROOT / "assets/tiny_llama"
 TASKS = ROOT / "assets/eval_tasks"

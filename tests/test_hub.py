@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT
+from tests.recipe_runs import run_recipe
 from tests.hub_server import HubServer
 from waypoint.cli import hub as hubmod
 from waypoint.cli.hub import HubError, default_patterns, download, parse_hf_uri, read_source, resolve_hf_uri
@@ -375,12 +376,11 @@ def test_cli_dataset_repository_and_next_command(clean_env, tmp_path, monkeypatc
 def test_hf_uri_under_torchrun_downloads_each_file_once(hub, tmp_path):
     """Two ranks resolve hf:// at the same time; the hub cache's locks let one download and the other reuse it."""
     hub.clear()
-    env = sub_env(hub, tmp_path / "hf")
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            str(ROOT / "recipes/full_finetune.py"), "--config", str(ROOT / "configs/tiny.yaml"),
-            "checkpointer.checkpoint_dir=hf://org/tiny", "dataset.source=hf://datasets/org/alpaca/data/tiny_alpaca.jsonl",
-            "epochs=1", "max_steps_per_epoch=2", "batch_size=4", f"output_dir={tmp_path / 'run'}"]
-    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    env = {**{k: None for k in HF_VARS}, **sub_env(hub, tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "checkpointer.checkpoint_dir=hf://org/tiny",
+            "dataset.source=hf://datasets/org/alpaca/data/tiny_alpaca.jsonl", "epochs=1", "max_steps_per_epoch=2",
+            "batch_size=4", f"output_dir={tmp_path / 'run'}"]
+    result = run_recipe("full", args, processes=2, env=env)  # ranks forked as torchrun starts them (tests/launch.py)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "run/step_2/model-00002-of-00003.safetensors").is_file()
     gets = [r.file for r in hub.downloads()]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ import torch
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.errors import CheckpointError
 from tests.conftest import ROOT
-from tests.recipe_runs import run_recipe
+from tests.recipe_runs import Finished, run_recipe
 from tests.test_resume import weights
 from tests.s3_server import new_bucket, s3_server
 
@@ -253,29 +252,16 @@ def test_fine_tune_to_s3_killed_during_an_upload_resumes_bit_exactly(endpoint, t
     shutil.rmtree(copy)
 
 
-def two_machines(url: str, model: str, caches: list, log) -> list[int]:
-    """The full recipe under torchrun as two machines of one process each (two launchers, ``--nnodes 2``), each
-    with its own cache: nothing on one machine's disk is seen by the other."""
+def two_machines(url: str, model: str, caches: list) -> Finished:
+    """The full recipe as two machines of one process each (each rank its machine's first: LOCAL_RANK 0), each with
+    its own cache: nothing on one machine's disk is seen by the other. Ranks forked as torchrun starts them."""
     from tests.test_distributed import BASE as RUN, GLOBAL_BATCH
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launched = []
-    for node, cache in enumerate(caches):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={node}",
-               "--master-addr=127.0.0.1", f"--master-port={port}", str(ROOT / "recipes/full_finetune.py"),
-               "--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={url}", *RUN, f"batch_size={GLOBAL_BATCH // 2}",
-               f"checkpointer.checkpoint_dir={model}"]
-        out = open(log.with_name(f"{log.name}-{node}.txt"), "w")
-        launched.append(subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "OMP_NUM_THREADS": "1", "WAYPOINT_CACHE": str(cache)}))
-    try:
-        return [p.wait(timeout=300) for p in launched]
-    finally:
-        for p in launched:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={url}", *RUN, f"batch_size={GLOBAL_BATCH // 2}",
+            f"checkpointer.checkpoint_dir={model}"]
+    machines = [{"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": str(node), "WAYPOINT_CACHE": str(cache)}
+                for node, cache in enumerate(caches)]
+    return run_recipe("full", args, processes=len(caches), rank_env=machines, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.slow
@@ -285,13 +271,13 @@ def test_torchrun_on_two_machines_without_a_shared_disk_saves_to_s3_and_resumes_
     from waypoint.run.object_store import ObjectStore
     from waypoint.checkpointers.file_formats import read_tensors
 
-    bucket, log = new_bucket(), tmp_path / "log"
+    bucket = new_bucket()
     url, model = f"s3://{bucket}/runs/machines", ObjectStore(f"s3://{bucket}/models/tiny_llama")
     for f in (ROOT / "assets/tiny_llama").iterdir():  # the input too: each machine caches its own copy
         model.fs.put_file(str(f), model.path(f.name))
     a, b, c = tmp_path / "machine_a", tmp_path / "machine_b", tmp_path / "machine_c"
-    assert two_machines(url, model.url, [a, b], log) == [0, 0], (log.with_name("log-0.txt").read_text()[-3000:],
-                                                      log.with_name("log-1.txt").read_text()[-3000:])
+    ran = two_machines(url, model.url, [a, b])
+    assert ran.returncode == 0, [output[-3000:] for output in ran.ranks]
     store = ObjectStore(url)
     assert store.steps() == ["step_8", "step_6", "step_4", "step_2"]
     assert all(store.check(n).ok for n in store.steps())
@@ -301,9 +287,9 @@ def test_torchrun_on_two_machines_without_a_shared_disk_saves_to_s3_and_resumes_
     assert not leftovers, f"machine b kept staging directories: {leftovers}"
 
     store.fs.rm_file(store.path("step_8/MANIFEST.json"))  # the last step never committed: rerun from step_6
-    assert two_machines(url, model.url, [a, c], log) == [0, 0], (log.with_name("log-0.txt").read_text()[-3000:],
-                                                      log.with_name("log-1.txt").read_text()[-3000:])
-    first, second = log.with_name("log-0.txt").read_text(), log.with_name("log-1.txt").read_text()
+    ran = two_machines(url, model.url, [a, c])
+    assert ran.returncode == 0, [output[-3000:] for output in ran.ranks]
+    first, second = ran.ranks
     assert "resuming from step_6" in first and "downloaded s3://" in first  # machine a's copy lacked b's shards
     assert "downloaded s3://" in second  # machine c had nothing
     assert store.check("step_8").ok and store.fs.exists(store.path("step_8.partial"))
