@@ -15,6 +15,9 @@ import torch
 
 from waypoint.errors import CheckpointError, first_line
 
+# what to do about an image= file that is no usable image (a dataset's advice, "drop the record", has no meaning here)
+READABLE = "point image= at a readable image file (PNG, JPEG, ...)"
+
 
 class ImagePrompt:
     def __init__(self, path: str, checkpoint_dir: Path, tokenizer, model_args) -> None:
@@ -25,7 +28,7 @@ class ImagePrompt:
             raise CheckpointError(f"image={path}: {checkpoint_dir} is a text model (no vision tower); leave out image=")
         try:
             self.processor = image_processor_for(checkpoint_dir, tokenizer)
-            image = load_image(path, f"image={path}")
+            image = load_image(path, f"image={path}", fix=READABLE)
             self.expansion = self.processor.expansion(image)
             self.images = self.processor.model_inputs([image])
         except (OSError, ValueError) as e:

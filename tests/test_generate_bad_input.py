@@ -73,6 +73,17 @@ def damaged_adapter(tmp: Path) -> Path:
     return adapter
 
 
+def vlm_asked_about(tmp: Path, image: bytes | str) -> list[str]:
+    """Overrides that ask the tiny Gemma 3 VLM (scripts/make_tiny_vlm.py's) about ``image``: a file of these bytes,
+    or the text given as image=."""
+    from scripts import make_tiny_vlm
+
+    if isinstance(image, bytes):
+        (tmp / "bad.png").write_bytes(image)
+        image = str(tmp / "bad.png")
+    return [f"checkpoint_dir={make_tiny_vlm.make(tmp / 'vlm')}", f"image={image}", "prompt=What colour is this?"]
+
+
 BROKEN = "{% for m in messages %}{{ m.content }}"  # no endfor
 UNSAFE = "{{ messages[0].content.__class__.__mro__ }}"
 HANGS = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"  # hung generate.py before
@@ -90,6 +101,15 @@ CASES = [
      r"prompt: 15\d\d tokens, more than the model's 512 positions; shorten it to at most 512 tokens$"),
     ("image_for_a_text_model", lambda t: ["prompt=Hi", "image=red.png"],
      r"image=red\.png: \S+ is a text model \(no vision tower\); leave out image=$"),
+    # a file that is no image: what to do with image= (a dataset's "or drop the record" means nothing here)
+    ("image_not_an_image", lambda t: vlm_asked_about(t, b"not an image"),
+     r"image=\S+/bad\.png: \S+/bad\.png is not an image PIL can read \(formats read: PNG, JPEG, .*\); point image= at a "
+     r"readable image file \(PNG, JPEG, \.\.\.\)$"),
+    ("image_empty", lambda t: vlm_asked_about(t, b""),
+     r"image=\S+/bad\.png: \S+/bad\.png is empty \(0 bytes\); point image= at a readable image file \(PNG, JPEG, \.\.\.\)$"),
+    ("image_a_url", lambda t: vlm_asked_about(t, "https://example.com/red.png"),  # no data file to be relative to
+     r"image=https://example\.com/red\.png: 'https://example\.com/red\.png' is a URL; images are read from local files "
+     r"only: download it and give its path$"),
     ("chat_template_unknown", lambda t: ["prompt=Hi", "chat_template=bogus"],
      r"chat_template=bogus: expected null \(the checkpoint's own\), alpaca, chatml, llama3 or a \.jinja file$"),
     ("template_file_does_not_compile", lambda t: ["prompt=Hi", f"chat_template={template_file(t, BROKEN)}"],

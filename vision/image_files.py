@@ -37,11 +37,14 @@ THIRTY_TWO_BIT_MODES = {"I": "integer", "F": "floating-point"}  # PIL opens a 16
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def load_image(source, where: str, root: Path | None = None, max_pixels: int = MAX_PIXELS) -> Image.Image:
+def load_image(source, where: str, root: Path | None = None, max_pixels: int = MAX_PIXELS,
+               fix: str | None = None) -> Image.Image:
     """The image ``source`` (a path, relative ones under ``root``; raw ``bytes``; or ``{"bytes", "path"}``, the
     bytes preferred when both are there, as ``datasets`` does), decoded and converted to RGB; a ``ValueError``
-    of one line naming ``where`` when it cannot be used."""
-    data, path = _bytes_or_path(source, where, root)
+    of one line naming ``where`` when it cannot be used. ``fix`` is what that line tells the user to do about a file
+    that is no usable image (empty, not an image, zero-size, damaged); None: a dataset record's advice (replace the
+    image or drop the record)."""
+    data, path = _bytes_or_path(source, where, root, fix)
     what = str(path) if path is not None else "the image bytes"
     try:
         opened = open(path, "rb") if path is not None else io.BytesIO(data)
@@ -56,13 +59,13 @@ def load_image(source, where: str, root: Path | None = None, max_pixels: int = M
                 file.seek(0)
                 raise _too_large(where, what, _declared_size(file.read(32)), max_pixels) from None
             except UnidentifiedImageError:
-                raise _unidentified(where, what, file) from None
+                raise _unidentified(where, what, file, fix) from None
             except Exception as e:  # a plugin's own errors on a malformed header (SyntaxError, struct.error, ...)
-                raise _unreadable(where, what, e) from None
+                raise _unreadable(where, what, e, fix) from None
             with image:
                 width, height = image.size
                 if width <= 0 or height <= 0:
-                    raise _zero_size(where, what, width, height)
+                    raise _zero_size(where, what, width, height, fix)
                 if width * height > max_pixels:
                     raise _too_large(where, what, (width, height), max_pixels)
                 sixteen_bit_pgm = image.mode == "I" and image.format == "PPM"  # PIL scales its maxval to 65535
@@ -78,7 +81,7 @@ def load_image(source, where: str, root: Path | None = None, max_pixels: int = M
                 except (Image.DecompressionBombError, Image.DecompressionBombWarning):
                     raise _too_large(where, what, (width, height), max_pixels) from None
                 except Exception as e:  # truncated or corrupt data: OSError, ValueError, SyntaxError, ...
-                    raise _unreadable(where, what, e) from None
+                    raise _unreadable(where, what, e, fix) from None
 
 
 def convert_to_rgb(image: Image.Image) -> Image.Image:
@@ -113,7 +116,7 @@ def sixteen_to_eight_bit(image: Image.Image) -> Image.Image:
     return grey
 
 
-def _bytes_or_path(source, where: str, root: Path | None) -> tuple[bytes | None, Path | None]:
+def _bytes_or_path(source, where: str, root: Path | None, fix: str | None) -> tuple[bytes | None, Path | None]:
     """``(bytes, None)`` or ``(None, path)`` for ``source``, checked as far as can be without opening it."""
     if isinstance(source, dict):
         if source.get("bytes") is not None:
@@ -133,8 +136,8 @@ def _bytes_or_path(source, where: str, root: Path | None) -> tuple[bytes | None,
                          f"{type(source).__name__}")
     if _URL.match(source) or source.startswith("data:"):
         shown = source if len(source) <= 80 else source[:77] + "..."
-        raise ValueError(f"{where}: {shown!r} is a URL; images are read from local files only: download it and "
-                         "give its path (relative to the data file) or its bytes")
+        give = "give its path (relative to the data file) or its bytes" if root is not None else "give its path"
+        raise ValueError(f"{where}: {shown!r} is a URL; images are read from local files only: download it and {give}")
     if not source.strip():
         raise ValueError(f"{where}: the image path is empty")
     path = Path(source).expanduser()
@@ -146,7 +149,7 @@ def _bytes_or_path(source, where: str, root: Path | None) -> tuple[bytes | None,
     if not path.is_file():
         raise ValueError(f"{where}: {path} is not a file; give an image file")
     if path.stat().st_size == 0:
-        raise ValueError(f"{where}: {path} is empty (0 bytes); replace it with the image or drop the record")
+        raise ValueError(f"{where}: {path} is empty (0 bytes); {fix or 'replace it with the image or drop the record'}")
     return None, path
 
 
@@ -162,18 +165,18 @@ def _declared_size(head: bytes) -> tuple[int, int] | None:
     return None
 
 
-def _unidentified(where: str, what: str, file) -> ValueError:
+def _unidentified(where: str, what: str, file, fix: str | None) -> ValueError:
     file.seek(0)
     declared = _declared_size(file.read(32))
     if declared is not None and (declared[0] == 0 or declared[1] == 0):
-        return _zero_size(where, what, *declared)
+        return _zero_size(where, what, *declared, fix)
     return ValueError(f"{where}: {what} is not an image PIL can read (formats read: {', '.join(FORMATS)}); "
-                      "replace it with a valid image file or drop the record")
+                      f"{fix or 'replace it with a valid image file or drop the record'}")
 
 
-def _zero_size(where: str, what: str, width: int, height: int) -> ValueError:
+def _zero_size(where: str, what: str, width: int, height: int, fix: str | None) -> ValueError:
     return ValueError(f"{where}: {what} is an image of {width} x {height} pixels (zero width or height): "
-                      "replace it with the real image or drop the record")
+                      f"{fix or 'replace it with the real image or drop the record'}")
 
 
 def _too_large(where: str, what: str, size: tuple[int, int] | None, max_pixels: int) -> ValueError:
@@ -187,8 +190,8 @@ def _thirty_two_bit(where: str, what: str, mode: str) -> ValueError:
                       "range of values no file says: save it as an 8- or 16-bit image (PNG) and give that")
 
 
-def _unreadable(where: str, what: str, error: BaseException) -> ValueError:
+def _unreadable(where: str, what: str, error: BaseException, fix: str | None) -> ValueError:
     detail = " ".join(str(error).split()) or type(error).__name__
     return ValueError(f"{where}: {what} is not a readable image ({type(error).__name__}: {detail}); the file is "
-                      "damaged or truncated: replace it or drop the record")
+                      f"damaged or truncated: {fix or 'replace it or drop the record'}")
 
