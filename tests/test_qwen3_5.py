@@ -370,3 +370,15 @@ def test_config_json_written_for_a_native_checkpoint_reads_back_in_ours_and_tran
     assert hasattr(transformers, written["architectures"][0])
     with pytest.raises(ValueError, match="attn_output_gate=false"):
         model_args_from_hf_config({**config.to_dict(), "attn_output_gate": False})
+
+
+@pytest.mark.parametrize("fam", ["qwen3_5", "qwen3_5_moe"])
+def test_the_written_config_keeps_an_mrope_section_of_its_own(fam):
+    """A tiny head's mRoPE section (not transformers' default [11, 11, 10]) survives ModelArgs -> config.json -> ModelArgs:
+    a multimodal model reads it for its image tokens' positions."""
+    from waypoint.families import family_named
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}
+    args = model_args_from_hf_config(tiny_family_config(fam, rope_parameters=rope).to_dict())
+    written = json.loads(json.dumps(family_named(fam).hf_config(args)))
+    assert args.mrope_section == (2, 1, 1) and model_args_from_hf_config(written) == args
