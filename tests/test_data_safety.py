@@ -121,13 +121,11 @@ def test_killed_overwrite_run_gives_the_earlier_checkpoints_back_to_the_rerun(tm
     run = tmp_path / "run"
     assert train(run) == 0
     before = snapshot(run)
-    cmd = [sys.executable, str(ROOT / "tests/interrupt.py"), "kill-group-at-step", "1", "-", "--",
-           "--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={TINY}", f"output_dir={run}", *SHORT]
-    killed = subprocess.run([*cmd, "resume=false", "overwrite=true"], capture_output=True, text=True, timeout=300,
-                            start_new_session=True)
+    cmd = ["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={TINY}", f"output_dir={run}", *SHORT]
+    killed = run_recipe("full", [*cmd, "resume=false", "overwrite=true"], fault=["kill-group-at-step", "1", "-"])
     assert killed.returncode == -signal.SIGKILL
     assert list(run.glob(".overwritten-*")) and not list(run.glob("step_*")), "set aside while the new run had no checkpoint"
-    resumed = run_recipe("full", cmd[cmd.index("--config"):])  # in this process
+    resumed = run_recipe("full", cmd)  # in this process
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "run already finished" in resumed.stdout
     assert snapshot(run) == before
