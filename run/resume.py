@@ -106,7 +106,9 @@ BREAKING_KEYS = ("model", "checkpointer.checkpoint_dir", "checkpointer.checkpoin
                  "tokenizer", "dataset", "packed", "validation.fraction", "seed", "max_steps_per_epoch", "dtype", "optimizer._target_", "lr_scheduler._target_")
 SCHEDULE_KEYS = ("optimizer.lr", "epochs")  # beside lr_scheduler.*: what a learning-rate schedule follows
 # options added after checkpoints were written: a saved config without one had the option's default
-ADDED_DEFAULTS = {"packed": False, "validation": None}
+# (reward_timeout: recipes/grpo_finetune.py's REWARD_TIMEOUT_S; a GRPO run from before it had no limit and resumes
+# under the default, as a new run starts)
+ADDED_DEFAULTS = {"packed": False, "validation": None, "reward_timeout": 120}
 
 
 def refusing(keys: tuple[str, ...]) -> Callable[[Mapping, Mapping, Path], tuple[str, ...]]:
@@ -178,7 +180,9 @@ def check_config(saved: Mapping, current: Mapping, checkpoint: Path) -> list[tup
         raise CheckpointError(f"cannot resume from {checkpoint}: the config changed {', '.join(breaking)}; "
                               "restore them, or start a new run with another output_dir (or resume=false overwrite=true)")
     before, after = _flatten(saved), _flatten(current)
-    return [(k, before.get(k, "<unset>"), after.get(k, "<unset>")) for k in harmless if k not in ("resume", "overwrite")]
+    # an option added since, set to another value than its default: the old run had the default
+    return [(k, before.get(k, ADDED_DEFAULTS.get(k, "<unset>") if k in after else "<unset>"), after.get(k, "<unset>"))
+            for k in harmless if k not in ("resume", "overwrite")]
 
 
 def apply_changes(optimizer: Optimizer, scheduler: LRScheduler, changes: list[tuple[str, Any, Any]]) -> None:

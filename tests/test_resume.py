@@ -193,6 +193,21 @@ def test_changed_optimizer_settings_take_effect_on_resume(tmp_path, interrupted,
     assert any(not torch.equal(final_mine[k], final_theirs[k]) for k in final_mine)
 
 
+def test_an_option_added_since_with_its_default_is_no_change():
+    """A GRPO run from before reward_timeout existed resumes with today's config (reward_timeout: 120, the default)
+    without a note that it changed; set to another value, the note names the default the old run had."""
+    import yaml
+
+    from recipes.grpo_finetune import REWARD_TIMEOUT_S
+    from waypoint.run.resume import ADDED_DEFAULTS, check_config
+
+    shipped = yaml.safe_load((ROOT / "configs/tiny_grpo.yaml").read_text())["reward_timeout"]
+    assert ADDED_DEFAULTS["reward_timeout"] == REWARD_TIMEOUT_S == shipped
+    saved = {"seed": 1234, "loss": {"beta": 0.0}}
+    assert check_config(saved, {**saved, "reward_timeout": shipped}, ROOT / "step_8") == []
+    assert check_config(saved, {**saved, "reward_timeout": 30}, ROOT / "step_8") == [("reward_timeout", 120, 30)]
+
+
 def test_apply_changes_sets_the_resumed_steps_learning_rate():
     from waypoint.training.lr_schedule import warmup_cosine
     from waypoint.run.resume import apply_changes
