@@ -38,8 +38,9 @@ def configs() -> dict[str, Path]:
 
 
 def scripts() -> dict[str, Path]:
-    """Script name -> its file (``merge_lora.py`` is ``merge-lora``), the benchmarks and developer tools left out."""
-    tools = ("bench_", "make_tiny_", "trace_", "check_readme", "gpu_smoke")  # the developers' own, not a user's command
+    """Script name -> its file (``merge_lora.py`` is ``merge-lora``), the developer tools left out (the benchmarks live
+    apart, in ``benchmarks/``)."""
+    tools = ("make_tiny_", "trace_", "check_readme", "gpu_smoke")  # the developers' own, not a user's command
     return {p.stem.replace("_", "-"): p for p in sorted((data_root() / "scripts").glob("*.py"))
             if not p.name.startswith(tools)}
 

@@ -1,6 +1,6 @@
 """Keep it true: no command, recipe option or script option ships without its bad-input cases.
 
-Each user-facing command (``recipes/*.py``, ``scripts/*.py`` but the benchmarks and the developers' tools) names the
+Each user-facing command (``recipes/*.py``, ``scripts/*.py`` but the developers' tools; ``benchmarks/`` apart) names the
 tables of bad inputs that hold it to "one ``error:`` line naming the file, key or option"; every option of the
 recipes' option tables has a row of its own (the row's id or override starts with the option), and every script
 option that takes a value has a row passing it, or names the test that gives it one. A new script or option fails
@@ -65,7 +65,7 @@ def script_rows(script: str) -> list[list[str]]:
 
 def commands_on_disk() -> set[str]:
     files = [*(ROOT / "recipes").glob("*.py"), *(ROOT / "scripts").glob("*.py")]
-    return {f.stem for f in files if f.stem != "__init__" and not f.stem.startswith("bench_")} - set(DEVELOPER_TOOLS)
+    return {f.stem for f in files if f.stem != "__init__"} - set(DEVELOPER_TOOLS)
 
 
 def test_every_command_has_a_table_of_bad_input():

@@ -1,4 +1,4 @@
-"""scripts/bench_dpo.py: --workdir is made when it does not exist (a path that cannot be a directory is one line),
+"""benchmarks/bench_dpo.py: --workdir is made when it does not exist (a path that cannot be a directory is one line),
 and tokens/s is reported both ways, labelled, beside the median step time it goes with."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from scripts import bench_dpo
+from benchmarks import bench_dpo
 from tests.conftest import ROOT
 
 
@@ -25,7 +25,7 @@ def test_a_workdir_that_cannot_be_a_directory_is_one_line(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
     for workdir, why in ((afile, "exists and is not a directory"), (afile / "under", "cannot create it")):
-        run = subprocess.run([sys.executable, str(ROOT / "scripts/bench_dpo.py"), "--quick", "--workdir", str(workdir)],
+        run = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_dpo.py"), "--quick", "--workdir", str(workdir)],
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 1 and run.stderr.strip().startswith(f"error: --workdir {workdir}: {why}"), run.stderr
         assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr

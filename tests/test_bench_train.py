@@ -1,4 +1,4 @@
-"""scripts/bench_train.py, each row run in this process on a tiny shape: the rows that build our model on the same batch
+"""benchmarks/bench_train.py, each row run in this process on a tiny shape: the rows that build our model on the same batch
 start from the same loss, and every row reports its figures."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from scripts import bench_train
+from benchmarks import bench_train
 
 TINY = (512, 32, 64, 2, 4, 2, 2, 32)  # vocab, hidden, intermediate, layers, heads, kv heads, batch, seq
 

@@ -1,5 +1,5 @@
 """Gemma 4's per-layer embedding table (E2B/E4B: the model's largest tensor) is assigned from its file at load,
-never materialised a second time: scripts/bench_ple_load.py at a test's size, and the checkpoint it writes checked
+never materialised a second time: benchmarks/bench_ple_load.py at a test's size, and the checkpoint it writes checked
 against what transformers itself writes and reads."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_the_bench_writes_what_save_pretrained_writes_and_transformers_reads_it(
     from safetensors import safe_open
     from transformers import Gemma4ForCausalLM
 
-    from scripts.bench_ple_load import config_fields, hf_config, write_checkpoint
+    from benchmarks.bench_ple_load import config_fields, hf_config, write_checkpoint
 
     fields = config_fields(SimpleNamespace(**SMALL))
     info = write_checkpoint(tmp_path / "bench", fields, shard_bytes=20_000)  # several shards, the table alone in one
@@ -50,11 +50,11 @@ def test_the_bench_writes_what_save_pretrained_writes_and_transformers_reads_it(
 
 @pytest.mark.slow
 def test_a_gemma4_load_holds_the_per_layer_embedding_table_once():
-    """scripts/bench_ple_load.py at a test's size (E4B's 42 layers x 256 table columns, 16384 rows: 0.35 GB of
+    """benchmarks/bench_ple_load.py at a test's size (E4B's 42 layers x 256 table columns, 16384 rows: 0.35 GB of
     0.48 GB), loaded with load_model in a fresh process, every weight read: the peak rise stays within the weights +
     the rotary tables + the converter's q/k copies + 0.1 GB, a margin well under the table, whose storage is the file's
     mapping."""
-    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench_ple_load.py"), "--vocab", "16384", "--hidden", "512",
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_ple_load.py"), "--vocab", "16384", "--hidden", "512",
                              "--max-positions", "4096"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     print("\n" + "\n".join(result.stdout.splitlines()[:-1]))

@@ -205,12 +205,12 @@ def test_qlora_recipe_resumes_bit_exactly_and_merges_from_the_full_precision_bas
 
 @pytest.mark.slow
 def test_an_nf4_load_peaks_below_a_bf16_load_of_the_same_checkpoint():
-    """scripts/bench_qlora.py at a test's size: each load in a fresh process, every weight read; the NF4 load's
+    """benchmarks/bench_qlora.py at a test's size: each load in a fresh process, every weight read; the NF4 load's
     peak stays within the 4-bit model + the largest tensor + the quantizer's fixed workspace."""
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench_qlora.py"), "--size-gb", "0.15", "--no-steps"],
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_qlora.py"), "--size-gb", "0.15", "--no-steps"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     print("\n" + "\n".join(result.stdout.splitlines()[:-1]))

@@ -15,7 +15,7 @@ The sandbox does not keep a template from running for ever or filling memory, so
   before ``*`` repeats a string or list, ``**`` builds a huge number, ``%`` or ``format`` pads to a width, or a
   call or filter gets a width or count beyond the limit, and after every call and filter.
 
-Real templates render a conversation in a few hundred steps (``scripts/bench_chat_template.py`` measures the
+Real templates render a conversation in a few hundred steps (``benchmarks/bench_chat_template.py`` measures the
 templates the tests use); the limits are thousands of times that.
 """
 

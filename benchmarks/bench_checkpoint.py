@@ -1,6 +1,6 @@
 """Checkpoint save/load speed and memory, side by side with a raw write and with transformers.
 
-    python scripts/bench_checkpoint.py [--size-gb 1.0] [--shards 4] [--repeats 3]
+    python benchmarks/bench_checkpoint.py [--size-gb 1.0] [--shards 4] [--repeats 3]
 
 Builds a Llama-shaped HF checkpoint (bf16, ``--shards`` safetensors shards with an
 index), then times each step in a fresh process, ``--repeats`` times, and reports
@@ -44,8 +44,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Not the scripts' own folder on the path (scripts/inspect.py would shadow the standard library's inspect);
-# a checkout that is not installed puts its root there instead, for the `waypoint` package.
+# Not this folder on the path (the benchmarks import each other as benchmarks.NAME, from the root); a checkout
+# that is not installed puts its root there instead, for the `waypoint` package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -1,6 +1,6 @@
 """Training step speed and memory: our native model and loop against transformers (and torchtune when installed).
 
-    python scripts/bench_train.py [--shapes small,vocab128k] [--steps N] [--device cpu|cuda] [--dtype fp32|bf16]
+    python benchmarks/bench_train.py [--shapes small,vocab128k] [--steps N] [--device cpu|cuda] [--dtype fp32|bf16]
 
 The same Llama-shaped model (random weights), the same batch of random tokens and the same AdamW, built as:
 

@@ -1,6 +1,6 @@
 """Loading (and one LoRA step over) a gpt-oss MXFP4 checkpoint with its experts dense in bf16 vs kept in MXFP4.
 
-    python scripts/bench_mxfp4_load.py [--layers 8] [--experts 32] [--hidden 512] [--device cpu|cuda] [--no-step]
+    python benchmarks/bench_mxfp4_load.py [--layers 8] [--experts 32] [--hidden 512] [--device cpu|cuda] [--no-step]
 
 Writes a gpt-oss-shaped checkpoint scaled down to fit a CPU (hidden 512, intermediate 512, 32 experts, 8 layers by
 default): the release's layout, each expert projection as random MXFP4 ``*_blocks`` / ``*_scales`` bytes, the rest
@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # scripts.bench_support (after the installed packages)
-from scripts.bench_support import held_bytes, load_lora_model, lora_step, print_table, run_children  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks.bench_support (after the installed packages)
+from benchmarks.bench_support import held_bytes, load_lora_model, lora_step, print_table, run_children  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "output_proj", "experts_gate_up", "experts_down"]
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]

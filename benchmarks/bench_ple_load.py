@@ -1,6 +1,6 @@
 """Peak memory of loading a Gemma 4 E4B-shaped checkpoint: the per-layer embedding table is assigned, never copied.
 
-    python scripts/bench_ple_load.py [--full-layers] [--dir DIR] [--shard-gb 2]
+    python benchmarks/bench_ple_load.py [--full-layers] [--dir DIR] [--shard-gb 2]
                                      [--vocab N] [--hidden N] [--layers N] [--per-layer-dim N]
                                      [--intermediate N] [--heads N] [--kv-heads N] [--max-positions N]
 

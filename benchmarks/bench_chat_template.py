@@ -1,6 +1,6 @@
 """How far within its limits each chat template the tests use renders a conversation.
 
-    python scripts/bench_chat_template.py [--turns 1 10 100]
+    python benchmarks/bench_chat_template.py [--turns 1 10 100]
 
 For each template (the families in ``tests/test_chat_data.py``, and gpt-oss's harmony template in
 ``tests/test_chat_template_harmony.py``) and each conversation length (user and assistant
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[0] = str(ROOT)  # the tests' templates; and not this folder, whose inspect.py would shadow the standard one
+sys.path[0] = str(ROOT)  # the repository root, not this folder: the shipped templates, the tests' helpers
 
 from tests.test_chat_data import FAMILIES, SYSTEM  # noqa: E402
 from tests.test_chat_template_harmony import HARMONY, HARMONY_MARKED  # noqa: E402

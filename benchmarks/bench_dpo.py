@@ -1,6 +1,6 @@
 """DPO training step speed and memory: our preference step against TRL's DPOTrainer, on the same model and pairs.
 
-    python scripts/bench_dpo.py [--device cpu|cuda] [--dtype fp32|bf16] [--shape small] [--rounds N] [--steps N]
+    python benchmarks/bench_dpo.py [--device cpu|cuda] [--dtype fp32|bf16] [--shape small] [--rounds N] [--steps N]
                                 [--pairs-per-step N] [--prompt-len N] [--completion-len N] [--threads N] [--quick]
 
 A random Llama (``LlamaForCausalLM``, seeded) written with ``save_pretrained`` to a temporary directory, and

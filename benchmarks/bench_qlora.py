@@ -1,6 +1,6 @@
 """QLoRA's memory and speed beside LoRA over the same base in bf16, in one run.
 
-    python scripts/bench_qlora.py [--size-gb 1.0] [--steps 3] [--seq-len 64] [--device cpu]
+    python benchmarks/bench_qlora.py [--size-gb 1.0] [--steps 3] [--seq-len 64] [--device cpu]
 
 Builds a Llama-shaped HF checkpoint (bf16 safetensors), then measures, each in a fresh process:
 

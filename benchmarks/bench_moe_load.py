@@ -1,6 +1,6 @@
 """Peak memory of loading a mixture-of-experts checkpoint, against its size and against a dense one.
 
-    python scripts/bench_moe_load.py [--size-mb 400] [--workdir DIR]
+    python benchmarks/bench_moe_load.py [--size-mb 400] [--workdir DIR]
 
 Writes a Mixtral-shaped checkpoint of about ``--size-mb`` in each expert layout (the hub's per-expert keys,
 stacked on load, and transformers' packed ``gate_up_proj``, split on load) and a Llama-shaped dense one of
@@ -69,8 +69,8 @@ def build(path: Path, kind: str, size_mb: float) -> int:
 
 def child(path: Path) -> None:
     """bench_checkpoint's load step (HFCheckpointer into a meta-built model, every parameter read) on ``path``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for scripts.bench_checkpoint
-    from scripts.bench_checkpoint import peak_rss_gb, step_load
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for benchmarks.bench_checkpoint
+    from benchmarks.bench_checkpoint import peak_rss_gb, step_load
     import waypoint.checkpointers  # noqa: F401  (imported before the baseline, as step_load imports them)
     import waypoint.families  # noqa: F401
 

@@ -1,6 +1,6 @@
 """Step time (forward + backward) of the native mixture-of-experts block, per implementation.
 
-    python scripts/bench_moe.py [--device cpu|cuda] [--dtype float32|bfloat16] [--iters 5] [--warmup 2] [--threads N]
+    python benchmarks/bench_moe.py [--device cpu|cuda] [--dtype float32|bfloat16] [--iters 5] [--warmup 2] [--threads N]
 
 Times ``waypoint.models.moe.MoE`` on two shapes scaled down from the families (the defaults fit a CPU):
 
@@ -24,8 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-# Not the scripts' own folder on the path (scripts/inspect.py would shadow the standard library's inspect);
-# a checkout that is not installed puts its root there instead, for the `waypoint` package.
+# Not this folder on the path (the benchmarks import each other as benchmarks.NAME, from the root); a checkout
+# that is not installed puts its root there instead, for the `waypoint` package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

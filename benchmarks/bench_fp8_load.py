@@ -1,7 +1,7 @@
 """Loading (and one LoRA step over) a Qwen3 block-FP8 checkpoint with its linears dense in bf16 vs kept in FP8.
 
-    python scripts/bench_fp8_load.py [--layers 8] [--hidden 1024] [--head-dim 128] [--device cpu|cuda] [--no-step]
-    python scripts/bench_fp8_load.py --experts 32   # Qwen3-MoE's shape: 32 experts of --expert-intermediate 256
+    python benchmarks/bench_fp8_load.py [--layers 8] [--hidden 1024] [--head-dim 128] [--device cpu|cuda] [--no-step]
+    python benchmarks/bench_fp8_load.py --experts 32   # Qwen3-MoE's shape: 32 experts of --expert-intermediate 256
 
 Writes a Qwen3-``FP8``-shaped checkpoint scaled down to fit a CPU (hidden 1024, intermediate 3072, 16 heads of 128,
 8 KV heads, 8 layers by default; with ``--experts`` a Qwen3-MoE one, its experts one key each as released): the
@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # scripts.bench_support (after the installed packages)
-from scripts.bench_support import held_bytes, load_lora_model, lora_step, print_table, run_children  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks.bench_support (after the installed packages)
+from benchmarks.bench_support import held_bytes, load_lora_model, lora_step, print_table, run_children  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "output_proj"]
 

@@ -2,7 +2,7 @@
 127.0.0.1 (moto's server, as in the tests; ``--endpoint URL`` for another S3-compatible store, with its credentials
 in the environment).
 
-    python scripts/bench_object_store.py [--size-gb 1.0] [--files 4] [--endpoint http://...]
+    python benchmarks/bench_object_store.py [--size-gb 1.0] [--files 4] [--endpoint http://...]
 
 Prints the upload (files, then the manifest last), the commit check (manifest + listed sizes) and the download
 (every hash verified) of a step of ``--size-gb`` in ``--files`` files, with their throughput; and, for a sharded

@@ -1,6 +1,6 @@
 """Sampling speed for online RL (GRPO's groups): our ``generate_group`` against transformers' ``generate``.
 
-    python scripts/bench_generate.py [--n 8] [--prompt 64] [--new 128] [--repeats 3] [--rounds 1] [--device cpu|cuda]
+    python benchmarks/bench_generate.py [--n 8] [--prompt 64] [--new 128] [--repeats 3] [--rounds 1] [--device cpu|cuda]
 
 One random-weight Llama-shaped model (vocab 32000, hidden 512, 4 layers, heads 8/4), saved once by transformers and
 loaded by both sides, so both run the same weights. One random prompt, ``n`` completions of ``--new`` tokens each,

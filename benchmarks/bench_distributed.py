@@ -1,6 +1,6 @@
 """Multi-process training and checkpointing: tokens/s, how long saves block training, export memory.
 
-    python scripts/bench_distributed.py [--nproc 2] [--device cpu|cuda] [--size-gb 0.25] [--shards 4] [--steps 2]
+    python benchmarks/bench_distributed.py [--nproc 2] [--device cpu|cuda] [--size-gb 0.25] [--shards 4] [--steps 2]
 
 Builds a Llama-shaped HF checkpoint (bf16, ``--shards`` files; the same builder as
 bench_checkpoint.py), then runs itself under torchrun: every rank loads its piece of
@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Not the scripts' own folder on the path (scripts/inspect.py would shadow the standard library's inspect);
-# a checkout that is not installed puts its root there instead, for the `waypoint` package.
+# Not this folder on the path (the benchmarks import each other as benchmarks.NAME, from the root); a checkout
+# that is not installed puts its root there instead, for the `waypoint` package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 if importlib.util.find_spec("waypoint") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
