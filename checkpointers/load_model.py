@@ -177,6 +177,7 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor], dtype: 
     report.retied += sorted(k for k, ptr in held.items() if k in after and k not in report.loaded and k not in report.quantized)
     report.retied += [k for k in tied if not after[k].is_meta]
     report.retied.sort()
+    report.tied_to = {k: other for k in report.retied for other in report.loaded if after[other] is after[k]}
     report.sources = dict(matched)
     report.missing = sorted(missing)
     report.extra_state = sorted(extra)

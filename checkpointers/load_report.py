@@ -50,6 +50,7 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)  # checkpoint keys the model has no place for (dropped)
     mismatched: list[str] = field(default_factory=list)  # shape mismatches (an error unless strict=false drops them)
     retied: list[str] = field(default_factory=list)  # parameters re-tied to another after loading
+    tied_to: dict[str, str] = field(default_factory=dict)  # re-tied key -> the loaded key it is the same tensor as
     extra_state: list[str] = field(default_factory=list)  # module extra state restored
     quantized: list[str] = field(default_factory=list)  # model keys that now hold the checkpoint tensor quantized
     quantized_as: list[str] = field(default_factory=lambda: ["NF4"])  # their formats (quantize_base: NF4, MXFP4, FP8)
@@ -63,12 +64,21 @@ class LoadReport:
         if self.renamed:
             prefixes = sorted({_prefix_change(a, b) for a, b in self.renamed.items()})
             out.append(f"renamed {len(self.renamed)} keys: {', '.join(prefixes)}")
-        for label, keys in (("missing (left as initialised)", self.missing), ("unexpected (dropped)", self.unexpected),
-                            ("shape-mismatched (dropped)", self.mismatched), ("re-tied", self.retied),
-                            ("extra state restored", self.extra_state)):
+        for label, keys, why in (("missing (left as initialised)", self.missing, ""),
+                                 ("unexpected (dropped)", self.unexpected, ""),
+                                 ("shape-mismatched (dropped)", self.mismatched, ""),
+                                 ("re-tied", self.retied, self._why_retied()),
+                                 ("extra state restored", self.extra_state, "")):
             if keys:
-                out.append(f"{label}: {', '.join(fold_keys(keys))}")
+                out.append(f"{label}: {', '.join(fold_keys(keys))}{why}")
         return out
+
+    def _why_retied(self) -> str:
+        """What a re-tied key is: the tensor of the key it is tied to (a tied model's output projection is its
+        embedding table), not one read from the checkpoint under its own name."""
+        partners = sorted({self.tied_to[k] for k in self.retied if k in self.tied_to})
+        same = f"the same tensor as {', '.join(partners)}" if partners else "tied to another weight"
+        return f" ({same}: the model ties these weights, so it is not read from the checkpoint)"
 
     def __str__(self) -> str:
         return "\n".join(self.lines())

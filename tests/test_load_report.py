@@ -45,6 +45,25 @@ def test_untied_checkpoint_into_tied_model_is_reported_as_retied(native):
     report = load_into(model, state)
     assert report.retied == ["output.weight"] and "output.weight" not in report.loaded
     assert model.output.weight is model.tok_embeddings.weight
+    assert RETIED in report.lines()
+
+
+# the report's line for a tied model's head: what "re-tied" means, said where it is printed
+RETIED = ("re-tied: output.weight (the same tensor as tok_embeddings.weight: the model ties these weights, so it is not "
+          "read from the checkpoint)")
+
+
+def test_tied_checkpoint_without_a_head_says_what_re_tied_means(native):
+    """A tied checkpoint (Llama 3.2's, Qwen2.5's small sizes) has no output.weight: the head is the embedding table."""
+    from dataclasses import replace
+
+    args, state = native
+    state.pop("output.weight")
+    with torch.device("meta"):
+        model = Transformer(replace(args, tie_embeddings=True))
+    report = load_into(model, state)
+    assert report.retied == ["output.weight"] and report.tied_to == {"output.weight": "tok_embeddings.weight"}
+    assert RETIED in report.lines()
 
 
 def test_heady_checkpoint_into_headless_model_drops_and_reports_the_head(native):
