@@ -5,7 +5,8 @@ several ranks, gets processes of its own. A fresh ``python`` (or ``torchrun`` an
 2-core machine importing torch, hydra and the recipes before the first step: most of a tiny run. These processes
 are forked instead from one server per test process (multiprocessing's ``forkserver``) that imported all of that
 once, from a single thread, before any tensor work: each child starts with the recipes loaded, sets its own
-environment, working directory, process group and output files, and runs ``recipes/NAME.py``'s ``main``.
+environment, working directory, process group and output files, and runs ``recipes/NAME.py``'s ``main`` (or a
+script of the test's own, as ``python SCRIPT ARGS`` would).
 
 Several ranks are started as torchrun starts its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, a rendezvous on
 127.0.0.1, each worker a session of its own) and stopped as its agent stops them: when one fails, the others get
@@ -81,9 +82,17 @@ def _child(recipe: str, argv: list[str], environ: dict, cwd: str | None, fault, 
             preexec_fn()
         from tests.faults import injected
 
-        main = importlib.import_module(f"recipes.{RECIPES[recipe]}").main
-        with injected(fault):
-            code = main(list(argv))
+        if recipe.endswith(".py"):  # a script: run as __main__ with its arguments
+            import runpy
+
+            sys.argv = [recipe, *argv]
+            with injected(fault):
+                runpy.run_path(recipe, run_name="__main__")
+            code = 0
+        else:
+            main = importlib.import_module(f"recipes.{RECIPES[recipe]}").main
+            with injected(fault):
+                code = main(list(argv))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -104,12 +113,12 @@ def free_port() -> int:
 
 def launch(recipe: str, argv: list[str], *, processes: int = 1, fault=None, env=None, cwd=None, preexec_fn=None,
            rank_env: list[dict] | None = None, timeout: float = 300) -> tuple[int, str, str, list[str]]:
-    """``recipes/NAME.py`` (``recipe``: full, lora, dpo or grpo) with ``argv`` on ``processes`` forked processes, in
-    this process's environment with ``env`` added (a None value removes the variable), each with ``fault`` (``tests/faults.py``) injected, in ``cwd`` (the repository's root by default) after
-    ``preexec_fn()`` (picklable: a module's function or ``FileSizeLimit``), rank i's environment with
-    ``rank_env[i]`` added last (several machines of one process each: ``{"LOCAL_RANK": "0", ...}``); returns
-    (exit status, stdout, stderr, each rank's stdout and stderr), the outputs in rank order as torchrun passes its
-    workers' through."""
+    """``recipes/NAME.py`` (``recipe``: full, lora, dpo or grpo; or a script's path) with ``argv`` on ``processes``
+    forked processes, in this process's environment with ``env`` added (a None value removes the variable), each
+    with ``fault`` (``tests/faults.py``) injected, in ``cwd`` (the repository's root by default) after ``preexec_fn()``
+    (picklable: a module's function or ``FileSizeLimit``), rank i's environment with ``rank_env[i]`` added last
+    (several machines of one process each: ``{"LOCAL_RANK": "0", ...}``). Returns (exit status, stdout, stderr, each
+    rank's stdout and stderr), the outputs in rank order as torchrun passes its workers' through."""
     context = _context()
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "INTERRUPT_RECIPE": recipe, **(env or {})}
     environ = {k: v for k, v in environ.items() if v is not None}  # env's None: not in the run's environment

@@ -53,7 +53,8 @@ def in_process(main: Callable[[list[str]], int], argv: list[str], fault=None, en
 
 def run_recipe(recipe: str, argv: list[str], *, fault=None, env=None, preexec_fn=None, cwd=None, processes: int = 1,
                rank_env: list[dict] | None = None, timeout: int = 300) -> Finished:
-    """``recipes/{full,lora,dpo,grpo}_finetune.py`` (``recipe``: full, lora, dpo or grpo) with ``argv``;
+    """``recipes/{full,lora,dpo,grpo}_finetune.py`` (``recipe``: full, lora, dpo or grpo; or a script's path, run in
+    processes of its own) with ``argv``;
     ``fault``: ``[MODE, A, B]`` of ``tests/faults.py``. A run that must die, needs process-wide settings or runs
     as several ranks (``processes``, as torchrun starts them) runs in processes forked for it (``tests/launch.py``)."""
     if not (kills(fault or []) or preexec_fn or cwd or processes > 1 or rank_env):

@@ -251,16 +251,10 @@ os._exit(0)  # no teardown: 1 in ~15 runs Gloo aborted in it ("terminate called 
 
 def test_fsdp2_two_processes_get_the_unsharded_gradients(tmp_path):
     """The output weight kept for backward's recompute is the root unit's, whole until backward under FSDP2."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.recipe_runs import run_recipe
 
     script = tmp_path / "worker.py"
     script.write_text(FSDP_WORKER)
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(script), str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=120,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = run_recipe(str(script), [str(tmp_path)], processes=2, env={"OMP_NUM_THREADS": "1"}, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("ok-*")) == ["ok-0", "ok-1"]
