@@ -1,19 +1,46 @@
 """scripts/check_readme.py holds the README's demos to what the text promises: every generate command that asks the
 tiny chat model the Peru question (after SFT, and after DPO from that SFT) must print the taught answer and stop
-right after it (the reply's last line, on stdout, is the answer). The check itself runs them: python scripts/check_readme.py."""
+right after it (the reply's last line, on stdout, is the answer). The check itself runs them: python scripts/check_readme.py.
+The README's claims that the code can answer without running a demo are held here: which families read images."""
 
 from __future__ import annotations
 
+import re
+
 from scripts import check_readme
 from tests.conftest import ROOT
+from waypoint.families import family_of
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 PERU = 'prompt="What is the capital of Peru?"'
 
 
 def test_every_peru_demo_in_the_readme_is_held_to_the_answer_and_its_stop():
-    demos = [c for c in check_readme.commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    demos = [c for c in check_readme.commands(README)
              if "recipes/generate.py" in c and PERU in c]
     assert any("tiny_chat/" in c for c in demos) and any("tiny_dpo/" in c for c in demos), demos
     for demo in demos:
         wanted = [want for key, want in check_readme.REPLY.items() if key in demo]
         assert wanted == ["The capital of Peru is Lima."], demo
+
+
+def family_rows() -> list[list[str]]:
+    """The cells of each row of the README's family table (family, checkpoints, what the native model does, not
+    supported, logit diff)."""
+    table = README.split("\n| family (HF `model_type`) |", 1)[1].split("\n\n", 1)[0]
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in table.splitlines()[2:]]
+
+
+def test_the_family_table_says_which_families_read_images():
+    """A family whose multimodal repos read images (``Family.vision``: Gemma 3, Gemma 4, Qwen3.5/3.6) says so in what its
+    native model does and is not called text only; a text family never mentions images; images are not out of scope."""
+    rows = family_rows()
+    assert len(rows) > 10, rows
+    for family_cell, _, does, unsupported, _ in rows:
+        families = [family_of({"model_type": t}) for t in re.findall(r"`([a-z0-9_]+)`", family_cell)]
+        assert families and len({f.name for f in families}) == 1, family_cell
+        reads_images = families[0].vision is not None
+        assert ("images" in does) == reads_images and "text only" not in unsupported, (family_cell, does, unsupported)
+    out_of_scope = README.split("\nOut of scope:", 1)[1].split(" (MoE models", 1)[0]
+    assert "vision" not in out_of_scope, out_of_scope
