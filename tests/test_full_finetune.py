@@ -1,4 +1,5 @@
-"""The tiny recipe end to end: once in a subprocess, as a user runs it, the rest in this process."""
+"""The tiny recipe end to end: once in a process of its own in another working directory, the rest in this process
+(a fresh ``python recipes/full_finetune.py`` is tests/test_import_names.py's, and the wheel's in test_waypoint_command)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.conftest import ROOT
 
 
 def run_recipe(*overrides, cwd=None):
-    """recipes/full_finetune.py on configs/tiny.yaml; with ``cwd``: ``python recipes/full_finetune.py`` there."""
+    """recipes/full_finetune.py on configs/tiny.yaml; with ``cwd``: in a process of its own there (tests/launch.py)."""
     return recipe_runs.run_recipe("full", ["--config", str(ROOT / "configs/tiny.yaml"), *overrides], cwd=cwd)
 
 
@@ -24,7 +25,7 @@ def test_tiny_recipe_loss_falls_and_output_is_a_drop_in_replacement(tmp_path):
 
     out = tmp_path / "run"
     result = run_recipe(f"output_dir={out}", "epochs=1", "checkpointer=hf", f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}",
-                        f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", cwd=tmp_path)  # a subprocess, as a user runs it
+                        f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", cwd=tmp_path)  # relative paths from elsewhere
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
