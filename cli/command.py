@@ -1,5 +1,10 @@
 """What every command (recipe or script) does with bad input: one line, ``error: ...``, naming the file, key
-or option, and exit status 1 (2 for a malformed command line). ``WAYPOINT_DEBUG=1`` shows the traceback."""
+or option, and exit status 1 (2 for a malformed command line). ``WAYPOINT_DEBUG=1`` shows the traceback.
+
+A ``sys.exit()`` inside the command's work (a user's class that Hydra instantiates, a callback) is such an error too:
+left alone it would end a training run with exit status 0 and no ``done:`` line, which a scheduler records as a
+success. The line names the function that exited. argparse's own exits (``--help``, a malformed command line) come
+before the work starts and are left as they are."""
 
 from __future__ import annotations
 
@@ -8,7 +13,10 @@ import atexit
 import gc
 import os
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from waypoint.errors import CheckpointError, first_line
 
@@ -35,10 +43,34 @@ def describe(e: BaseException) -> str:
 
     if isinstance(e, InstantiationException) and e.__cause__ is not None:
         e = e.__cause__
+    if isinstance(e, SystemExit):
+        return (f"{exiting_function(e)} called sys.exit({e.code!r}), which ended the run before it finished; "
+                "raise an exception there instead of exiting (the run stops here, exit status 1)")
     if isinstance(e, OSError) and not isinstance(e, CheckpointError) and e.strerror:
         where = e.filename if e.filename is not None else ""
         return f"{where}: {e.strerror}" if where else e.strerror
     return first_line(e)
+
+
+def exiting_function(e: SystemExit) -> str:
+    """``module.function (file:line)`` of the innermost frame of ``e``'s traceback outside Waypoint and the standard
+    library (a user's function, not argparse's ``exit`` it called), else outside Waypoint, else the innermost."""
+    frames = list(traceback.walk_tb(e.__traceback__))  # (frame, line), outermost first
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+    def waypoint_s(frame) -> bool:
+        return frame.f_globals.get("__name__", "").split(".")[0] == "waypoint"
+
+    def standard(frame) -> bool:
+        path = Path(frame.f_code.co_filename).resolve()
+        return path.is_relative_to(stdlib) and not {"site-packages", "dist-packages"} & set(path.parts)
+    outside = [(f, line) for f, line in frames if not waypoint_s(f)]
+    candidates = [(f, line) for f, line in outside if not standard(f)] or outside or frames
+    if not candidates:
+        return "the command"
+    frame, line = candidates[-1]
+    code = frame.f_code
+    return f"{frame.f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{line})"
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -73,6 +105,10 @@ def run_command(fn: Callable[[], int], also: tuple[type[BaseException], ...] = (
     except (*user_errors(), *also) as e:
         if os.environ.get(DEBUG):
             raise
+        return report(e)
+    except SystemExit as e:  # sys.exit() in the work: never a silent success (argparse's exits come before fn)
+        if os.environ.get(DEBUG):
+            traceback.print_exception(e)  # raised, it would end the process with e.code and no traceback
         return report(e)
     except KeyboardInterrupt:
         if os.environ.get(DEBUG):

@@ -139,6 +139,25 @@ def test_too_few_samples_for_the_global_batch_is_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_sys_exit_in_a_class_the_config_instantiates_is_an_error_not_a_success(tmp_path, monkeypatch, capsys):
+    """A dataset ``_target_`` of the user's whose constructor calls sys.exit(0) ended the run with exit status 0 and no
+    ``done:`` line, which a scheduler records as a success: it is one error line naming the function, exit status 1."""
+    from recipes.full_finetune import main
+
+    (tmp_path / "exiting_data_q.py").write_text("import sys\n\n\nclass Records:\n    def __init__(self, **options):\n"
+                                                "        sys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    code = main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}",
+                 f"output_dir={out}", "dataset._target_=exiting_data_q.Records"])
+    printed = capsys.readouterr()
+    err = [line for line in printed.err.replace("\r", "\n").splitlines() if "error" in line]
+    assert code == 1 and "done:" not in printed.out
+    assert err == [f"error: exiting_data_q.Records.__init__ ({tmp_path / 'exiting_data_q.py'}:6) called sys.exit(0), "
+                   "which ended the run before it finished; raise an exception there instead of exiting (the run stops "
+                   "here, exit status 1)"], printed.err[-2000:]
+
+
 def test_legacy_pickle_bin_loads_without_mmap_and_says_so(tmp_path, capsys):
     """transformers still reads pre-zip pytorch_model.bin files; they cannot be memory-mapped, so they are read whole."""
     from recipes.full_finetune import main
