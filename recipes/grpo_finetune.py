@@ -20,7 +20,8 @@ and torchrun support as the other recipes, with what online RL adds:
   with the adapters switched off; for a full run a frozen copy of the input, the one case with two models in memory);
 - it logs TRL's metric names (``reward``, ``reward_std``, ``rewards/<func>/mean``, ``completions/*``, ``kl``,
   ``clip_ratio/*``, ``entropy``, ``frac_reward_zero_std``) beside loss, lr, tokens/s, and ``val_reward`` on held-out
-  prompts (``validation``);
+  prompts (``validation``); the console shows what moves (``waypoint.run.grpo_progress``: GRPO's loss stays near 0)
+  and warns once when every group's rewards have been equal for several steps in a row (nothing learns);
 - full runs write the policy in the input's format and files; LoRA runs the PEFT adapter and ``merged/``.
 """
 
@@ -50,6 +51,7 @@ from waypoint.cli.option_checks import COMMON, LORA, check_options
 from waypoint.cli.run_config import config_as_given
 from waypoint.models.lora import adapter_state_keys, adapters_disabled, apply_lora, init_adapters, load_adapter_state
 from waypoint.rewards import resolve
+from waypoint.run.grpo_progress import LOSS_NOTE, ZeroSpreadWatch, progress_values
 from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
@@ -228,7 +230,9 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         return saver.save(global_step, content, final=final or preempted)
 
     preemption = PreemptionWatch(cfg.preemption_signals)
-    progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main)
+    progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main,
+                                note=LOSS_NOTE)
+    zero_spread = ZeroSpreadWatch()  # every group's rewards equal, step after step: nothing learns (warned once)
     first_step, saved = global_step + 1, None
     saved_step, whole = global_step, None  # the newest step on disk; (epoch, step in it) of the newest step trained
 
@@ -287,9 +291,11 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 record.update(held_out)
                 if main and held_out:
                     metrics.write(step=global_step, **held_out)
-            progress.update(global_step, loss=f"{record['loss']:.4f}", reward=f"{record['reward']:.3f}",
-                            len=f"{record['completions/mean_length']:.0f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                            **({"val_reward": f"{record['val_reward']:.3f}"} if "val_reward" in record else {}))
+            # the figures that move (GRPO's loss stays near 0); a step that measured val_reward always gets its line
+            progress.update(global_step, always="val_reward" in record, **progress_values(record))
+            warning = zero_spread.update(global_step, record["frac_reward_zero_std"])
+            if warning and main:
+                tqdm.write(warning)
 
             # Checkpoints at step boundaries only (a step's samples never span a save); a signal on any rank stops
             # every rank here.

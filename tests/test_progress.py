@@ -42,3 +42,40 @@ def test_off_shows_nothing_bar_draws_a_bar_and_the_metrics_file_is_the_same(tmp_
     assert "train step" not in bar.stdout and "\r" in bar.stderr and "train: 100%" in bar.stderr
     assert "load: " in bar.stderr, "the loading bars follow the setting too"
     assert losses(tmp_path / "lines") == losses(tmp_path / "off") == losses(tmp_path / "bar")
+
+
+def test_a_grpo_line_shows_what_moves_every_val_reward_a_note_and_a_warning_when_nothing_can_learn(
+        tmp_path, monkeypatch):
+    """GRPO's loss stays near 0 on-policy: a note says so once, before the first line, and each line shows the reward
+    figures instead; a step that measured val_reward (every 2 here) gets its line whatever progress_every_n_steps
+    says; a reward that scores every completion alike (no group has a spread, nothing learns) is warned of once,
+    after ZERO_SPREAD_STEPS (3 here) such steps in a row."""
+    from waypoint.run import grpo_progress
+
+    (tmp_path / "same_rewards_p.py").write_text("def same(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(grpo_progress, "ZERO_SPREAD_STEPS", 3)
+    result = run_recipe("grpo", ["--config", str(ROOT / "configs/tiny_grpo.yaml"), f"output_dir={tmp_path / 'run'}",
+                                 "epochs=1", "max_steps_per_epoch=4", "validation.every_n_steps=2", "progress=lines",
+                                 "progress_every_n_steps=3", "verify_export=false", "reward_funcs=[same_rewards_p.same]"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    shown = [line for line in result.stdout.splitlines()
+             if line.startswith(("train step ", "note: GRPO's loss", "warning: steps"))]
+    assert [line.split(":")[0] for line in shown] == ["note", "train step 2/4 (50%)", "train step 3/4 (75%)",
+                                                      "warning", "train step 4/4 (100%)"], result.stdout
+    assert shown[0] == grpo_progress.LOSS_NOTE
+    assert re.fullmatch(r"train step 2/4 \(50%\): loss -?\d\.\d{4}, reward 1\.000, reward_std 0\.000, "
+                        r"frac_reward_zero_std 1\.00, len \d\.\d, tok_s \d+, val_reward 1\.000, "
+                        r"\d+:\d\d:\d\d elapsed, \d+:\d\d:\d\d left", shown[1]), shown[1]
+    assert "val_reward" not in shown[2] and "val_reward 1.000" in shown[4]
+    assert shown[3].startswith("warning: steps 1-3: every group's completions got the same reward "
+                               "(frac_reward_zero_std 1.0), so every advantage is 0 and no gradient flows")
+
+
+def test_the_zero_spread_warning_needs_that_many_steps_in_a_row_and_comes_once():
+    from waypoint.run.grpo_progress import ZeroSpreadWatch
+
+    watch = ZeroSpreadWatch(3)
+    said = [watch.update(step, frac) for step, frac in enumerate([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0], 1)]
+    assert [i for i, line in enumerate(said, 1) if line] == [6]  # steps 4-6; step 3 had a group with a spread
+    assert said[5].startswith("warning: steps 4-6: ")
