@@ -79,3 +79,15 @@ def test_the_zero_spread_warning_needs_that_many_steps_in_a_row_and_comes_once()
     said = [watch.update(step, frac) for step, frac in enumerate([1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0], 1)]
     assert [i for i, line in enumerate(said, 1) if line] == [6]  # steps 4-6; step 3 had a group with a spread
     assert said[5].startswith("warning: steps 4-6: ")
+
+
+def test_a_grpo_line_shows_the_kl_when_beta_adds_it():
+    from waypoint.run.grpo_progress import progress_values
+
+    record = {"loss": 1e-9, "reward": 0.5, "reward_std": 0.25, "frac_reward_zero_std": 0.125,
+              "completions/mean_length": 5.94, "tokens_per_s": 900.4}
+    assert progress_values(record) == {"loss": "0.0000", "reward": "0.500", "reward_std": "0.250",
+                                       "frac_reward_zero_std": "0.12", "len": "5.9", "tok_s": "900"}
+    assert progress_values(record | {"kl": 0.0123, "val_reward": 0.75}) == {
+        "loss": "0.0000", "reward": "0.500", "reward_std": "0.250", "frac_reward_zero_std": "0.12", "kl": "0.0123",
+        "len": "5.9", "tok_s": "900", "val_reward": "0.750"}
