@@ -27,8 +27,9 @@ from safetensors.torch import save
 
 from waypoint.checkpointers.commit import StagedDir
 from waypoint.checkpointers.file_formats import json_bytes, read_json, read_tensors
-from waypoint.checkpointers.peft_parameters import (check_shapes, is_parameter_target, native_module_of, native_targets,
-                                                    parameter_names, peft_module, targeted)
+from waypoint.checkpointers.peft_parameters import (bare_targets, check_shapes, is_bare_matrix, is_parameter_target,
+                                                    native_module_of, native_targets, parameter_names, peft_module, peft_stem,
+                                                    targeted)
 from waypoint.errors import CheckpointError, first_line
 from waypoint.families.family import VLLM_LORA_MODULES
 from waypoint.lazy import on_host, spec_of
@@ -39,6 +40,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 OTHER_BASE = f"the adapter was trained for another base model (see base_model_name_or_path in its {ADAPTER_CONFIG})"
 PEFT_PREFIX = "base_model.model."
+INNER_LINEAR = "linear"  # where transformers' Gemma4ClippableLinear keeps its nn.Linear, between its clamps
 DEFAULT_MAX_LORA_RANK = 16
 # The adapter modules vLLM serves for a family that declares none (each family's vllm_lora_modules: families.family)
 VLLM_TARGETS = VLLM_LORA_MODULES
@@ -59,7 +61,7 @@ def _single_rule(converter: Converter, key: str, side: str) -> tuple[Rule, str]:
 
 
 def hf_module(converter: Converter, native_module: str) -> str:
-    return _single_rule(converter, f"{native_module}.weight", "native")[1].removesuffix(".weight")
+    return peft_stem(_single_rule(converter, f"{native_module}.weight", "native")[1])
 
 
 def to_peft(adapter: Mapping[str, torch.Tensor], converter: Converter) -> dict[str, torch.Tensor]:
@@ -82,7 +84,7 @@ def to_layout(adapter: Mapping[str, torch.Tensor], converter: Converter, prefix:
                 out[f"{stem}.lora_B.weight"] = interleaved_to_halves(out[f"{stem}.lora_B.weight"])
             continue
         rule, hf_key = _single_rule(converter, f"{module}.weight", "native")
-        path = prefix + hf_key.removesuffix(".weight")
+        path = prefix + peft_stem(hf_key)
         out[f"{path}.lora_A.weight"] = adapter[f"{module}.lora_A.weight"].contiguous()
         (out[f"{path}.lora_B.weight"],) = rule.op.inverse([adapter[f"{module}.lora_B.weight"]])
         out[f"{path}.lora_B.weight"] = out[f"{path}.lora_B.weight"].contiguous()
@@ -101,9 +103,12 @@ def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source:
     """PEFT adapter tensors -> native adapter tensors (the inverse of ``to_peft``). With ``base`` (the native state
     dict it is merged onto) and ``rank`` (adapter_config.json's ``r``), every tensor is checked to fit: an adapter
     of another base model is one line naming ``source`` and the key, not a shape error in the merge.
-    ``target_parameters`` (adapter_config.json's): which stacked parameters its ``experts`` keys adapt."""
+    ``target_parameters`` (adapter_config.json's): which stacked parameters its ``experts`` keys adapt, and which bare
+    matrix a module's keys adapt (Gemma 3's projector)."""
     out = {}
-    parameters = native_targets(converter, target_parameters or [], source)
+    stems = {k.removeprefix(PEFT_PREFIX).split(".lora_")[0] for k in tensors}
+    bare, experts = bare_targets(converter, target_parameters or [], stems)
+    parameters = native_targets(converter, experts, source)
     for key, t in tensors.items():
         stem = key.removeprefix(PEFT_PREFIX)
         for part in ("lora_A", "lora_B"):
@@ -113,6 +118,10 @@ def from_peft(tensors: Mapping[str, torch.Tensor], converter: Converter, source:
                 break
         else:
             raise CheckpointError(f"{source}: key {key!r} is not a LoRA A/B weight (only plain LoRA adapters load)")
+        if module in bare:  # a bare matrix's (Gemma 3's projector): [r, in] and [out, r] of [out, in], as a linear's
+            _check_fits(key, part, t, source, rank, base, f"{bare[module]}.weight", module)
+            out[f"{bare[module]}.{part}.weight"] = t
+            continue
         native_module = native_module_of(converter, module, parameters)
         if native_module is not None:
             check_shapes(key, part, tuple(t.shape), base, native_module, rank, source)
@@ -163,7 +172,8 @@ def check_targets(model: torch.nn.Module, converter: Converter, family=None) -> 
     modules = list(lora_modules(model))
     for module in modules:
         name = module.rsplit(".", 1)[-1]
-        if family is not None and name not in family.lora_targets and not module.startswith("vision."):
+        if family is not None and name not in family.lora_targets and not module.startswith("vision.") \
+                and not is_bare_matrix(module):
             raise CheckpointError(f"lora.targets: {name} cannot be adapted in {family.name} models in PEFT's format; "
                                   f"choose from {', '.join(family.lora_targets)}")
         if is_parameter_target(module):
@@ -174,17 +184,22 @@ def check_targets(model: torch.nn.Module, converter: Converter, family=None) -> 
 
 def adapter_config(converter: Converter, native_modules: list[str], rank: int, alpha: float, dropout: float,
                    base_model_name_or_path: str) -> dict[str, Any]:
-    modules = [hf_module(converter, m) for m in native_modules if not is_parameter_target(m)]
+    modules = [hf_module(converter, m) for m in native_modules if not is_parameter_target(m) and not is_bare_matrix(m)]
     targets: list[str] | str = sorted({m.rsplit(".", 1)[-1] for m in modules})
-    nests: dict[str, set[str]] = {}  # a multimodal repo's parts ("model.language_model.", "model.visual.") -> names
+    # a multimodal repo's parts ("model.language_model.", "model.visual.") -> names; a clamping linear's inner
+    # ``linear`` (Gemma 4's tower, transformers' Gemma4ClippableLinear) by its owner's name: PEFT wraps that nn.Linear
+    nests: dict[tuple[str, str], set[str]] = {}
     for m in modules:
-        nests.setdefault(_nest(m), set()).add(m.rsplit(".", 1)[-1])
-    if any(nest not in ("", "model.") for nest in nests):  # a multimodal repo's language model (Gemma 4's
+        *_, owner, name = ("." + m).rsplit(".", 2)
+        inner = name == INNER_LINEAR
+        nests.setdefault((_nest(m), r"\." + INNER_LINEAR if inner else ""), set()).add(owner if inner else name)
+    if any(nest not in ("", "model.") for nest, _ in nests):  # a multimodal repo's language model (Gemma 4's
         # "model.language_model."), or its tower too: PEFT's regex form, so that each part's names wrap that part only
         parts = [(re.escape(nest) + r".*\." if nest not in ("", "model.") else r"(?:.*\.)?") + "(?:" + "|".join(sorted(names)) + ")"
-                 for nest, names in sorted(nests.items())]
+                 + suffix for (nest, suffix), names in sorted(nests.items())]
         targets = parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
     parameters = parameter_names(converter, targeted(converter, native_modules))
+    parameters += [_single_rule(converter, f"{m}.weight", "native")[1] for m in native_modules if is_bare_matrix(m)]
     return {**({"target_parameters": parameters} if parameters else {}),
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": alpha, "lora_dropout": dropout,
         "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,

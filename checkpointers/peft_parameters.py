@@ -1,4 +1,5 @@
-"""PEFT's keys for LoRA on parameters (``LoraConfig(target_parameters=[...])``): gpt-oss's stacked experts.
+"""PEFT's keys for LoRA on parameters (``LoraConfig(target_parameters=[...])``): stacked experts (gpt-oss's, ...) and
+a bare matrix (Gemma 3's projector).
 
 PEFT wraps each targeted parameter of a module in a ``ParamWrapper``; two targets on one module nest, the one the
 module registers first innermost. Its adapter keys are the module's path plus one ``base_layer.`` per wrapper
@@ -9,6 +10,10 @@ to depends on which are targeted: ``adapter_config.json``'s ``target_parameters`
 The tensors themselves need no conversion: ``models.lora_experts.LoRAExperts`` holds PEFT's ``[r * E, in]`` and
 ``[out, r * E]`` as they are. The family's converter names the HF parameter of each native target
 (``Converter.lora_parameters``, in registration order).
+
+A bare matrix (Gemma 3's ``multi_modal_projector.mm_input_projection_weight``, ``models.lora_vision``) is one parameter
+of its module: PEFT wraps that module, its keys the module's (``model.multi_modal_projector.lora_A.weight``), and
+``target_parameters`` names the parameter; the converter maps it one-to-one like a linear's weight.
 """
 
 from __future__ import annotations
@@ -20,6 +25,40 @@ from waypoint.converters.table import Converter
 from waypoint.errors import CheckpointError
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+BARE_MATRICES = ("projector.weight",)  # native keys of the bare matrices a LoRA adapts (models.lora_vision.PROJECTOR's)
+
+
+def is_bare_matrix(module: str) -> bool:
+    """Whether a native LoRA module adapts a bare matrix, which PEFT adapts by ``target_parameters``."""
+    return f"{module}.weight" in BARE_MATRICES
+
+
+def peft_stem(hf_key: str) -> str:
+    """The module path whose lora_A / lora_B adapt an HF weight: a linear's (``...q_proj.weight`` -> ``...q_proj``) or,
+    for a bare matrix, the module that holds it (``model.multi_modal_projector.mm_input_projection_weight`` ->
+    ``model.multi_modal_projector``)."""
+    return hf_key.removesuffix(".weight") if hf_key.endswith(".weight") else hf_key.rpartition(".")[0]
+
+
+def bare_targets(converter: Converter, names: Iterable[str], stems: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+    """Of an adapter_config.json's ``target_parameters``, those naming a bare matrix of this base that PEFT wrapped at
+    one of ``stems`` (the module paths of the adapter's keys): ({stem: native module}, the other names)."""
+    matrices = {}  # the base's bare matrices: HF key -> native module
+    for native in BARE_MATRICES:
+        try:
+            matrices[converter.plan([native], "native")[0].targets[0]] = native.removesuffix(".weight")
+        except CheckpointError:  # not in this model
+            continue
+    found, rest, stems = {}, [], list(stems)
+    for name in names:
+        hits = {}
+        for stem in stems:
+            key = f"{stem}.{name.rsplit('.', 1)[-1]}"  # PEFT's match: the parameter's path is the name or ends in .name
+            if key in matrices and (key == name or key.endswith("." + name)):
+                hits[stem] = matrices[key]
+        found.update(hits)
+        rest += [] if hits else [name]
+    return found, rest
 
 
 def is_parameter_target(module: str) -> bool:

@@ -52,8 +52,9 @@ FAMILY = Family(
     # multimodal repos (gemma-3-4b and up, model_type gemma3): the text model under language_model., its config
     # under text_config, the vision tower and projector beside it
     hf_prefixes=GEMMA3_PREFIXES, nested_config="text_config", vision=gemma3_vision, carried=lambda config: SIGLIP_HEAD,
-    # transformers 5's module names (an adapter's PEFT keys), the tower's too
-    nested_modules={"model.": "model.language_model.", "vision_tower.": "model.vision_tower."},
+    # transformers 5's module names (an adapter's PEFT keys), the tower's and the projector's too
+    nested_modules={"model.": "model.language_model.", "vision_tower.": "model.vision_tower.",
+                    "multi_modal_projector.": "model.multi_modal_projector."},
 )
 
 

@@ -168,7 +168,9 @@ FAMILY = Family(
     lora_targets=LLAMA_LORA_TARGETS + ("input_gate", "input_proj") + tuple(EXPERT_PARAMETERS),
     lora_parameters=EXPERT_PARAMETERS, lora_halves=frozenset({"experts_gate_up"}),
     buffers=(r"\.layer_scalar$", *VISION_BUFFERS),
-    hf_prefixes=({**MULTIMODAL, **VISION_PREFIXES},), nested_modules={"model.": "model.language_model."},
+    hf_prefixes=({**MULTIMODAL, **VISION_PREFIXES},),
+    # transformers' module names (an adapter's PEFT keys), the tower's too
+    nested_modules={"model.": "model.language_model.", "vision_tower.": "model.vision_tower."},
     nested_config="text_config", vision=gemma4_vision,
 )
 

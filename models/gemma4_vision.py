@@ -107,14 +107,16 @@ class Gemma4VisionArgs:
 
 class ClippedLinear(nn.Linear):
     """A Linear without bias; with ``clipped``, its input and output clamped to stored bounds (buffers, +-inf until a
-    checkpoint sets them), as ``Gemma4ClippableLinear``."""
+    checkpoint sets them), as ``Gemma4ClippableLinear``. LoRA on it keeps the clamps (``models.lora.ClippedLoRALinear``)."""
+
+    BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 
     def __init__(self, in_features: int, out_features: int, clipped: bool) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.clipped = clipped
         if clipped:
-            for name, value in (("input_min", -1), ("input_max", 1), ("output_min", -1), ("output_max", 1)):
-                self.register_buffer(name, torch.tensor(value * float("inf")))
+            for name in self.BOUNDS:
+                self.register_buffer(name, torch.tensor(float("-inf") if name.endswith("_min") else float("inf")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.clipped:

@@ -3,7 +3,8 @@ an image), RMS-normed (Gemma's ``1 + weight``) and multiplied by one [vision dim
 ``Gemma3MultiModalProjector``.
 
 Parameter names under the model's ``projector.``: ``norm.weight`` (``mm_soft_emb_norm.weight``) and ``weight``
-(``mm_input_projection_weight``, kept [vision dim, text dim] as transformers keeps it: no transpose on disk)."""
+(``mm_input_projection_weight``, kept [vision dim, text dim] as transformers keeps it: no transpose on disk). LoRA on the
+matrix: ``models.lora_vision.LoRAProjector``, which overrides :meth:`ImageProjector.project`."""
 
 from __future__ import annotations
 
@@ -28,4 +29,8 @@ class ImageProjector(nn.Module):
         side, kernel = self.args.patches_per_side, self.args.pool_kernel
         grid = patches.transpose(1, 2).reshape(images, dim, side, side).contiguous()
         tokens = F.avg_pool2d(grid, kernel_size=kernel, stride=kernel).flatten(2).transpose(1, 2)
-        return torch.matmul(self.norm(tokens), self.weight).type_as(patches)
+        return self.project(self.norm(tokens)).type_as(patches)
+
+    def project(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The normed tokens [..., vision dim] into the text's width: ``tokens @ weight``."""
+        return torch.matmul(tokens, self.weight)

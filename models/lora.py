@@ -9,7 +9,9 @@ parameter of the model is frozen too, so only adapter parameters reach the optim
 
 On a bf16 / fp16 base the adapter weights are fp32 (as PEFT keeps them); the update is cast to the base's
 dtype. Initialisation is PEFT's: A Kaiming-uniform (a = sqrt(5)), B zeros, so the adapted model starts equal
-to the base. ``output = base(x) + lora_B(lora_A(dropout(x))) * alpha / rank``, as PEFT computes it.
+to the base. ``output = base(x) + lora_B(lora_A(dropout(x))) * alpha / rank``, as PEFT computes it. A clamping
+linear (Gemma 4's tower) keeps its clamps around that sum (:class:`ClippedLoRALinear`); the image side's targets
+(``vision.NAME``, Gemma 3's projector matrix too) are :mod:`waypoint.models.lora_vision`'s.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from torch import nn
 
 from waypoint.errors import CheckpointError
 from waypoint.lazy import on_host, spec_of
+from waypoint.models.gemma4_vision import ClippedLinear
 from waypoint.models.lora_factors import LoRAFactors, initial_lora_weights
 from waypoint.models.lora_experts import EXPERT_TARGETS, LoRAExperts, add_expert_lora, adapted_rows, merge_expert_weight
+from waypoint.models.image_projector import ImageProjector
+from waypoint.models.lora_vision import VISION, LoRAProjector, image_side_modules, vision_targets
 from waypoint.models.vision_towers import IMAGE_SIDE
 
 HALF = (torch.bfloat16, torch.float16)
@@ -32,9 +37,6 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3", "outpu
            "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj",  # latent attention's (models.mla)
            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",  # Gated DeltaNet's (models.gated_deltanet)
            "input_gate", "input_proj")  # Gemma 4's per-layer inputs (models.per_layer_embeddings)
-VISION = "vision."  # targets in a vision-language model's tower: vision.NAME
-VISION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "fc1", "fc2")  # SigLIP's and Qwen3.5's linears
-VISION_HF_NAMES = {"out_proj": "o_proj", "qkv": "qkv_proj", "proj": "o_proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 HF_NAMES = {"o_proj": "output_proj", "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "lm_head": "output",  # also accepted
             "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down",
             "kv_a_proj_with_mqa": "kv_a_proj", "linear_attn.in_proj_qkv": "in_proj_qkv", "linear_attn.in_proj_z": "in_proj_z",
@@ -82,6 +84,21 @@ class LoRALinear(LoRAFactors):
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}, dropout={self.dropout_p}"
 
 
+class ClippedLoRALinear(LoRALinear):
+    """LoRA on a clamping linear (Gemma 4's tower: ``ClippedLinear``): the input clamped, then base + LoRA product, then
+    the sum clamped, as PEFT computes on the inner ``linear`` of transformers' ``Gemma4ClippableLinear``; the bounds
+    are the base's buffers under the same keys, so a merge folds the update into the weight and keeps them as they are."""
+
+    def __init__(self, base: ClippedLinear, rank: int, alpha: float, dropout: float = 0.0) -> None:
+        super().__init__(base, rank, alpha, dropout)
+        for name in ClippedLinear.BOUNDS:
+            self.register_buffer(name, getattr(base, name))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(torch.clamp(x, self.input_min, self.input_max))
+        return torch.clamp(x, self.output_min, self.output_max)
+
+
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Within the block ``model`` computes as its base (PEFT's ``disable_adapter()``): the reference model of
@@ -96,32 +113,18 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             module.disabled = False
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAExperts]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))}
-
-
-def vision_targets(targets: Iterable[str]) -> list[str]:
-    """The tower's targets among ``targets`` (``vision.NAME``, NAME native or transformers': ``vision.qkv``,
-    ``vision.linear_fc1``), as the tower's native module names."""
-    names = [t.removeprefix(VISION) for t in targets if t.startswith(VISION)]
-    names = list(dict.fromkeys(VISION_HF_NAMES.get(t, t) for t in names))
-    unknown = [t for t in names if t not in VISION_TARGETS]
-    if unknown:
-        raise CheckpointError(f"unknown lora target(s) {', '.join(VISION + t for t in unknown)}; the vision tower's: "
-                              f"{', '.join(VISION + t for t in VISION_TARGETS)} (or transformers' names: "
-                              f"{', '.join(VISION + t for t in VISION_HF_NAMES)})")
-    return names
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear | LoRAExperts | LoRAProjector]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRAFactors)}
 
 
 def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float, dropout: float = 0.0) -> list[str]:
     """Wrap every ``nn.Linear`` named in ``targets`` (native names, or HF's: ``o_proj``, ``gate_proj``, ...) in a LoRALinear and freeze all non-adapter parameters;
-    returns the wrapped module paths. A vision-language model's tower is adapted only where a target names it
-    (``vision.q_proj``, ``vision.qkv``: :func:`vision_targets`). Unknown target names and a LoRA on a tied head are
-    one-line errors."""
+    returns the wrapped module paths. A vision-language model's tower and projector are adapted only where a target
+    names them (``vision.q_proj``, ``vision.qkv``, ``vision.mm_input_projection_weight``: ``models.lora_vision``).
+    Unknown target names and a LoRA on a tied head are one-line errors."""
     targets = list(targets)
     tower = vision_targets(targets)
-    if tower and getattr(model, "vision", None) is None:
-        raise CheckpointError(f"lora target {VISION}{tower[0]} adapts a vision tower, which this model does not have")
+    in_tower = image_side_modules(model, tower)
     targets = list(dict.fromkeys(HF_NAMES.get(t, t) for t in targets if not t.startswith(VISION)))
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
@@ -135,12 +138,6 @@ def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float
     # the language model's layers: a vision-language model's tower (``vision.``, its own q_proj ...) is not adapted
     chosen = [(name, m) for name, m in model.named_modules()
               if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets and not name.startswith(IMAGE_SIDE)]
-    in_tower = [(name, m) for name, m in model.named_modules()
-                if isinstance(m, nn.Linear) and name.startswith(VISION) and name.rsplit(".", 1)[-1] in tower]
-    clipped = next(((name, m) for name, m in in_tower if type(m) is not nn.Linear), None)
-    if clipped is not None:  # a LoRALinear computes F.linear: a clamping linear (Gemma 4's tower) would lose its clamps
-        raise CheckpointError(f"lora: {clipped[0]} is a {type(clipped[1]).__name__}, which LoRA cannot wrap yet (Gemma 4's "
-                              "vision tower); adapt its language model only")
     chosen += in_tower
     experts = [(f"{name}.{t}", m) for name, m in model.named_modules() if hasattr(m, "experts_gate_up")
                for t in EXPERT_TARGETS if t in targets]  # mixture-of-experts layers' stacked weights
@@ -152,12 +149,20 @@ def apply_lora(model: nn.Module, targets: Iterable[str], rank: int, alpha: float
     for name, module in chosen:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
-        setattr(owner, attr, LoRALinear(module, rank, alpha, dropout))
+        setattr(owner, attr, adapted(module, rank, alpha, dropout))
     for name, moe in experts:
         add_expert_lora(moe, name.rsplit(".", 1)[-1], rank, alpha, dropout)
     chosen += experts
     model.lora_config = {"targets": targets, "rank": int(rank), "alpha": float(alpha), "dropout": float(dropout)}
     return [name for name, _ in chosen]
+
+
+def adapted(module: nn.Module, rank: int, alpha: float, dropout: float) -> LoRAFactors:
+    """The LoRA module that takes ``module``'s place: Gemma 3's projector's, a clamping linear's (its clamps kept: a
+    plain LoRALinear computes F.linear and would lose them) or a linear's."""
+    if isinstance(module, ImageProjector):
+        return LoRAProjector(module, rank, alpha, dropout)
+    return (ClippedLoRALinear if getattr(module, "clipped", False) else LoRALinear)(module, rank, alpha, dropout)
 
 
 def adapter_state_keys(model: nn.Module) -> list[str]:

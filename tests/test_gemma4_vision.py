@@ -414,24 +414,15 @@ def test_the_whole_model_with_images_equals_transformers(tmp_path, per_layer, bi
     assert any(k.startswith("model.audio_tower.") for k in before)
 
 
-def test_a_gemma4_vlm_trains_on_images_and_answers_about_one(tmp_path):
-    """The data path end to end: TRL-format records with images, the checkpoint's Gemma 4 processor found from its
-    files, two steps of the full fine-tune (the first batch's loss transformers' own), the tower byte for byte as it
-    came; then generate.py image= on the result."""
-    import contextlib
-    import io
-
+def write_vlm(base, clip: float | None = None):
+    """A tiny random Gemma4ForConditionalGeneration in ``base`` with the processor's files and Gemma 4's chat template:
+    (the model, our tokenizer of it). ``clip``: the tower's clamping linears clamp their inputs to +-clip and their
+    outputs to +-clip/10 (as saved by transformers, +-inf: no clamp)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from recipes import full_finetune, generate
     from tests.conftest import ROOT
-    from waypoint.checkpointers.file_formats import read_tensors
     from waypoint.text.tokenizer import load_tokenizer
-    from waypoint.training.collate import vision_collate
-    from waypoint.training.data_order import iterate_batches
-    from waypoint.training.vision_chat_dataset import VisionChatDataset
 
-    base = tmp_path / "base"
     base.mkdir()
     write_processor_files(base)
     config = json.loads((base / "tokenizer_config.json").read_text())
@@ -444,13 +435,43 @@ def test_a_gemma4_vlm_trains_on_images_and_answers_about_one(tmp_path):
     torch.manual_seed(0)
     hf = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=VISION,
                                                      image_token_id=ids["<|image|>"])).eval()
+    if clip is not None:
+        with torch.no_grad():
+            for name, bound in hf.named_buffers():
+                if name.startswith("model.vision_tower.") and name.endswith(("_min", "_max")):
+                    bound.fill_((-1 if name.endswith("_min") else 1) * clip / (1 if "input" in name else 10))
     hf.save_pretrained(base)
+    return hf, tokenizer
+
+
+def write_colours(path):
+    """Four records in TRL's format: an image of assets/tiny_vlm, its colour the answer."""
+    from tests.conftest import ROOT
+
     colours = ROOT / "assets/tiny_vlm/images"
     record = lambda colour, k: {"messages": [  # noqa: E731
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
         {"role": "assistant", "content": [{"type": "text", "text": colour}]}], "images": [str(colours / f"{colour}_{k}.png")]}
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(record(c, k)) + "\n" for c in ("red", "blue") for k in range(2)))
+    path.write_text("".join(json.dumps(record(c, k)) + "\n" for c in ("red", "blue") for k in range(2)))
+    return path
+
+
+def test_a_gemma4_vlm_trains_on_images_and_answers_about_one(tmp_path):
+    """The data path end to end: TRL-format records with images, the checkpoint's Gemma 4 processor found from its
+    files, two steps of the full fine-tune (the first batch's loss transformers' own), the tower byte for byte as it
+    came; then generate.py image= on the result."""
+    import contextlib
+    import io
+
+    from recipes import full_finetune, generate
+    from tests.conftest import ROOT
+    from waypoint.checkpointers.file_formats import read_tensors
+    from waypoint.training.collate import vision_collate
+    from waypoint.training.data_order import iterate_batches
+    from waypoint.training.vision_chat_dataset import VisionChatDataset
+
+    hf, tokenizer = write_vlm(tmp_path / "base")
+    base, colours, data = tmp_path / "base", ROOT / "assets/tiny_vlm/images", write_colours(tmp_path / "data.jsonl")
     out = tmp_path / "out"
     assert full_finetune.main(["--config", str(ROOT / "configs/tiny_vlm.yaml"), f"checkpointer.checkpoint_dir={base}",
                                f"dataset.source={data}", f"output_dir={out}", "epochs=1", "max_steps_per_epoch=2",
@@ -471,15 +492,3 @@ def test_a_gemma4_vlm_trains_on_images_and_answers_about_one(tmp_path):
         code = generate.main(["--config", str(ROOT / "configs/generate.yaml"), f"checkpoint_dir={out / 'step_2'}",
                               f"image={colours / 'red_3.png'}", "prompt=Colour?", "max_new_tokens=3"])
     assert code == 0, errors.getvalue()[-2000:]
-
-
-def test_lora_refuses_the_clamping_tower_in_one_line(checkpoint):
-    """A LoRALinear computes F.linear: Gemma 4's clamping linears would lose their clamps, so its tower is refused."""
-    from waypoint.checkpointers import load_model
-    from waypoint.errors import CheckpointError
-    from waypoint.models.lora import apply_lora
-
-    _, path = checkpoint
-    with pytest.raises(CheckpointError, match="ClippedLinear, which LoRA cannot wrap yet") as e:
-        apply_lora(load_model(path), ["q_proj", "vision.q_proj"], rank=2, alpha=4)
-    assert "\n" not in str(e.value)
