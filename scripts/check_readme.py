@@ -8,8 +8,9 @@ continues it). The set-up's ``python3 -m venv``, ``. .venv/bin/activate`` and ``
 has done already, and are skipped (said so); so are ``python -m pytest`` and this script, the tests themselves.
 
 A command fails the check when it exits with a non-zero status, when a training command trains nothing ("nothing to
-do") unless the very same command ran before it (a rerun resumes, by design), or when its output lacks what
-``EXPECT`` says it prints. The copy holds the checkout's files (tracked and untracked, none that git ignores, so no
+do") unless the very same command ran before it (a rerun resumes, by design), when its output lacks what
+``EXPECT`` says it prints, or when the figures the README quotes from its run's ``metrics.jsonl`` are not those
+(``HELD_OUT``). The copy holds the checkout's files (tracked and untracked, none that git ignores, so no
 ``outputs/``); commands run there with this Python's environment first on PATH (``python``, ``waypoint``,
 ``torchrun``). Exit status 1 on any failure, each named with the end of its output; ``--keep`` keeps the copy.
 """
@@ -17,6 +18,7 @@ do") unless the very same command ran before it (a rerun resumes, by design), or
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -42,7 +44,22 @@ REPLY = {
     # DPO after that SFT keeps what SFT taught (the pair is in the DPO data too, "Lima" chosen)
     'checkpoint_dir=outputs/tiny_dpo/step_36 prompt="What is the capital of Peru?"': "The capital of Peru is Lima.",
 }
+# command (a substring of it) -> its run's metrics.jsonl, its loss.beta, and the held-out figures the README quotes from
+# that file's last held-out record (held_out): the DPO demo's chosen answers more likely than at the reference
+HELD_OUT = {
+    "recipes/dpo_finetune.py --config configs/tiny_dpo.yaml checkpointer.checkpoint_dir=outputs/tiny_chat/step_300":
+        ("outputs/tiny_dpo/metrics.jsonl", 0.1, (-90.9, -88.2, 4.2)),
+}
 TIMEOUT_S = 900
+
+
+def held_out(metrics: Path, beta: float) -> tuple[float, float, float]:
+    """(``val_logps/chosen`` at the reference, after, ``val_rewards/margins``) of a preference run's last held-out
+    record, each to 0.1 as the README quotes them; the reference's is the policy's less ``val_rewards/chosen`` / beta
+    (a reward is beta times the policy's log-prob less the reference's)."""
+    last = [r for r in map(json.loads, metrics.read_text(encoding="utf-8").splitlines()) if "val_logps/chosen" in r][-1]
+    chosen = last["val_logps/chosen"]
+    return (round(chosen - last["val_rewards/chosen"] / beta, 1), round(chosen, 1), round(last["val_rewards/margins"], 1))
 
 
 def commands(readme: str) -> list[str]:
@@ -122,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             missing = [want for key, want in EXPECT.items() if key in rest and want not in output]
             unlike = [want for key, want in REPLY.items() if key in rest and reply != want]
+            drifted = [(got, want) for key, (path, beta, want) in HELD_OUT.items() if key in rest
+                       for got in [held_out(copy / path, beta)] if got != want]
             problem = (f"its output lacks {missing[0]!r}" if missing else
-                       f"its reply does not end, and stop, at {unlike[0]!r}" if unlike else None)
+                       f"its reply does not end, and stop, at {unlike[0]!r}" if unlike else
+                       f"its held-out figures (reference, after, margin) are {drifted[0][0]}, not the README's "
+                       f"{drifted[0][1]}" if drifted else None)
         ran.add(bare(rest))
         print(f"{'FAIL' if problem else 'ok  '} {time.perf_counter() - began:6.1f} s  {rest}")
         if problem:

@@ -1,10 +1,12 @@
 """scripts/check_readme.py holds the README's demos to what the text promises: every generate command that asks the
 tiny chat model the Peru question (after SFT, and after DPO from that SFT) must print the taught answer and stop
 right after it (the reply's last line, on stdout, is the answer). The check itself runs them: python scripts/check_readme.py.
-The README's claims that the code can answer without running a demo are held here: which families read images."""
+The DPO demo's held-out figures, quoted from its metrics.jsonl, are held to the run too (HELD_OUT). The README's claims
+that the code can answer without running a demo are held here: which families read images."""
 
 from __future__ import annotations
 
+import json
 import re
 
 from scripts import check_readme
@@ -23,6 +25,28 @@ def test_every_peru_demo_in_the_readme_is_held_to_the_answer_and_its_stop():
     for demo in demos:
         wanted = [want for key, want in check_readme.REPLY.items() if key in demo]
         assert wanted == ["The capital of Peru is Lima."], demo
+
+
+def test_the_dpo_demo_is_held_to_the_held_out_figures_the_readme_quotes():
+    prose = " ".join(README.split())
+    for key, (_, beta, (reference, after, margin)) in check_readme.HELD_OUT.items():
+        assert any(key in c for c in check_readme.commands(README)), key
+        assert f"(beta {beta}, " in prose and f"`val_logps/chosen` {reference} at the reference, {after} after)" in prose
+        assert f"by a margin of {margin} (`val_rewards/margins`)" in prose
+
+
+def test_held_out_figures_are_the_last_held_out_records(tmp_path):
+    """The held-out figures of a preference run's metrics.jsonl: its last val_* record's, the reference's log-prob
+    recovered from the reward (beta times the policy's less the reference's); a drift shows in the first decimal."""
+    rows = [{"step": 9, "loss": 0.3, "logps/chosen": -80.0},
+            {"step": 9, "val_logps/chosen": -89.98, "val_rewards/chosen": 0.0948, "val_rewards/margins": 1.165},
+            {"step": 36, "val_logps/chosen": -88.2445, "val_rewards/chosen": 0.2681, "val_rewards/margins": 4.1622},
+            {"step": 36, "loss": 0.02, "logps/chosen": -70.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert check_readme.held_out(tmp_path / "metrics.jsonl", 0.1) == (-90.9, -88.2, 4.2)
+    rows[2].update({"val_logps/chosen": -90.75, "val_rewards/chosen": 0.008, "val_rewards/margins": 4.36})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert check_readme.held_out(tmp_path / "metrics.jsonl", 0.1) == (-90.8, -90.8, 4.4)
 
 
 def family_rows() -> list[list[str]]:
