@@ -111,7 +111,7 @@ TORCHTUNE_INSTEAD = {
     "model": "_target_: waypoint.checkpointers.build_model with checkpoint_dir: ${checkpointer.checkpoint_dir} "
              "(the model the checkpoint describes)",
     "tokenizer": "_target_: waypoint.text.tokenizer.load_tokenizer with checkpoint_dir: ${checkpointer.checkpoint_dir}",
-    "dataset": "_target_: waypoint.training.instruct_dataset.InstructDataset (source, template, max_seq_len), or a "
+    "dataset": "_target_: waypoint.data.instruct_dataset.InstructDataset (source, template, max_seq_len), or a "
                "chat dataset as configs/tiny_chat.yaml has",
     "lr_scheduler": "_target_: waypoint.training.lr_schedule.warmup_cosine with num_warmup_steps",
     "optimizer": "_target_: torch.optim.AdamW with lr, weight_decay",

@@ -41,6 +41,8 @@ from waypoint.cli.entry import run_recipe
 from waypoint.cli.hub_source import base_model_name
 from waypoint.cli.option_checks import COMMON, LORA, PREFERENCE, check_options
 from waypoint.cli.run_config import config_as_given
+from waypoint.data.data_order import iterate_batches, optimizer_steps_per_epoch
+from waypoint.data.run_data import run_data
 from waypoint.evaluation.during_training import TrainingEval
 from waypoint.models.lora import adapter_state_keys, adapters_disabled, apply_lora, init_adapters, load_adapter_state
 from waypoint.run.metrics import MetricsLog
@@ -55,7 +57,6 @@ from waypoint.run.savers import SaveOptions, WholeStepSaver
 from waypoint.run.sharded_saver import ShardedSaver
 from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step, model_step
 from waypoint.run.trackers import kept_at, open_trackers
-from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.training.distributed import Distributed
 from waypoint.training.fsdp import shard_model
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
@@ -63,7 +64,6 @@ from waypoint.training.preference_loss import PreferenceLoss
 from waypoint.training.preference_step import (IndexedPairs, evaluate_preferences, pair_collate, pairs_digest,
                                                preference_forward_backward, reference_pass)
 from waypoint.training.quantize import NF4Options, quantize_base
-from waypoint.training.run_data import run_data
 from waypoint.training.seed import seed_everything
 
 # beside waypoint.run.resume.BREAKING_KEYS: another adapter or base, or a LoRA run resumed as a full one

@@ -31,6 +31,9 @@ from waypoint.checkpointers.load_model import load_sharded_into
 from waypoint.cli.entry import run_recipe
 from waypoint.cli.option_checks import COMMON
 from waypoint.cli.run_config import config_as_given
+from waypoint.data.collate import batch_collate
+from waypoint.data.data_order import iterate_batches, optimizer_steps_per_epoch
+from waypoint.data.run_data import run_data
 from waypoint.evaluation.during_training import TrainingEval
 from waypoint.models.vision_towers import freeze_tower
 from waypoint.run.metrics import MetricsLog
@@ -44,13 +47,10 @@ from waypoint.run.savers import SaveOptions, WholeStepSaver
 from waypoint.run.sharded_saver import ShardedSaver
 from waypoint.run.step_content import ExportReload, model_step
 from waypoint.run.trackers import kept_at, open_trackers
-from waypoint.training.collate import batch_collate
-from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.training.distributed import Distributed
 from waypoint.training.fsdp import shard_model
 from waypoint.training.loss import forward_backward
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
-from waypoint.training.run_data import run_data
 from waypoint.training.seed import seed_everything
 from waypoint.training.validation import evaluate
 

@@ -49,6 +49,8 @@ from waypoint.cli.grpo_option_checks import GRPO
 from waypoint.cli.hub_source import base_model_name
 from waypoint.cli.option_checks import COMMON, LORA, check_options
 from waypoint.cli.run_config import config_as_given
+from waypoint.data.data_order import iterate_batches, optimizer_steps_per_epoch
+from waypoint.data.run_data import run_data
 from waypoint.models.lora import adapter_state_keys, adapters_disabled, apply_lora, init_adapters, load_adapter_state
 from waypoint.rewards import resolve
 from waypoint.run.grpo_progress import LOSS_NOTE, ZeroSpreadWatch, progress_values
@@ -64,14 +66,12 @@ from waypoint.run.sharded_saver import ShardedSaver
 from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step, model_step
 from waypoint.run.trackers import kept_at, open_trackers
 from waypoint.text.stop_tokens import stop_token_ids
-from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.training.distributed import Distributed
 from waypoint.training.fsdp import shard_model
 from waypoint.training.grpo_loss import GRPOLossOptions
 from waypoint.training.grpo_step import GRPOStep, Preempted, RolloutOptions, step_seed
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
 from waypoint.training.quantize import NF4Options, quantize_base
-from waypoint.training.run_data import run_data
 from waypoint.training.seed import seed_everything
 
 # the loss section's keys: GRPOLossOptions' but those set from elsewhere in the config

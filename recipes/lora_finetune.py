@@ -49,6 +49,9 @@ from waypoint.cli.entry import run_recipe
 from waypoint.cli.hub_source import base_model_name
 from waypoint.cli.option_checks import COMMON, LORA
 from waypoint.cli.run_config import config_as_given
+from waypoint.data.collate import batch_collate
+from waypoint.data.data_order import iterate_batches, optimizer_steps_per_epoch
+from waypoint.data.run_data import run_data
 from waypoint.evaluation.during_training import TrainingEval
 from waypoint.models.lora import adapter_state_keys, apply_lora, init_adapters, load_adapter_state
 from waypoint.run.metrics import MetricsLog
@@ -61,14 +64,11 @@ from waypoint.run.resume import RunStart, refusing
 from waypoint.run.savers import SaveOptions, WholeStepSaver
 from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step
 from waypoint.run.trackers import kept_at, open_trackers
-from waypoint.training.collate import batch_collate
-from waypoint.training.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.training.distributed import Distributed
 from waypoint.training.fsdp import shard_model
 from waypoint.training.loss import forward_backward
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
 from waypoint.training.quantize import NF4Options, quantize_base
-from waypoint.training.run_data import run_data
 from waypoint.training.seed import seed_everything
 from waypoint.training.validation import evaluate
 

@@ -39,8 +39,11 @@ MOVED = {f"waypoint.models.{name}": f"waypoint.families.{family}.{name}" for fam
     ("llama", ("llama2_7b", "llama2_13b", "llama2_70b", "llama3_8b", "llama3_1_8b")), ("mistral", ("mistral_7b",)),
     ("qwen2", ("qwen2_7b",)), ("gemma", ("gemma_2b", "gemma_7b")), ("phi3", ("phi3_mini_4k",))) for name in names}
 MOVED["waypoint.models.from_hf_config"] = "waypoint.families.from_hf_config"
-# modules that moved between packages (the text side out of waypoint.training)
+# modules that moved between packages (the text side, then the data side, out of waypoint.training)
 MOVED_MODULES = {f"waypoint.training.{name}.": f"waypoint.text.{name}." for name in ("tokenizer", "chat_template", "stop_tokens")}
+MOVED_MODULES.update({f"waypoint.training.{name}.": f"waypoint.data.{name}." for name in (
+    "chat_dataset", "collate", "data_checks", "data_order", "instruct_dataset", "packing", "preference_dataset",
+    "prompt_dataset", "records", "run_data", "tokenized", "vision_chat_dataset")})
 
 
 @dataclass

@@ -30,7 +30,7 @@ if importlib.util.find_spec("waypoint") is None:
 
 import torch  # noqa: E402
 
-from waypoint.training.instruct_dataset import TEMPLATES, InstructDataset  # noqa: E402
+from waypoint.data.instruct_dataset import TEMPLATES, InstructDataset  # noqa: E402
 from waypoint.text.tokenizer import load_tokenizer  # noqa: E402
 
 NUM_RECORDS = 400

@@ -12,8 +12,8 @@ import pytest
 from tests.conftest import ROOT, tiny_llama_config, write_hf_checkpoint
 from tests.test_chat_data import CHATML, CONVERSATIONS, write_checkpoint_tokenizer, write_jsonl
 from waypoint.text.template_sandbox import STEP_LIMIT
-from waypoint.training.chat_dataset import ChatDataset
-from waypoint.training.data_checks import check_data
+from waypoint.data.chat_dataset import ChatDataset
+from waypoint.data.data_checks import check_data
 from waypoint.text.tokenizer import load_tokenizer
 
 GOOD = {"messages": CONVERSATIONS[0]}

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from waypoint.training.chat_dataset import ChatDataset
+from waypoint.data.chat_dataset import ChatDataset
 from waypoint.text.chat_template import BUILTIN_TEMPLATES, ChatTemplate, load_chat_template
-from waypoint.training.records import read_records
+from waypoint.data.records import read_records
 from waypoint.text.tokenizer import load_tokenizer
 
 # The families' templates, shaped as the real ones (tools branches left out), each with a copy that marks the

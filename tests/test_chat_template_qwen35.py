@@ -37,7 +37,7 @@ from tests.conftest import ROOT
 from waypoint.text.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from waypoint.text.template_sandbox import STEP_LIMIT
 from waypoint.text.tokenizer import load_tokenizer
-from waypoint.training.chat_dataset import ChatDataset
+from waypoint.data.chat_dataset import ChatDataset
 
 DATA = ROOT / "assets" / "chat_templates"
 SHA256 = {  # the stored texts, so an edit to one shows

@@ -62,15 +62,15 @@ def test_a_saved_config_with_moved_builder_names_maps_to_the_current_ones():
 
 
 def test_a_saved_config_naming_a_moved_module_maps_to_its_new_package():
-    """Checkpoints written before the text side left waypoint.training (their tokenizer's _target_) resume with the
-    same tokenizer target as today's configs."""
+    """Checkpoints written before the text and data sides left waypoint.training (their tokenizer's and dataset's
+    _target_) resume with the same targets as today's configs."""
     from waypoint.run.recipe_state import MOVED_MODULES, current_names
 
     saved = {"tokenizer": {"_target_": "waypoint.training.tokenizer.load_tokenizer", "checkpoint_dir": "x"},
              "dataset": {"_target_": "waypoint.training.chat_dataset.ChatDataset"}}
     today = parse_config(["--config", str(ROOT / "configs/tiny.yaml")])
     assert current_names(saved) == {"tokenizer": {"_target_": today.tokenizer._target_, "checkpoint_dir": "x"},
-                                    "dataset": {"_target_": "waypoint.training.chat_dataset.ChatDataset"}}
+                                    "dataset": {"_target_": "waypoint.data.chat_dataset.ChatDataset"}}
     for new in MOVED_MODULES.values():
         importlib.import_module(new.rstrip("."))
 

@@ -384,7 +384,7 @@ def test_sharded_metadata_is_data_never_code(tmp_path):
 
 
 def test_ranks_split_each_global_batch_in_order():
-    from waypoint.training.data_order import iterate_batches
+    from waypoint.data.data_order import iterate_batches
 
     dataset = list(range(50))
     whole = [b for _, b in iterate_batches(dataset, 8, seed=3, epoch=1, collate_fn=list, start_batch=2)]

@@ -175,7 +175,7 @@ def test_the_output_is_prompted_with_the_template_the_run_trained_with(full_run,
 
     from waypoint.text.chat_template import BUILTIN_TEMPLATES
     from waypoint.text.tokenizer import load_tokenizer
-    from waypoint.training.preference_dataset import PreferenceDataset
+    from waypoint.data.preference_dataset import PreferenceDataset
 
     chatml = BUILTIN_TEMPLATES["chatml"]
     trained = PreferenceDataset(pairs, load_tokenizer(ROOT / "assets/tiny_llama"), max_length=256, template="chatml")

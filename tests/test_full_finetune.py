@@ -62,7 +62,7 @@ def assert_prompted_as_trained(step_dir):
 
     from waypoint.text.instruction_templates import TEMPLATES
     from waypoint.text.tokenizer import load_tokenizer
-    from waypoint.training.instruct_dataset import read_records
+    from waypoint.data.instruct_dataset import read_records
 
     theirs, ours = AutoTokenizer.from_pretrained(step_dir), load_tokenizer(step_dir)
     records = [r for r in read_records(ROOT / "assets/tiny_alpaca.jsonl") if not r["input"]]

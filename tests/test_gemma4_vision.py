@@ -466,9 +466,9 @@ def test_a_gemma4_vlm_trains_on_images_and_answers_about_one(tmp_path):
     from recipes import full_finetune, generate
     from tests.conftest import ROOT
     from waypoint.checkpointers.file_formats import read_tensors
-    from waypoint.training.collate import vision_collate
-    from waypoint.training.data_order import iterate_batches
-    from waypoint.training.vision_chat_dataset import VisionChatDataset
+    from waypoint.data.collate import vision_collate
+    from waypoint.data.data_order import iterate_batches
+    from waypoint.data.vision_chat_dataset import VisionChatDataset
 
     hf, tokenizer = write_vlm(tmp_path / "base")
     base, colours, data = tmp_path / "base", ROOT / "assets/tiny_vlm/images", write_colours(tmp_path / "data.jsonl")

@@ -46,14 +46,16 @@ BELOW = {
     "text": {"errors"},
     "vision": {"errors"},  # images for vision-language models: files and each family's processor
     "rewards": {"errors"},  # an online-RL run's reward functions (plain Python over completions)
-    "run": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers"},
+    "data": {"errors", "models", "text", "vision"},  # what a run trains on: datasets, records, packing, batches
+    "run": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers",
+            "text"},  # a LoRA step writes the tokenizer files and chat template beside its adapter
     "training": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text",
-                 "rewards", "vision"},  # an online-RL step scores its samples
+                 "rewards", "vision", "data"},  # an online-RL step scores its samples
     "cli": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run", "training",
-            "rewards", "vision"},
+            "rewards", "vision", "data"},
     # lm-evaluation-harness over a loaded checkpoint (recipes/eval.py): the top, above cli (an adapter's base name)
     "evaluation": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run",
-                   "training", "cli", "rewards", "vision"},
+                   "training", "cli", "rewards", "vision", "data"},
 }
 PACKAGES = [p for p in BELOW if p not in ("errors", "lazy", "mxfp4", "fp8", "console")]
 

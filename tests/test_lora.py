@@ -273,7 +273,7 @@ def test_the_adapter_directory_carries_the_tokenizer_and_the_chat_template_the_r
 
     out = tmp_path / "run"
     result = run_lora(out, BASE[0], f"dataset.source={ROOT / 'assets/tiny_chat.jsonl'}", "dataset.template=chatml",
-                      "dataset._target_=waypoint.training.chat_dataset.ChatDataset", "dataset.max_seq_len=320",
+                      "dataset._target_=waypoint.data.chat_dataset.ChatDataset", "dataset.max_seq_len=320",
                       "epochs=1", "max_steps_per_epoch=1", "lora.targets=[q_proj,v_proj]")
     assert result.returncode == 0, result.stderr[-3000:]
     step = out / "step_1"

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from recipes import full_finetune
 from waypoint.families import from_hf_config
-from waypoint.training.collate import padded_collate
+from waypoint.data.collate import padded_collate
 from waypoint.training.loss import IGNORE_INDEX
-from waypoint.training.packing import PackedDataset
+from waypoint.data.packing import PackedDataset
 from tests.conftest import ROOT, sigterm_at_step, tiny_family_config
 
 TINY = ROOT / "assets/tiny_llama"
@@ -116,7 +116,7 @@ def test_packed_recipe_trains_and_resumes_bit_exactly(tmp_path, capsys):
 # -- validation ----------------------------------------------------------------------------------------------------
 
 def test_validation_fraction_is_held_out_deterministically_and_evaluated(tmp_path, capsys):
-    from waypoint.training.validation import split
+    from waypoint.data.validation_split import split
 
     train, validation = split({"fraction": 0.25, "every_n_steps": 2}, Samples([3] * 40), make=None, seed=5)
     again, _ = split({"fraction": 0.25, "every_n_steps": 2}, Samples([3] * 40), make=None, seed=5)

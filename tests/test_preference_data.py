@@ -17,9 +17,9 @@ from tests.conftest import ROOT, TRL_ORACLE
 from waypoint.errors import CheckpointError
 from waypoint.text.chat_template import BUILTIN_TEMPLATES
 from waypoint.text.tokenizer import load_tokenizer
-from waypoint.training.collate import preference_collate
-from waypoint.training.data_checks import check_data
-from waypoint.training.preference_dataset import PreferenceDataset, extract_prompt
+from waypoint.data.collate import preference_collate
+from waypoint.data.data_checks import check_data
+from waypoint.data.preference_dataset import PreferenceDataset, extract_prompt
 
 TINY = ROOT / "assets" / "tiny_llama"
 ASSET = ROOT / "assets" / "tiny_dpo.jsonl"

@@ -154,7 +154,7 @@ def test_dpo_step_equals_trls_dpo_trainer(perturbed, tmp_path, loss_type, beta):
     from waypoint.checkpointers import load_model
     from waypoint.text.tokenizer import load_tokenizer
     from waypoint.training.distributed import Distributed
-    from waypoint.training.preference_dataset import PreferenceDataset
+    from waypoint.data.preference_dataset import PreferenceDataset
     from waypoint.training.preference_step import (IndexedPairs, pair_collate, preference_forward_backward,
                                                    reference_pass)
 

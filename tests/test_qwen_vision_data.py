@@ -18,8 +18,8 @@ from PIL import Image
 from tests.conftest import ROOT
 from tests.test_vision_data import _as_trl_gives_them, _write_jsonl
 from waypoint.text.tokenizer import load_tokenizer
-from waypoint.training.collate import vision_collate
-from waypoint.training.vision_chat_dataset import VisionChatDataset
+from waypoint.data.collate import vision_collate
+from waypoint.data.vision_chat_dataset import VisionChatDataset
 from waypoint.vision.processors import ImageProcessor, image_processor_for
 from waypoint.vision.qwen_images import QwenImages
 
@@ -271,7 +271,7 @@ def test_three_steps_of_full_finetune_keep_the_tower(qwen, qwen_vlm, tmp_path):
     from recipes import full_finetune
     from waypoint.checkpointers import load_model
     from waypoint.checkpointers.file_formats import read_tensors
-    from waypoint.training.data_order import iterate_batches
+    from waypoint.data.data_order import iterate_batches
     from waypoint.training.loss import model_inputs
 
     directory, _, _ = qwen
@@ -352,7 +352,7 @@ def test_lora_adapter_loads_in_peft_with_our_logits_on_images(qwen, qwen_vlm, tm
 
     from recipes import lora_finetune
     from waypoint.checkpointers import load_model
-    from waypoint.training.collate import vision_collate
+    from waypoint.data.collate import vision_collate
 
     directory, _, _ = qwen
     base, hf = qwen_vlm

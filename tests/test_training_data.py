@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from waypoint.training.collate import padded_collate
-from waypoint.training.data_order import batches_per_epoch, epoch_permutation, iterate_batches
-from waypoint.training.instruct_dataset import TEMPLATES, InstructDataset
+from waypoint.data.collate import padded_collate
+from waypoint.data.data_order import batches_per_epoch, epoch_permutation, iterate_batches
+from waypoint.data.instruct_dataset import TEMPLATES, InstructDataset
 from waypoint.text.tokenizer import load_tokenizer
 
 TINY_LLAMA = ROOT / "assets" / "tiny_llama"
@@ -208,8 +208,8 @@ DEEP = 200_000  # levels of [ in a damaged file: json's parser recurses once per
 def test_json_nested_too_deep_is_one_line_naming_the_file(kind, tmp_path, tokenizer):
     """A data file nested 200,000 levels deep (a .json list, or one line of a .jsonl): one line naming the file (and
     line), not \"maximum recursion depth exceeded while decoding a JSON array\"."""
-    from waypoint.training.chat_dataset import ChatDataset
-    from waypoint.training.preference_dataset import PreferenceDataset
+    from waypoint.data.chat_dataset import ChatDataset
+    from waypoint.data.preference_dataset import PreferenceDataset
 
     deep = "[" * DEEP + "]" * DEEP
     if kind == "chat":
@@ -238,7 +238,7 @@ def test_json_nested_deep_never_crashes_the_interpreter_with_the_recursion_limit
     path = tmp_path / "d.json"
     path.write_text("[" * DEEP + "]" * DEEP)
     child = ("import sys; sys.setrecursionlimit(10**6)\n"
-             "from waypoint.training.records import read_file\n"
+             "from waypoint.data.records import read_file\n"
              "try:\n    read_file(__import__('pathlib').Path(sys.argv[1]))\n"
              "except ValueError as e:\n    print(e)\n"
              "print(sys.getrecursionlimit())\n")
@@ -363,7 +363,7 @@ def test_parquet_records_read_like_jsonl(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from waypoint.training.instruct_dataset import read_records
+    from waypoint.data.instruct_dataset import read_records
 
     rows = [{"instruction": "Add.", "input": "1 2", "output": "3"}, {"instruction": "Say hi.", "input": "", "output": "hi"}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")

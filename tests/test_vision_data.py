@@ -18,8 +18,8 @@ from PIL import Image, ImageOps
 
 from tests.conftest import ROOT
 from waypoint.text.tokenizer import load_tokenizer
-from waypoint.training.collate import vision_collate
-from waypoint.training.vision_chat_dataset import VisionChatDataset
+from waypoint.data.collate import vision_collate
+from waypoint.data.vision_chat_dataset import VisionChatDataset
 from waypoint.vision.gemma3_images import Gemma3Images
 from waypoint.vision.image_files import load_image
 

@@ -64,8 +64,8 @@ def test_lora_on_gemma4s_clamping_tower_loads_in_peft(gemma4, tmp_path):
     from transformers import Gemma4ForConditionalGeneration
 
     from waypoint.text.tokenizer import load_tokenizer
-    from waypoint.training.collate import vision_collate
-    from waypoint.training.vision_chat_dataset import VisionChatDataset
+    from waypoint.data.collate import vision_collate
+    from waypoint.data.vision_chat_dataset import VisionChatDataset
 
     base, data = gemma4
     targets = ["q_proj", "v_proj", "vision.q_proj", "vision.down_proj"]

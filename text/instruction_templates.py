@@ -1,7 +1,7 @@
 """Instruction prompt formats (Alpaca's), and each written as a chat template, so a model trained on it is prompted
 the same way afterwards.
 
-An instruction run (``waypoint.training.instruct_dataset``) tokenizes ``BOS + prompt`` and ``response + EOS``. The
+An instruction run (``waypoint.data.instruct_dataset``) tokenizes ``BOS + prompt`` and ``response + EOS``. The
 chat-template form renders a user message as that prompt (its content the instruction) and an assistant message as
 the response and EOS; with ``add_generation_prompt`` a conversation ending with the user's message renders exactly
 the prompt the model was trained to answer. The run writes it beside its checkpoints (``chat_template.jinja``), where

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import Dataset
 
-from waypoint.training.collate import preference_collate
+from waypoint.data.collate import preference_collate
 from waypoint.training.fsdp import reshard
 from waypoint.training.loss import backward_with_balance, sequence_loss_sums
 from waypoint.training.preference_loss import METRICS, PreferenceLoss, pair_metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from waypoint.training.loss import IGNORE_INDEX
+from waypoint.models.fused_loss import IGNORE_INDEX
 
 
 def padded_collate(batch: list[dict], pad_id: int, ignore_index: int = IGNORE_INDEX) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ A record is in one of TRL's formats, told apart record by record:
   they part goes to the completions too).
 
 ``columns`` names other fields (``{"chosen": "preferred", "rejected": "dispreferred", "role": "speaker"}``). Records
-come from a ``.json``, ``.jsonl`` or ``.parquet`` file or a directory of them (``waypoint.training.records``).
+come from a ``.json``, ``.jsonl`` or ``.parquet`` file or a directory of them (``waypoint.data.records``).
 
 Tokenization is TRL 1.16's ``tokenize_fn``: a conversation's prompt is rendered with the generation prompt and the
 prompt followed by each completion is rendered whole (``ChatTemplate``), each tokenized as
@@ -34,8 +34,8 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from waypoint.text.chat_template import ChatTemplate, load_chat_template
-from waypoint.training.chat_dataset import read_messages
-from waypoint.training.records import column_names, converted, Skipped
+from waypoint.data.chat_dataset import read_messages
+from waypoint.data.records import column_names, converted, Skipped
 
 COLUMN_KEYS = ("prompt", "chosen", "rejected", "role", "content")
 PAIR_KEYS = ("prompt", "chosen", "rejected")

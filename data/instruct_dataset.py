@@ -19,8 +19,8 @@ from torch.utils.data import Dataset
 
 from waypoint.text.chat_template import ChatTemplate, load_chat_template
 from waypoint.text.instruction_templates import TEMPLATES, PromptTemplate
-from waypoint.training.records import read_records as read_record_file
-from waypoint.training.tokenized import TokenizedRecords
+from waypoint.data.records import read_records as read_record_file
+from waypoint.data.tokenized import TokenizedRecords
 
 
 REQUIRED_KEYS = ("instruction", "output")

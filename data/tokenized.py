@@ -1,13 +1,13 @@
 """A dataset's records tokenized once, when it is read: token ids and which of them are trained on, held
 compactly (5 bytes a token), so that bad records stop a run before its first step and the data can be checked
-against the model (``waypoint.training.data_checks``) without tokenizing anything twice."""
+against the model (``waypoint.data.data_checks``) without tokenizing anything twice."""
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
 
-from waypoint.training.loss import IGNORE_INDEX
+from waypoint.models.fused_loss import IGNORE_INDEX
 
 
 class TokenizedRecords:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch.utils.data import Dataset
 
 from waypoint.errors import CheckpointError
-from waypoint.training.loss import IGNORE_INDEX
+from waypoint.models.fused_loss import IGNORE_INDEX
 
 
 class PackedDataset(Dataset):

@@ -10,9 +10,9 @@ from torch.utils.data import Dataset
 
 from waypoint.text.chat_template import ChatTemplate
 from waypoint.text.inference_bundle import GENERATION_CONFIG, TEMPLATE_FILE, generation_config, template_file
-from waypoint.training.data_checks import check_data
-from waypoint.training.packing import PackedDataset
-from waypoint.training.validation import Validation, split
+from waypoint.data.data_checks import check_data
+from waypoint.data.packing import PackedDataset
+from waypoint.data.validation_split import Validation, split
 
 
 def run_data(make_dataset: Callable[..., Dataset], tokenizer, checkpointer, validation: Mapping | None, seed: int,

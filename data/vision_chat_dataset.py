@@ -7,7 +7,7 @@ image per ``{"type": "image"}`` part, in order (a path, relative to the data fil
 "path"}`` as parquet files of the ``datasets`` Image feature hold them); an image part may carry its own
 (``{"type": "image", "image": ...}``). As TRL does, a content may be a plain string, and when no message has image
 parts the images go before the text of the first user message. Records come from a ``.json``, ``.jsonl`` or
-``.parquet`` file or a directory of them (``waypoint.training.records``); ``columns`` names other fields.
+``.parquet`` file or a directory of them (``waypoint.data.records``); ``columns`` names other fields.
 
 The conversation is rendered with the checkpoint's chat template, given the list-of-parts contents as TRL gives
 them to transformers (the assistant's text parts joined into one string, which the template must render the same,
@@ -39,9 +39,9 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from waypoint.text.chat_template import ChatTemplate, load_chat_template, spans_to_mask
-from waypoint.training.chat_dataset import ROLES
-from waypoint.training.records import Record, Skipped, column_names, converted
-from waypoint.training.tokenized import TokenizedRecords
+from waypoint.data.chat_dataset import ROLES
+from waypoint.data.records import Record, Skipped, column_names, converted
+from waypoint.data.tokenized import TokenizedRecords
 from waypoint.vision.image_files import MAX_PIXELS, load_image
 from waypoint.vision.processors import ImageProcessor, image_processor_for
 

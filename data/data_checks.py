@@ -11,7 +11,7 @@ from collections.abc import Callable
 from torch.utils.data import Dataset
 
 from waypoint.errors import CheckpointError
-from waypoint.training.loss import IGNORE_INDEX
+from waypoint.models.fused_loss import IGNORE_INDEX
 
 PAIR_KEYS = {"prompt", "chosen", "rejected"}
 

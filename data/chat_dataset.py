@@ -4,7 +4,7 @@ A record is OpenAI style, ``{"messages": [{"role": "system" | "user" | "assistan
 or ShareGPT, ``{"conversations": [{"from": "system" | "human" | "gpt", "value": str}, ...], "system": str}`` (the
 optional ``system`` is the system turn, as ShareGPT readers take it, unless the first turn is one); ``columns`` names
 other fields (``{"messages": "dialog", "role": "speaker", "content": "text"}``). Records come from a ``.json``,
-``.jsonl`` or ``.parquet`` file or a directory of them (``waypoint.training.records``). An item is
+``.jsonl`` or ``.parquet`` file or a directory of them (``waypoint.data.records``). An item is
 ``{"tokens", "labels"}``: the conversation as ``apply_chat_template(tokenize=True)`` tokenizes it, labels -100
 outside the assistant turns (``waypoint.text.chat_template`` says how those are found), both cut to
 ``max_seq_len``. Every record is checked, rendered and tokenized when the file is read, so a record the template
@@ -17,9 +17,9 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from waypoint.training.records import column_names, converted, Skipped
+from waypoint.data.records import column_names, converted, Skipped
 from waypoint.text.chat_template import ChatTemplate, load_chat_template
-from waypoint.training.tokenized import TokenizedRecords
+from waypoint.data.tokenized import TokenizedRecords
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
          "model": "assistant", "tool": "tool"}

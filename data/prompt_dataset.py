@@ -23,8 +23,8 @@ from pathlib import Path
 from torch.utils.data import Dataset
 
 from waypoint.text.chat_template import ChatTemplate, load_chat_template
-from waypoint.training.chat_dataset import read_messages
-from waypoint.training.records import column_names, converted, Skipped
+from waypoint.data.chat_dataset import read_messages
+from waypoint.data.records import column_names, converted, Skipped
 
 COLUMN_KEYS = ("prompt", "role", "content")
 
