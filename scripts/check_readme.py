@@ -35,6 +35,7 @@ NOTHING_DONE = ("nothing to do",)
 # command (a substring of it) -> what its output must contain: the demos' promises in the README's text
 EXPECT = {
     "waypoint validate tiny_lora lora.rank=0": "lora.rank=0",
+    "recipes/grpo_finetune.py --config configs/tiny_grpo.yaml": "val_reward 0.513",  # the progress line it quotes
 }
 # command (a substring of it) -> the last line its stdout must end with: a reply that stopped at the end of its turn
 # (generate.py prints the reply alone on stdout; its load report and token count go to stderr)

@@ -35,6 +35,15 @@ def test_the_dpo_demo_is_held_to_the_held_out_figures_the_readme_quotes():
         assert f"by a margin of {margin} (`val_rewards/margins`)" in prose
 
 
+def test_the_grpo_demo_is_held_to_the_val_reward_its_quoted_line_shows():
+    """The README quotes a progress line of the tiny GRPO run with step 16's val_reward: the check holds the run's
+    output to it (every val_reward gets a line; the README's figures had never been printed)."""
+    (command,) = [c for c in check_readme.commands(README) if "configs/tiny_grpo.yaml" in c]
+    (want,) = [want for key, want in check_readme.EXPECT.items() if key in command]
+    assert re.search(rf"\ntrain step 16/80 \(20%\): .*, {want}, ", README)
+    assert f"0.179, {want.split()[1]}, 0.75 at steps 8, 16, 24" in README  # the figures its text quotes
+
+
 def test_held_out_figures_are_the_last_held_out_records(tmp_path):
     """The held-out figures of a preference run's metrics.jsonl: its last val_* record's, the reference's log-prob
     recovered from the reward (beta times the policy's less the reference's); a drift shows in the first decimal."""
