@@ -74,10 +74,13 @@ def written_as(to: str, conversion: Conversion | None) -> Callable[[torch.nn.Mod
 
 
 def convert(checkpointer: Checkpointer, state: Mapping[str, Any], to: str, target: str | os.PathLike,
-            conversion: Conversion | None, check: Callable[[Path], Any] | None = None) -> Path:
+            conversion: Conversion | None | str = "derived", check: Callable[[Path], Any] | None = None) -> Path:
     """The loaded ``state`` of ``checkpointer``'s input written at ``target`` in the format ``to``: with no
     ``conversion`` (``conversion_of``) its very files, keys and split; otherwise a new checkpoint that remembers the
-    HF checkpoint it came from (so that converting back reproduces it)."""
+    HF checkpoint it came from (so that converting back reproduces it). Left out: ``conversion_of(checkpointer, to)``,
+    the plain conversion to ``to``."""
+    if conversion == "derived":
+        conversion = conversion_of(checkpointer, to)
     if conversion is None:
         return checkpointer.save_to(state, target, check=check)
     return write_checkpoint(state["model"], conversion, to, target, checkpointer.side_files(skip=DESCRIPTION_FILES), check)
