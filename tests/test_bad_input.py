@@ -5,11 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -181,15 +177,14 @@ def test_legacy_pickle_bin_loads_without_mmap_and_says_so(tmp_path, capsys):
 
 def test_disk_full_while_writing_recipe_state_is_one_line(tmp_path):
     """The model files (< 1.5 MB each) fit under the limit, recipe_state.pt (~7 MB, torch.save's zip writer) does not."""
-    def small_disk():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2_000_000, 2_000_000))
+    from tests.launch import FileSizeLimit
+    from tests.recipe_runs import run_recipe
 
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, str(ROOT / "recipes/full_finetune.py"), "--config", str(ROOT / "configs/tiny.yaml"),
-                             f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"output_dir={out}",
-                             f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", "epochs=1", "max_steps_per_epoch=1"],
-                            capture_output=True, text=True, timeout=300, preexec_fn=small_disk)
+    result = run_recipe("full", ["--config", str(ROOT / "configs/tiny.yaml"),
+                                 f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"output_dir={out}",
+                                 f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", "epochs=1", "max_steps_per_epoch=1"],
+                        preexec_fn=FileSizeLimit(2_000_000))
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
     assert re.match(rf"error: could not write {re.escape(str(out))}/step_1: File too large \(OSError\); nothing was committed", errors[0])
