@@ -11,8 +11,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT
-from tests.recipe_runs import run_recipe
+from tests.recipe_runs import Finished, run_recipe
 from tests.hub_server import HubServer
 from waypoint.cli import hub as hubmod
 from waypoint.cli.hub import HubError, default_patterns, download, parse_hf_uri, read_source, resolve_hf_uri
@@ -85,8 +83,11 @@ def sub_env(hub: HubServer, hf_home: Path, **extra) -> dict:
     return env
 
 
-def run(args: list[str], env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def run(args: list[str], env: dict, timeout: int = 120) -> Finished:
+    """``python SCRIPT ARGS`` in exactly the environment ``env``, in a process forked for it (``tests/launch.py``): the
+    hub client, imported there, reads that environment."""
+    unset = {k: None for k in os.environ if k not in env}
+    return run_recipe(str(ROOT / args[0]), args[1:], env={**unset, **env}, cwd=ROOT, timeout=timeout)
 
 
 def fetched(hub: HubServer) -> set[str]:
