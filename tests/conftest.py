@@ -18,6 +18,15 @@ sys.path.insert(0, str(ROOT))
 # TRL's trainers take 12-25 s to import: the tests that use them as oracles share one xdist worker (`--dist
 # loadgroup`, pyproject's addopts), so the suite pays that import once.
 TRL_ORACLE = pytest.mark.xdist_group("trl")
+
+
+def needs(*packages: str) -> pytest.MarkDecorator:
+    """Skip where a package is not installed, without importing it while the suite is collected (in every xdist
+    worker: peft takes 8 s, MLflow 3 s), as a module-level ``pytest.importorskip`` would."""
+    import importlib.util
+
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed")
 # Likewise lm-evaluation-harness's task index (every task's YAML read once a process), and MLflow's and W&B's imports.
 LM_EVAL = pytest.mark.xdist_group("lm_eval")
 TRACKERS = pytest.mark.xdist_group("trackers")

@@ -26,6 +26,8 @@ class _TRL:
     """TRL's GRPO trainer module, imported by the first test that runs it, not when the suite is collected."""
 
     def __getattr__(self, name):
+        if name.startswith("__"):  # what collection asks of any module-level object (__bases__, __wrapped__...)
+            raise AttributeError(name)
         return getattr(pytest.importorskip("trl.trainer.grpo_trainer"), name)
 
 

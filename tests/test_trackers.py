@@ -18,13 +18,11 @@ import pytest
 import torch
 
 from recipes import full_finetune, lora_finetune
-from tests.conftest import ROOT, TRACKERS, sigterm_at_step
+from tests.conftest import ROOT, TRACKERS, needs, sigterm_at_step
 from tests.recipe_runs import run_recipe
 from waypoint.run.wandb_files import history, parsed, run_files
 
-pytest.importorskip("wandb")
-pytest.importorskip("mlflow")
-pytestmark = TRACKERS
+pytestmark = [TRACKERS, needs("wandb", "mlflow")]
 
 STEPS = ["epochs=1", "max_steps_per_epoch=8", "save_every_n_steps=2", "keep_last_n_checkpoints=null"]
 

@@ -14,7 +14,7 @@ import torch
 
 from recipes import lora_finetune
 from scripts import make_tiny_vlm
-from tests.conftest import ROOT
+from tests.conftest import ROOT, needs
 from tests.test_gemma4_vision import write_colours, write_vlm
 from waypoint.checkpointers import HFCheckpointer, load_model
 from waypoint.checkpointers.file_formats import read_tensors
@@ -22,7 +22,7 @@ from waypoint.checkpointers.peft_adapter import load_adapter
 from waypoint.errors import CheckpointError
 from waypoint.models.lora import apply_lora, load_adapter_state
 
-pytest.importorskip("peft")
+pytestmark = needs("peft")
 TOWER = "model.vision_tower.encoder.layers."
 
 
