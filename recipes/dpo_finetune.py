@@ -28,15 +28,12 @@ from pathlib import Path
 if importlib.util.find_spec("waypoint") is None:  # a checkout that is not installed: its root holds `waypoint`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
 from waypoint import console
-from waypoint.checkpointers import CheckpointError, load_into
-from waypoint.checkpointers.load_model import load_sharded_into
-from waypoint.checkpointers.peft_adapter import check_targets, load_adapter
+from waypoint.checkpointers import CheckpointError
 from waypoint.cli.entry import run_recipe
 from waypoint.cli.hub_source import base_model_name
 from waypoint.cli.option_checks import COMMON, LORA, PREFERENCE, check_options
@@ -44,26 +41,22 @@ from waypoint.cli.run_config import config_as_given
 from waypoint.data.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.data.run_data import run_data
 from waypoint.evaluation.during_training import TrainingEval
-from waypoint.models.lora import adapter_state_keys, adapters_disabled, apply_lora, init_adapters, load_adapter_state
-from waypoint.run.metrics import MetricsLog
+from waypoint.models.lora import adapters_disabled
 from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
-from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.run.preemption import PreemptionWatch
 from waypoint.run.progress import TrainingProgress
 from waypoint.run.recipe_state import capture_recipe_state
 from waypoint.run.reference_logps import input_digest, obtain_reference, reference_fingerprint
 from waypoint.run.resume import RunStart, refusing
-from waypoint.run.savers import SaveOptions, WholeStepSaver
-from waypoint.run.sharded_saver import ShardedSaver
-from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step, model_step
-from waypoint.run.trackers import kept_at, open_trackers
+from waypoint.run.run_outputs import RunOutputs
+from waypoint.run.step_content import adapter_step, model_step
 from waypoint.training.distributed import Distributed
-from waypoint.training.fsdp import shard_model
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
 from waypoint.training.preference_loss import PreferenceLoss
 from waypoint.training.preference_step import (IndexedPairs, evaluate_preferences, pair_collate, pairs_digest,
                                                preference_forward_backward, reference_pass)
-from waypoint.training.quantize import NF4Options, quantize_base
+from waypoint.training.recipe_model import load_adapters, load_model
 from waypoint.training.seed import seed_everything
 
 # beside waypoint.run.resume.BREAKING_KEYS: another adapter or base, or a LoRA run resumed as a full one
@@ -84,7 +77,6 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     loss = PreferenceLoss(cfg.loss.type, cfg.loss.beta, cfg.loss.get("label_smoothing", 0.0), cfg.loss.get("gamma", 0.5))
     config = config_as_given(cfg)  # what each checkpoint records (URLs, not this machine's local copies)
     run_dir = RunDir(Path(cfg.output_dir), cfg.get("output_store"))
-    saving = SaveOptions(keep_last_n=cfg.keep_last_n_checkpoints, asynchronous=cfg.get("async_checkpoint", False))
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
     start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist, check=refusing(LORA_BREAKING))
@@ -94,35 +86,12 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
     # Model, on the meta device, sharded (FSDP2) under torchrun, then given its tensors. Full: the input's, or a
     # resumed step's. LoRA: always the input's base (4-bit with quantize_base: nf4), the adapters fresh or resumed.
-    checkpointer = instantiate(cfg.checkpointer)
-    state = checkpointer.load_checkpoint()  # memory-mapped and converted lazily: nothing is read yet
-    if start.checkpoint and not start.sharded and not lora:
-        state = instantiate(cfg.checkpointer, checkpoint_dir=start.path).load_checkpoint()
-        state["model"].update(start.state.get("model") or {})
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
+    loaded = load_model(cfg, dist, start, lora, say)
+    model, checkpointer = loaded.model, loaded.checkpointer
     if lora:
-        wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
-        nf4 = NF4Options(**(cfg.get("nf4") or {})) if cfg.get("quantize_base") == "nf4" else None
-        for line in quantize_base(model, cfg.dtype, cfg.get("quantize_base"), nf4, dist.world_size, checkpointer):
-            say(line)
-    if dist.enabled:
-        shard_model(model, dist.mesh, cfg.get("mixed_precision"))
-    if start.sharded and not lora:
-        report = load_sharded_into(model, start.path, dtype=cfg.dtype, device=device)
-    else:
-        report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
-                           key_prefix_map=cfg.key_prefix_map, fill_later=list(adapter_state_keys(model)) if lora else ())
-    say("\n".join(report.lines() + checkpointer.notes))
-    if lora:
-        init_adapters(model, device)
-        original, sources = state["model"], report.sources  # the merge reads the input's full-precision base again
-        converter = checkpointer.hf_converter()  # names the adapter's modules as HF does
-        check_targets(model, converter, checkpointer.family)
-        if start.checkpoint:
-            load_adapter_state(model, load_adapter(start.path, converter)[0])
-        say(f"lora: {len(wrapped)} layers ({', '.join(lora.targets)}), rank {lora.rank}, alpha {lora.alpha}")
-    del state
+        original, sources = loaded.original, loaded.report.sources  # the merge reads the input's full-precision base again
+        converter = load_adapters(model, checkpointer, start)
+        say(f"lora: {len(loaded.wrapped)} layers ({', '.join(lora.targets)}), rank {lora.rank}, alpha {lora.alpha}")
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.activation_checkpointing = cfg.enable_activation_checkpointing
     model.train()
@@ -168,35 +137,29 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         reference = obtain_reference(run_dir.path, start.path, start.state, fingerprint, compute, dist, say)
 
     # rank 0 logs: metrics.jsonl, TensorBoard (log_dir) and the experiment trackers (metric_loggers), a resumed run's own
-    trackers = open_trackers(cfg.get("metric_loggers"), config, (start.state or {}).get("trackers"), run_dir.path,
-                             global_step, tqdm.write) if main else None
-    metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
-                         tensorboard_dir=cfg.get("log_dir"), trackers=trackers) if main else None
-    saver = (ShardedSaver if dist.enabled and not lora else WholeStepSaver)(dist, run_dir, saving, report=tqdm.write)
-    reload = ExportReload(build=lambda: instantiate(cfg.model), strict=cfg.strict, key_prefix_map=cfg.key_prefix_map,
-                          read=lambda path: instantiate(cfg.checkpointer, checkpoint_dir=str(path)).load_checkpoint()["model"])
-    verify = reload if cfg.get("verify_export", True) else None
+    outputs = RunOutputs(cfg, config, run_dir, start, dist, global_step, sharded=dist.enabled and not lora, say=say)
+    metrics = outputs.metrics
     save_merged = "never" if cfg.get("save_adapter_weights_only", False) else cfg.get("save_merged", "final")
 
     def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
-        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, trackers)
+        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, outputs.trackers)
         if reference is not None:  # the table travels with every step, verified with it on resume
             recipe.reference_logps = reference.as_state()
         if lora:
             content = adapter_step(model, optimizer, recipe, checkpointer, converter=converter,
                                    base_name=base_model_name(checkpointer.checkpoint_dir),
                                    max_lora_rank=cfg.get("max_lora_rank", 16), layout=checkpointer.adapter_layout(),
-                                   original=original, sources=sources, dist=dist, verify=verify, report=tqdm.write,
+                                   original=original, sources=sources, dist=dist, verify=outputs.verify, report=tqdm.write,
                                    merge=save_merged == "every" or (save_merged == "final" and final))
         else:
-            content = model_step(model, optimizer, checkpointer, recipe, final, dist, verify, tqdm.write)
-        return saver.save(global_step, content, final=final or preempted)
+            content = model_step(model, optimizer, checkpointer, recipe, final, dist, outputs.verify, tqdm.write)
+        return outputs.saver.save(global_step, content, final=final or preempted)
 
     preemption = PreemptionWatch(cfg.preemption_signals)
     # a bar on a terminal, a plain line every progress_every_n_steps in a log (progress: auto | bar | lines | off)
     progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main)
-    first_step, saved = global_step + 1, None
+    first_step = global_step + 1
     train_reference = reference.train if reference is not None else None
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
@@ -239,30 +202,10 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                             **({"val_acc": f"{record['val_rewards/accuracies']:.2f}"} if "val_loss" in record else {}))
 
             # Checkpoints at optimizer-step boundaries only; a signal on any rank stops every rank here.
-            saver.check()  # a background save that failed stops the run here
-            preempted = dist.any(preemption.requested)
-            if plan.save_due(global_step, step_in_epoch, preempted):
-                saved = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted)
-            if preempted and global_step < plan.total_steps:
-                saver.close()
-                progress.close()
-                if metrics:
-                    metrics.close()  # the trackers' runs left stopped (preempted), for the resumed run to continue
-                say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
-                    "rerun the same command to resume")
-                if cfg.requeue and main:
-                    requeue_slurm_job()
-                return PREEMPTED_EXIT_CODE
-    saver.close()
-    progress.close()
-    if metrics:
-        metrics.close(final_model=kept_at(run_dir, saved))
-    if lora:
-        merged = (f"; the merged model is {checkpointer.describe_output(saved / MERGED_DIR)}"
-                  if (saved / MERGED_DIR).is_dir() else "")
-        say(f"done: the adapter is {run_dir.stored_at(saved)}{saved} (PEFT format){merged}")
-    else:
-        say(f"done: the final model is {run_dir.stored_at(saved)}{checkpointer.describe_output(saved)}")
+            if outputs.step_end(plan, global_step, epoch, step_in_epoch, preemption, save):
+                return outputs.stop(global_step, preemption, progress)
+    outputs.finish(progress)
+    say(outputs.done_line(checkpointer, adapter=bool(lora)))
     return 0
 
 

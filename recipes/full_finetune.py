@@ -21,13 +21,10 @@ from pathlib import Path
 if importlib.util.find_spec("waypoint") is None:  # a checkout that is not installed: its root holds `waypoint`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from waypoint.checkpointers import load_into
-from waypoint.checkpointers.load_model import load_sharded_into
 from waypoint.cli.entry import run_recipe
 from waypoint.cli.option_checks import COMMON
 from waypoint.cli.run_config import config_as_given
@@ -36,21 +33,18 @@ from waypoint.data.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.data.run_data import run_data
 from waypoint.evaluation.during_training import TrainingEval
 from waypoint.models.vision_towers import freeze_tower
-from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
-from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.run.preemption import PreemptionWatch
 from waypoint.run.progress import TrainingProgress
 from waypoint.run.recipe_state import capture_recipe_state
 from waypoint.run.resume import RunStart
-from waypoint.run.savers import SaveOptions, WholeStepSaver
-from waypoint.run.sharded_saver import ShardedSaver
-from waypoint.run.step_content import ExportReload, model_step
-from waypoint.run.trackers import kept_at, open_trackers
+from waypoint.run.run_outputs import RunOutputs
+from waypoint.run.step_content import model_step
 from waypoint.training.distributed import Distributed
-from waypoint.training.fsdp import shard_model
 from waypoint.training.loss import forward_backward
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
+from waypoint.training.recipe_model import load_model
 from waypoint.training.seed import seed_everything
 from waypoint.training.validation import evaluate
 
@@ -61,9 +55,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     device, main = dist.device, dist.is_main
     say = print if main else (lambda *a, **k: None)  # noqa: E731
     config = config_as_given(cfg)  # what each checkpoint records (URLs, not this machine's local copies)
-    # Where the run lives (an object-store run: the store and this machine's mirror of it) and how it keeps checkpoints.
+    # Where the run lives (an object-store run: the store and this machine's mirror of it).
     run_dir = RunDir(Path(cfg.output_dir), cfg.get("output_store"))
-    saving = SaveOptions(keep_last_n=cfg.keep_last_n_checkpoints, asynchronous=cfg.get("async_checkpoint", False))
     if not dist.enabled and cfg.get("mixed_precision"):
         say("note: mixed_precision applies under torchrun (FSDP2); one process computes in dtype")
 
@@ -78,23 +71,9 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # tensors, each rank reading only its own piece. The checkpointer reads the input (its files, key ->
     # file map, dtypes and side files are what every save writes); a resumed run's weights come from its
     # step directory (as they trained, when its files hold a narrower dtype), which retention may delete later.
-    checkpointer = instantiate(cfg.checkpointer)
-    state = checkpointer.load_checkpoint()  # memory-mapped and converted lazily: nothing is read yet
-    if start.checkpoint and not start.sharded:
-        state = instantiate(cfg.checkpointer, checkpoint_dir=start.path).load_checkpoint()
-        state["model"].update(start.state.get("model") or {})
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
-    if dist.enabled:
-        shard_model(model, dist.mesh, cfg.get("mixed_precision"))
-    if start.sharded:
-        report = load_sharded_into(model, start.path, dtype=cfg.dtype, device=device)
-    else:
-        report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
-                           key_prefix_map=cfg.key_prefix_map)
-    say("\n".join(report.lines() + checkpointer.notes))
+    loaded = load_model(cfg, dist, start, lora=None, say=say)
+    model, checkpointer = loaded.model, loaded.checkpointer
     say(f"checkpoints are written in {checkpointer.output_dtype_note()}")
-    del state
     model.activation_checkpointing = cfg.enable_activation_checkpointing
     model.train()
 
@@ -125,29 +104,22 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     if position is None:
         return 0
     global_step, start_epoch, start_step = position
-    # rank 0 logs: metrics.jsonl, TensorBoard (log_dir) and the experiment trackers (metric_loggers), a resumed run's own
-    trackers = open_trackers(cfg.get("metric_loggers"), config, (start.state or {}).get("trackers"), run_dir.path,
-                             global_step, tqdm.write) if main else None
-    metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
-                         tensorboard_dir=cfg.get("log_dir"), trackers=trackers) if main else None
-    # torchrun: every rank writes its DCP shards; one process writes the model in the input's files
-    saver = (ShardedSaver if dist.enabled else WholeStepSaver)(dist, run_dir, saving, report=tqdm.write)
-    # the final model read back, before its commit, into a fresh model of the config's class through its checkpointer
-    reload = ExportReload(build=lambda: instantiate(cfg.model), strict=cfg.strict, key_prefix_map=cfg.key_prefix_map,
-                          read=lambda path: instantiate(cfg.checkpointer, checkpoint_dir=str(path)).load_checkpoint()["model"])
-    verify = reload if cfg.get("verify_export", True) else None
+    # rank 0's logs and the checkpoints (torchrun: every rank writes its DCP shards; one process writes the model in
+    # the input's files), from the resumed step on
+    outputs = RunOutputs(cfg, config, run_dir, start, dist, global_step, sharded=dist.enabled, say=say)
+    metrics = outputs.metrics
 
     def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
-        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, trackers)
-        content = model_step(model, optimizer, checkpointer, recipe, final, dist, verify, tqdm.write)
-        return saver.save(global_step, content, final=final or preempted)
+        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, outputs.trackers)
+        content = model_step(model, optimizer, checkpointer, recipe, final, dist, outputs.verify, tqdm.write)
+        return outputs.saver.save(global_step, content, final=final or preempted)
 
     loss_chunk = None if cfg.get("fused_loss", True) else 0  # None: chunks sized by the vocabulary; 0: full logits
     preemption = PreemptionWatch(cfg.preemption_signals)
     # a bar on a terminal, a plain line every progress_every_n_steps in a log (progress: auto | bar | lines | off)
     progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main)
-    first_step, saved = global_step + 1, None
+    first_step = global_step + 1
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=collate,
@@ -185,27 +157,13 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                             **({"val": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
 
             # Checkpoints at optimizer-step boundaries only; a signal on any rank stops every rank here.
-            saver.check()  # a background save that failed stops the run here
-            preempted = dist.any(preemption.requested)
-            if plan.save_due(global_step, step_in_epoch, preempted):
-                saved = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted)
-            if preempted and global_step < plan.total_steps:
-                saver.close()
-                progress.close()
-                if metrics:
-                    metrics.close()  # the trackers' runs left stopped (preempted), for the resumed run to continue
-                say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
-                    "rerun the same command to resume")
-                if cfg.requeue and main:
-                    requeue_slurm_job()
-                return PREEMPTED_EXIT_CODE
-    saver.close()
+            if outputs.step_end(plan, global_step, epoch, step_in_epoch, preemption, save):
+                return outputs.stop(global_step, preemption, progress)
+    outputs.close_saves()
     if cfg.get("async_checkpoint"):
-        say(f"checkpoint saves blocked training for {saver.blocked_s:.2f} s in all")
-    progress.close()
-    if metrics:
-        metrics.close(final_model=kept_at(run_dir, saved))
-    say(f"done: the final model is {run_dir.stored_at(saved)}{checkpointer.describe_output(saved)}")
+        say(f"checkpoint saves blocked training for {outputs.saver.blocked_s:.2f} s in all")
+    outputs.finish(progress)
+    say(outputs.done_line(checkpointer, adapter=False))
     return 0
 
 

@@ -42,8 +42,6 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from waypoint.checkpointers import CheckpointError, load_into
-from waypoint.checkpointers.load_model import load_sharded_into
-from waypoint.checkpointers.peft_adapter import check_targets, load_adapter
 from waypoint.cli.entry import run_recipe
 from waypoint.cli.grpo_option_checks import GRPO
 from waypoint.cli.hub_source import base_model_name
@@ -51,27 +49,24 @@ from waypoint.cli.option_checks import COMMON, LORA, check_options
 from waypoint.cli.run_config import config_as_given
 from waypoint.data.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.data.run_data import run_data
-from waypoint.models.lora import adapter_state_keys, adapters_disabled, apply_lora, init_adapters, load_adapter_state
+from waypoint.models.lora import adapters_disabled
 from waypoint.rewards import resolve
 from waypoint.run.grpo_progress import LOSS_NOTE, ZeroSpreadWatch, progress_values
-from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
-from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.run.preemption import PreemptionWatch
 from waypoint.run.progress import TrainingProgress
 from waypoint.run.recipe_state import capture_recipe_state
 from waypoint.run.resume import RunStart, refusing
-from waypoint.run.savers import SaveOptions, WholeStepSaver
-from waypoint.run.sharded_saver import ShardedSaver
-from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step, model_step
-from waypoint.run.trackers import kept_at, open_trackers
+from waypoint.run.run_outputs import RunOutputs
+from waypoint.run.step_content import adapter_step, model_step
 from waypoint.text.stop_tokens import stop_token_ids
 from waypoint.training.distributed import Distributed
 from waypoint.training.fsdp import shard_model
 from waypoint.training.grpo_loss import GRPOLossOptions
 from waypoint.training.grpo_step import GRPOStep, Preempted, RolloutOptions, step_seed
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
-from waypoint.training.quantize import NF4Options, quantize_base
+from waypoint.training.recipe_model import load_adapters, load_model
 from waypoint.training.seed import seed_everything
 
 # the loss section's keys: GRPOLossOptions' but those set from elsewhere in the config
@@ -113,42 +108,18 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                               "give one per function (or null for all 1)")
     config = config_as_given(cfg)
     run_dir = RunDir(Path(cfg.output_dir), cfg.get("output_store"))
-    saving = SaveOptions(keep_last_n=cfg.keep_last_n_checkpoints, asynchronous=cfg.get("async_checkpoint", False))
 
     # Where to start: the newest verified checkpoint of this run (resume=auto), or the input.
     start = RunStart(run_dir, cfg.resume, cfg.overwrite, config, dist, check=refusing(GRPO_BREAKING))
     seed_everything(cfg.seed)
 
     # Model, on the meta device, sharded (FSDP2) under torchrun, then given its tensors (as the DPO recipe).
-    checkpointer = instantiate(cfg.checkpointer)
-    state = checkpointer.load_checkpoint()
-    if start.checkpoint and not start.sharded and not lora:
-        state = instantiate(cfg.checkpointer, checkpoint_dir=start.path).load_checkpoint()
-        state["model"].update(start.state.get("model") or {})
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
+    loaded = load_model(cfg, dist, start, lora, say)
+    model, checkpointer = loaded.model, loaded.checkpointer
     if lora:
-        wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
-        nf4 = NF4Options(**(cfg.get("nf4") or {})) if cfg.get("quantize_base") == "nf4" else None
-        for line in quantize_base(model, cfg.dtype, cfg.get("quantize_base"), nf4, dist.world_size, checkpointer):
-            say(line)
-    if dist.enabled:
-        shard_model(model, dist.mesh, cfg.get("mixed_precision"))
-    if start.sharded and not lora:
-        report = load_sharded_into(model, start.path, dtype=cfg.dtype, device=device)
-    else:
-        report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
-                           key_prefix_map=cfg.key_prefix_map, fill_later=list(adapter_state_keys(model)) if lora else ())
-    say("\n".join(report.lines() + checkpointer.notes))
-    if lora:
-        init_adapters(model, device)
-        original, sources = state["model"], report.sources  # the merge reads the input's full-precision base again
-        converter = checkpointer.hf_converter()
-        check_targets(model, converter, checkpointer.family)
-        if start.checkpoint:
-            load_adapter_state(model, load_adapter(start.path, converter)[0])
-        say(f"lora: {len(wrapped)} layers ({', '.join(lora.targets)}), rank {lora.rank}, alpha {lora.alpha}")
-    del state
+        original, sources = loaded.original, loaded.report.sources  # the merge reads the input's full-precision base again
+        converter = load_adapters(model, checkpointer, start)
+        say(f"lora: {len(loaded.wrapped)} layers ({', '.join(lora.targets)}), rank {lora.rank}, alpha {lora.alpha}")
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.activation_checkpointing = cfg.enable_activation_checkpointing
     model.train()
@@ -205,47 +176,29 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     if start.checkpoint:
         sampling.set_state(start.state["sampling_rng"])
 
-    trackers = open_trackers(cfg.get("metric_loggers"), config, (start.state or {}).get("trackers"), run_dir.path,
-                             global_step, tqdm.write) if main else None
-    metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
-                         tensorboard_dir=cfg.get("log_dir"), trackers=trackers) if main else None
-    saver = (ShardedSaver if dist.enabled and not lora else WholeStepSaver)(dist, run_dir, saving, report=tqdm.write)
-    reload = ExportReload(build=lambda: instantiate(cfg.model), strict=cfg.strict, key_prefix_map=cfg.key_prefix_map,
-                          read=lambda path: instantiate(cfg.checkpointer, checkpoint_dir=str(path)).load_checkpoint()["model"])
-    verify = reload if cfg.get("verify_export", True) else None
+    outputs = RunOutputs(cfg, config, run_dir, start, dist, global_step, sharded=dist.enabled and not lora, say=say)
+    metrics = outputs.metrics
     save_merged = "never" if cfg.get("save_adapter_weights_only", False) else cfg.get("save_merged", "final")
 
     def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)
-        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, trackers)
+        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, outputs.trackers)
         recipe.sampling_rng = sampling.get_state()
         if lora:
             content = adapter_step(model, optimizer, recipe, checkpointer, converter=converter,
                                    base_name=base_model_name(checkpointer.checkpoint_dir),
                                    max_lora_rank=cfg.get("max_lora_rank", 16), layout=checkpointer.adapter_layout(),
-                                   original=original, sources=sources, dist=dist, verify=verify, report=tqdm.write,
+                                   original=original, sources=sources, dist=dist, verify=outputs.verify, report=tqdm.write,
                                    merge=save_merged == "every" or (save_merged == "final" and final))
         else:
-            content = model_step(model, optimizer, checkpointer, recipe, final, dist, verify, tqdm.write)
-        return saver.save(global_step, content, final=final or preempted)
+            content = model_step(model, optimizer, checkpointer, recipe, final, dist, outputs.verify, tqdm.write)
+        return outputs.saver.save(global_step, content, final=final or preempted)
 
     preemption = PreemptionWatch(cfg.preemption_signals)
     progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main,
                                 note=LOSS_NOTE)
     zero_spread = ZeroSpreadWatch()  # every group's rewards equal, step after step: nothing learns (warned once)
-    first_step, saved = global_step + 1, None
-    saved_step, whole = global_step, None  # the newest step on disk; (epoch, step in it) of the newest step trained
-
-    def preempted_exit() -> int:
-        saver.close()
-        progress.close()
-        if metrics:
-            metrics.close()
-        say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
-            "rerun the same command to resume")
-        if cfg.requeue and main:
-            requeue_slurm_job()
-        return PREEMPTED_EXIT_CODE
+    first_step, whole = global_step + 1, None  # whole: (epoch, step in it) of the newest step trained
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=list,
@@ -259,9 +212,9 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                 rollouts, record = step.rollouts(model, prompts, step_seed(sampling), stop=lambda: preemption.requested)
             except Preempted:  # a signal while it sampled or scored: nothing of it trained; save the last whole step
                 sampling.set_state(before)  # so that the resumed run draws this step's seed again
-                if global_step > saved_step:
-                    saved = save(*whole, final=False, preempted=True)
-                return preempted_exit()
+                if global_step > outputs.saved_step:  # the newest step on disk
+                    save(*whole, final=False, preempted=True)
+                return outputs.stop(global_step, preemption, progress)
             step.fill_fixed_logps(model, rollouts, reference)
             global_step, whole = global_step + 1, (epoch, step_in_epoch)
             losses, loss_metrics = [], []
@@ -299,22 +252,10 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
 
             # Checkpoints at step boundaries only (a step's samples never span a save); a signal on any rank stops
             # every rank here.
-            saver.check()
-            preempted = dist.any(preemption.requested)
-            if plan.save_due(global_step, step_in_epoch, preempted):
-                saved, saved_step = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted), global_step
-            if preempted and global_step < plan.total_steps:
-                return preempted_exit()
-    saver.close()
-    progress.close()
-    if metrics:
-        metrics.close(final_model=kept_at(run_dir, saved))
-    if lora:
-        merged = (f"; the merged model is {checkpointer.describe_output(saved / MERGED_DIR)}"
-                  if (saved / MERGED_DIR).is_dir() else "")
-        say(f"done: the adapter is {run_dir.stored_at(saved)}{saved} (PEFT format){merged}")
-    else:
-        say(f"done: the final model is {run_dir.stored_at(saved)}{checkpointer.describe_output(saved)}")
+            if outputs.step_end(plan, global_step, epoch, step_in_epoch, preemption, save):
+                return outputs.stop(global_step, preemption, progress)
+    outputs.finish(progress)
+    say(outputs.done_line(checkpointer, adapter=bool(lora)))
     return 0
 
 

@@ -38,13 +38,10 @@ from pathlib import Path
 if importlib.util.find_spec("waypoint") is None:  # a checkout that is not installed: its root holds `waypoint`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from waypoint.checkpointers import load_into
-from waypoint.checkpointers.peft_adapter import check_targets, load_adapter
 from waypoint.cli.entry import run_recipe
 from waypoint.cli.hub_source import base_model_name
 from waypoint.cli.option_checks import COMMON, LORA
@@ -53,22 +50,18 @@ from waypoint.data.collate import batch_collate
 from waypoint.data.data_order import iterate_batches, optimizer_steps_per_epoch
 from waypoint.data.run_data import run_data
 from waypoint.evaluation.during_training import TrainingEval
-from waypoint.models.lora import adapter_state_keys, apply_lora, init_adapters, load_adapter_state
-from waypoint.run.metrics import MetricsLog
 from waypoint.run.output_dir import RunDir
 from waypoint.run.plan import RunPlan
-from waypoint.run.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from waypoint.run.preemption import PreemptionWatch
 from waypoint.run.progress import TrainingProgress
 from waypoint.run.recipe_state import capture_recipe_state
 from waypoint.run.resume import RunStart, refusing
-from waypoint.run.savers import SaveOptions, WholeStepSaver
-from waypoint.run.step_content import MERGED_DIR, ExportReload, adapter_step
-from waypoint.run.trackers import kept_at, open_trackers
+from waypoint.run.run_outputs import RunOutputs, merged_note
+from waypoint.run.step_content import adapter_step
 from waypoint.training.distributed import Distributed
-from waypoint.training.fsdp import shard_model
 from waypoint.training.loss import forward_backward
 from waypoint.training.nonfinite import check_weights_finite, clip_gradients, step_is_finite
-from waypoint.training.quantize import NF4Options, quantize_base
+from waypoint.training.recipe_model import load_adapters, load_model
 from waypoint.training.seed import seed_everything
 from waypoint.training.validation import evaluate
 
@@ -82,9 +75,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     device, main = dist.device, dist.is_main
     say = print if main else (lambda *a, **k: None)  # noqa: E731
     config = config_as_given(cfg)  # what each checkpoint records (URLs, not this machine's local copies)
-    # Where the run lives (an object-store run: the store and this machine's mirror of it) and how it keeps checkpoints.
+    # Where the run lives (an object-store run: the store and this machine's mirror of it).
     run_dir = RunDir(Path(cfg.output_dir), cfg.get("output_store"))
-    saving = SaveOptions(keep_last_n=cfg.keep_last_n_checkpoints, asynchronous=cfg.get("async_checkpoint", False))
     if not dist.enabled and cfg.get("mixed_precision"):
         say("note: mixed_precision applies under torchrun (FSDP2); one process computes in dtype")
     save_merged = "never" if cfg.get("save_adapter_weights_only", False) else cfg.get("save_merged", "final")
@@ -100,34 +92,16 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # (FSDP2) under torchrun, given the base's tensors (each rank its piece) and fresh adapter weights.
     # With quantize_base: nf4 (QLoRA) the frozen linears (mxfp4: the MoE experts) become 4-bit placeholders first,
     # each quantized as its tensor is read: the full-precision base is never in memory.
-    checkpointer = instantiate(cfg.checkpointer)
-    state = checkpointer.load_checkpoint()
-    with torch.device("meta"):
-        model = instantiate(cfg.model)
     lora = cfg.lora
-    wrapped = apply_lora(model, list(lora.targets), lora.rank, lora.alpha, lora.dropout)
-    nf4 = NF4Options(**(cfg.get("nf4") or {})) if cfg.get("quantize_base") == "nf4" else None
-    for line in quantize_base(model, cfg.dtype, cfg.get("quantize_base"), nf4, dist.world_size, checkpointer):
-        say(line)
-    if dist.enabled:
-        shard_model(model, dist.mesh, cfg.get("mixed_precision"))
-    adapter_keys = list(adapter_state_keys(model))
-    report = load_into(model, state["model"], dtype=cfg.dtype, device=device, strict=cfg.strict,
-                       key_prefix_map=cfg.key_prefix_map, fill_later=adapter_keys)
-    init_adapters(model, device)
-    say("\n".join(report.lines() + checkpointer.notes))
+    loaded = load_model(cfg, dist, start, lora, say)
+    model, checkpointer, wrapped = loaded.model, loaded.checkpointer, loaded.wrapped
     say(f"merged models are written in {checkpointer.output_dtype_note()}")
     # The merge reads the base again from the input (lazily, a tensor at a time): the full-precision
     # original, not the model's 4-bit or dtype-cast copy.
-    original, sources = state["model"], report.sources
-    del state
-    converter = checkpointer.hf_converter()  # names the adapter's modules as HF does
-    check_targets(model, converter, checkpointer.family)  # a target PEFT cannot name (Phi-3's fused qkv) fails now, not at the first save
+    original, sources = loaded.original, loaded.report.sources
+    converter = load_adapters(model, checkpointer, start)  # names the adapter's modules as HF does
     base_name = base_model_name(checkpointer.checkpoint_dir)
     own_layout = checkpointer.adapter_layout()  # Meta/native inputs get the adapter in their own keys too
-    if start.checkpoint:
-        adapter, _ = load_adapter(start.path, converter)
-        load_adapter_state(model, adapter)
     trainable = [p for p in model.parameters() if p.requires_grad]
     say(f"lora: {len(wrapped)} layers ({', '.join(lora.targets)}), rank {lora.rank}, alpha {lora.alpha}: "
         f"{sum(p.numel() for p in trainable):,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters")
@@ -158,31 +132,24 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     if position is None:
         return 0
     global_step, start_epoch, start_step = position
-    # rank 0 logs: metrics.jsonl, TensorBoard (log_dir) and the experiment trackers (metric_loggers), a resumed run's own
-    trackers = open_trackers(cfg.get("metric_loggers"), config, (start.state or {}).get("trackers"), run_dir.path,
-                             global_step, tqdm.write) if main else None
-    metrics = MetricsLog(run_dir.path, keep_through_step=global_step, report=tqdm.write,
-                         tensorboard_dir=cfg.get("log_dir"), trackers=trackers) if main else None
-    saver = WholeStepSaver(dist, run_dir, saving, report=tqdm.write)  # the adapters are small: gathered whole, written by rank 0
-    # the merged model read back, before its commit, into a fresh model of the config's class through its checkpointer
-    reload = ExportReload(build=lambda: instantiate(cfg.model), strict=cfg.strict, key_prefix_map=cfg.key_prefix_map,
-                          read=lambda path: instantiate(cfg.checkpointer, checkpoint_dir=str(path)).load_checkpoint()["model"])
-    verify = reload if cfg.get("verify_export", True) else None
+    # rank 0's logs and the checkpoints (the adapters are small: gathered whole, written by rank 0), from the resumed step on
+    outputs = RunOutputs(cfg, config, run_dir, start, dist, global_step, sharded=False, say=say)
+    metrics = outputs.metrics
 
     def save(epoch: int, step_in_epoch: int, final: bool, preempted: bool) -> Path:
         check_weights_finite(model, global_step, dist.any)  # a checkpoint is never written from nan or inf weights
-        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, trackers)
+        recipe = capture_recipe_state(plan, global_step, epoch, step_in_epoch, scheduler, config, dist, outputs.trackers)
         content = adapter_step(model, optimizer, recipe, checkpointer, converter=converter, base_name=base_name,
                                max_lora_rank=max_lora_rank, layout=own_layout, original=original, sources=sources,
                                merge=save_merged == "every" or (save_merged == "final" and final), dist=dist,
-                               verify=verify, report=tqdm.write)
-        return saver.save(global_step, content, final=final or preempted)
+                               verify=outputs.verify, report=tqdm.write)
+        return outputs.saver.save(global_step, content, final=final or preempted)
 
     loss_chunk = None if cfg.get("fused_loss", True) else 0  # None: chunks sized by the vocabulary; 0: full logits
     preemption = PreemptionWatch(cfg.preemption_signals)
     # a bar on a terminal, a plain line every progress_every_n_steps in a log (progress: auto | bar | lines | off)
     progress = TrainingProgress(plan.total_steps, global_step, cfg.get("progress_every_n_steps", 10), shown=main)
-    first_step, saved = global_step + 1, None
+    first_step = global_step + 1
     for epoch in range(start_epoch, cfg.epochs):
         first = start_step if epoch == start_epoch else 0
         batches = iterate_batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, collate_fn=collate,
@@ -220,27 +187,12 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                             **({"val": f"{record['val_loss']:.4f}"} if "val_loss" in record else {}))
 
             # Checkpoints at optimizer-step boundaries only; a signal on any rank stops every rank here.
-            saver.check()  # a background save that failed stops the run here
-            preempted = dist.any(preemption.requested)
-            if plan.save_due(global_step, step_in_epoch, preempted):
-                saved = save(epoch, step_in_epoch, global_step == plan.total_steps, preempted)
-            if preempted and global_step < plan.total_steps:
-                saver.close()
-                progress.close()
-                if metrics:
-                    metrics.close()  # the trackers' runs left stopped (preempted), for the resumed run to continue
-                say(f"stopped by {preemption.received or 'a signal to another rank'} at step {global_step}; "
-                    "rerun the same command to resume")
-                if cfg.requeue and main:
-                    requeue_slurm_job()
-                return PREEMPTED_EXIT_CODE
-    saver.close()
-    progress.close()
-    if metrics:
-        metrics.close(final_model=kept_at(run_dir, saved))
-    merged = (f"; the merged model is {checkpointer.describe_output(saved / MERGED_DIR)}"
-              if (saved / MERGED_DIR).is_dir() else "")
-    say(f"done: the adapter is {run_dir.stored_at(saved)}{saved} (PEFT format: PeftModel.from_pretrained(base, '{saved}') loads it){merged}")
+            if outputs.step_end(plan, global_step, epoch, step_in_epoch, preemption, save):
+                return outputs.stop(global_step, preemption, progress)
+    outputs.finish(progress)
+    saved = outputs.saved
+    say(f"done: the adapter is {run_dir.stored_at(saved)}{saved} (PEFT format: PeftModel.from_pretrained(base, '{saved}') "
+        f"loads it){merged_note(checkpointer, saved)}")
     return 0
 
 
