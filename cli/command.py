@@ -64,6 +64,10 @@ def exiting_function(e: SystemExit) -> str:
     def standard(frame) -> bool:
         path = Path(frame.f_code.co_filename).resolve()
         return path.is_relative_to(stdlib) and not {"site-packages", "dist-packages"} & set(path.parts)
+
+    # a library that wraps sys.exit (W&B's exit hooks, installed by wandb.init) is not who called it
+    exit_code = getattr(getattr(sys.exit, "__func__", sys.exit), "__code__", None)
+    frames = [(f, line) for f, line in frames if f.f_code is not exit_code] or frames
     outside = [(f, line) for f, line in frames if not waypoint_s(f)]
     candidates = [(f, line) for f, line in outside if not standard(f)] or outside or frames
     if not candidates:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -135,21 +136,35 @@ def test_too_few_samples_for_the_global_batch_is_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_sys_exit_in_a_class_the_config_instantiates_is_an_error_not_a_success(tmp_path, monkeypatch, capsys):
+class ExitHooks:
+    """What ``wandb.init`` leaves in a process: sys.exit replaced by a method that records the code and exits."""
+
+    def exit(self, code=0):
+        self.code = code
+        raise SystemExit(code)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["sys.exit", "sys.exit-wrapped-by-a-tracker"])
+def test_sys_exit_in_a_class_the_config_instantiates_is_an_error_not_a_success(tmp_path, monkeypatch, capsys, wrapped):
     """A dataset ``_target_`` of the user's whose constructor calls sys.exit(0) ended the run with exit status 0 and no
-    ``done:`` line, which a scheduler records as a success: it is one error line naming the function, exit status 1."""
+    ``done:`` line, which a scheduler records as a success: it is one error line naming the function, exit status 1,
+    the user's function, not the hook of a tracker that wrapped sys.exit in this process (W&B's, after wandb.init)."""
     from recipes.full_finetune import main
 
-    (tmp_path / "exiting_data_q.py").write_text("import sys\n\n\nclass Records:\n    def __init__(self, **options):\n"
+    if wrapped:
+        monkeypatch.setattr(sys, "exit", ExitHooks().exit)
+
+    name = "exiting_data_hooked" if wrapped else "exiting_data_q"  # a module of its own: imports are cached
+    (tmp_path / f"{name}.py").write_text("import sys\n\n\nclass Records:\n    def __init__(self, **options):\n"
                                                 "        sys.exit(0)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "out"
     code = main(["--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}",
-                 f"output_dir={out}", "dataset._target_=exiting_data_q.Records"])
+                 f"output_dir={out}", f"dataset._target_={name}.Records"])
     printed = capsys.readouterr()
     err = [line for line in printed.err.replace("\r", "\n").splitlines() if "error" in line]
     assert code == 1 and "done:" not in printed.out
-    assert err == [f"error: exiting_data_q.Records.__init__ ({tmp_path / 'exiting_data_q.py'}:6) called sys.exit(0), "
+    assert err == [f"error: {name}.Records.__init__ ({tmp_path / f'{name}.py'}:6) called sys.exit(0), "
                    "which ended the run before it finished; raise an exception there instead of exiting (the run stops "
                    "here, exit status 1)"], printed.err[-2000:]
 
