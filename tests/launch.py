@@ -120,7 +120,7 @@ def launch(recipe: str, argv: list[str], *, processes: int = 1, fault=None, env=
     (several machines of one process each: ``{"LOCAL_RANK": "0", ...}``). Returns (exit status, stdout, stderr, each
     rank's stdout and stderr), the outputs in rank order as torchrun passes its workers' through."""
     context = _context()
-    environ = {**os.environ, "PYTHONPATH": str(ROOT), "INTERRUPT_RECIPE": recipe, **(env or {})}
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     environ = {k: v for k, v in environ.items() if v is not None}  # env's None: not in the run's environment
     if processes > 1:
         environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(processes),
