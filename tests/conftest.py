@@ -31,6 +31,22 @@ def needs(*packages: str) -> pytest.MarkDecorator:
 LM_EVAL = pytest.mark.xdist_group("lm_eval")
 TRACKERS = pytest.mark.xdist_group("trackers")
 
+# Where the tests that compare our models with transformers' compute: the CPU, or `WAYPOINT_TEST_DEVICE=cuda` on a GPU
+# machine (the same tolerances). fp32 there is fp32: TF32 off for matrix products and for cuDNN's convolutions, whose
+# default is on (it rounded transformers' Qwen3.5 Conv3d patch embedding to 10 mantissa bits: 2.9e-3 off ours, a
+# Linear, on an H200). `WAYPOINT_TEST_TF32=1` leaves PyTorch's defaults, to measure that.
+TEST_DEVICE = torch.device(os.environ.get("WAYPOINT_TEST_DEVICE", "cpu"))
+if TEST_DEVICE.type == "cuda" and os.environ.get("WAYPOINT_TEST_TF32") != "1":
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def on_test_device(*items):
+    """Modules, tensors or dicts of tensors moved to TEST_DEVICE (one item: itself, else a tuple)."""
+    moved = tuple({k: v.to(TEST_DEVICE) for k, v in x.items()} if isinstance(x, dict) else x.to(TEST_DEVICE) for x in items)
+    return moved[0] if len(moved) == 1 else moved
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: each worker one thread (and its children), one per core
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from scripts import make_tiny
-from tests.conftest import ROOT
+from tests.conftest import ROOT, on_test_device
 from tests.recipe_runs import run_recipe, run_script
 from waypoint.checkpointers import load_model
 from waypoint.families import family_named
@@ -53,7 +53,7 @@ def models(made):
             path = made(name)
             config = json.loads((path / "config.json").read_text())
             cls = getattr(transformers, config["architectures"][0]) if "text_config" in config else transformers.AutoModelForCausalLM
-            loaded[name] = path, cls.from_pretrained(path, dtype=torch.float32).eval(), load_model(path).eval()
+            loaded[name] = path, *on_test_device(cls.from_pretrained(path, dtype=torch.float32).eval(), load_model(path).eval())
         return loaded[name]
     return get
 
@@ -65,6 +65,7 @@ def test_transformers_reads_each_kind_as_its_family_with_our_logits(models, name
     assert type(hf).__name__ == json.loads((path / "config.json").read_text())["architectures"][0]
     assert (type(hf).__name__ == family.architecture) == (name not in MULTIMODAL)
     tokens = torch.randint(4, hf.config.get_text_config().vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))
+    tokens = on_test_device(tokens)
     with torch.no_grad():
         expected = hf(input_ids=tokens).logits
         diff = (ours(tokens) - expected).abs().max().item()
@@ -85,7 +86,7 @@ def test_each_multimodal_kind_reads_an_image_with_transformers_logits(models, na
     ids = tokenizer.encode(f"Look: {processor.expansion(image)} Which colour?")
     assert ids.count(processor.image_token_id) > 1
     inputs = {**processor.model_inputs([image]), processor.token_type_key: torch.tensor([processor.token_types(ids)])}
-    tokens = torch.tensor([ids])
+    tokens, inputs = on_test_device(torch.tensor([ids]), inputs)
     with torch.no_grad():
         expected = hf(input_ids=tokens, **inputs).logits
         diff = (ours(tokens, **inputs) - expected).abs().max().item()

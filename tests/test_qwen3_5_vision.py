@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.conftest import on_test_device
 from waypoint.converters.table import Converter
 from waypoint.families.qwen_vision_rules import MODULES, qwen3_5_vision, qwen_vision_rules
 from waypoint.models.qwen3_5_vision import QwenVisionTower
@@ -85,12 +86,13 @@ def test_tower_matches_transformers(checkpoint, dtype, tol):
     hf = model.to(dtype)
     grid = torch.tensor(GRIDS)
     pixel_values = random_patches(GRIDS).to(dtype)
+    tower, hf, pixel_values, grid = on_test_device(tower, hf, pixel_values, grid)
     try:
         with torch.no_grad():
             ref = torch.cat(hf.get_image_features(pixel_values, grid).pooler_output)  # what the language model takes
             ours = tower(pixel_values, grid)
     finally:
-        model.float()
+        model.float().cpu()
     assert ours.shape == ref.shape == (sum(t * h * w for t, h, w in GRIDS) // 4, 48) and ours.dtype == dtype
     diff = (ours - ref).abs().max().item()
     print(f"\n{dtype}: {len(GRIDS)} images, max |native - transformers| = {diff:.3g} (outputs ~{ref.abs().max():.2g})")
@@ -122,6 +124,7 @@ def test_patch_embedding_is_the_conv3d():
                           args=from_hf_config({"hidden_size": 1152, "patch_size": 16}))
     linear.load_state_dict({k.removeprefix("patch_embedding."): v for k, v in native.items()})
     patches = torch.randn(1024, 1536)
+    conv, linear, patches = on_test_device(conv, linear, patches)
     with torch.no_grad():
         exact = torch.nn.functional.linear(patches.double(), linear.weight.double(), linear.bias.double())
         ours, ref = linear(patches), conv(patches)

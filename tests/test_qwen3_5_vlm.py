@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import on_test_device
 from waypoint.checkpointers import HFCheckpointer, load_model
 from waypoint.checkpointers.file_formats import read_tensors
 
@@ -75,6 +76,7 @@ def test_logits_with_images_equal_transformers(tmp_path, moe):
     tokens, types, pixels, grids = batch(ROWS, GRIDS)
     model = load_model(tmp_path / "in").eval()
     assert model.args.vision.tower == "qwen3_5" and model.args.mrope_section == (3, 3, 2)
+    hf, model, tokens, types, pixels, grids = on_test_device(hf, model, tokens, types, pixels, grids)
     with torch.no_grad():
         expected = hf(input_ids=tokens, pixel_values=pixels, image_grid_thw=grids, mm_token_type_ids=types).logits
         got = model(tokens, pixel_values=pixels, image_grid_thw=grids, mm_token_type_ids=types)
