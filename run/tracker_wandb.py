@@ -70,7 +70,9 @@ class WandbLogger:
         Path(options["dir"]).mkdir(parents=True, exist_ok=True)
         timeout_s = getattr(self, "timeout_s", None)
         settings = wandb.Settings(init_timeout=timeout_s, finish_timeout=timeout_s) if timeout_s else None
-        run = wandb.init(id=run_id, resume="allow", config=dict(config), settings=settings, **options)
+        # create_new: a run already active in this process (the user's own, or one of ours dropped earlier, which W&B
+        # finishes only at exit) is not handed back as ours; W&B's default returns it, and our steps would go there
+        run = wandb.init(id=run_id, resume="allow", config=dict(config), settings=settings, reinit="create_new", **options)
         if self.abandoned:  # given up on while W&B started: no run of ours to keep open
             run.finish()
             return ""

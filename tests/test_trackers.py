@@ -172,7 +172,8 @@ def test_the_offline_reader_reads_what_wandb_wrote(offline):
 
     # dir and mode given, not only in the environment: an earlier test in this process (the recipes' trackers) leaves
     # W&B's settings singleton holding that test's WANDB_DIR
-    run = wandb.init(project="p", id="reader1", config={"a": {"b": 1}}, dir=str(offline.parent), mode="offline")
+    run = wandb.init(project="p", id="reader1", config={"a": {"b": 1}}, dir=str(offline.parent), mode="offline",
+                     reinit="create_new")  # a run an earlier test left active in this process is not returned
     for step, values in ((1, {"loss": 1.0}), (2, {"loss": 2.0}), (2, {"val_loss": 0.5}), (5, {"loss": 5.0})):
         run.log(values, step=step)
     run.summary["final_model"] = "/m"
@@ -181,6 +182,25 @@ def test_the_offline_reader_reads_what_wandb_wrote(offline):
     assert [step for step, _ in rows] == [1, 2, 5] and rows[1][1]["loss"] == 2.0 and rows[1][1]["val_loss"] == 0.5
     assert [json.loads(i.value_json) for s in wandb_records(offline, "reader1", "summary") for i in s.update
             if i.key == "final_model"] == ["/m"]
+
+
+def test_a_wandb_run_already_active_in_the_process_is_not_taken_for_ours(offline, tmp_path):
+    """A run active in the process (the user's own, or a tracker of ours dropped earlier, which W&B finishes at exit)
+    was handed back by ``wandb.init`` as the new run: a second training in one process logged into the first's run."""
+    import wandb
+
+    from waypoint.run.tracker_wandb import WandbLogger
+
+    theirs = wandb.init(project="p", id="theirs1", dir=str(offline.parent), mode="offline", reinit="create_new")
+    try:
+        logger = WandbLogger()
+        run_id = logger.start("t", {"seed": 1}, "ours1", tmp_path / "out", report=print)
+        logger.log([(1, {"loss": 1.0})])
+        logger.finish("/m")
+    finally:
+        theirs.finish()
+    assert run_id == "ours1" and [s for s, _ in wandb_history(offline, "ours1")] == [1]
+    assert wandb_history(offline, "theirs1") == []
 
 
 def test_kill_and_resume_continue_each_tracker_run_with_each_step_once(tmp_path, offline, monkeypatch):
