@@ -1,4 +1,4 @@
-"""Rank 0's memory while a sharded model is exported in its input's format (run under torchrun).
+"""Rank 0's memory while a sharded model is exported in its input's format (run as torchrun runs it: two ranks).
 
     torchrun --nproc_per_node 2 tests/export_memory_probe.py CHECKPOINT_DIR OUTPUT_DIR
 

@@ -77,3 +77,21 @@ def test_the_family_table_says_which_families_read_images():
         assert ("images" in does) == reads_images and "text only" not in unsupported, (family_cell, does, unsupported)
     out_of_scope = README.split("\nOut of scope:", 1)[1].split(" (MoE models", 1)[0]
     assert "vision" not in out_of_scope, out_of_scope
+
+
+def test_commands_side_by_side_wait_for_every_earlier_one_they_share_something_with():
+    """--jobs: a command waits for the earlier commands that write or read its outputs/ folders (named in it or in its
+    config), a root file it names, or torchrun's port; one whose config is not there yet waits for all before it."""
+    plan = ["python recipes/full_finetune.py --config configs/tiny_chat.yaml",             # 0: outputs/tiny_chat
+            "python scripts/make_tiny_vlm.py outputs/tiny_vlm_base",                      # 1
+            "python recipes/full_finetune.py --config configs/tiny_vlm.yaml",             # 2: its config reads 1's
+            "python recipes/generate.py --config configs/generate.yaml checkpoint_dir=outputs/tiny_chat/step_300",
+            "waypoint run --nproc-per-node 2 full_finetune --config tiny output_dir=outputs/a",   # 4
+            "torchrun --nproc_per_node 2 recipes/full_finetune.py --config configs/tiny.yaml output_dir=outputs/b",
+            "waypoint cp tiny_lora mine.yaml",                                             # 6
+            "waypoint run lora_finetune --config mine.yaml output_dir=outputs/c",        # 7: mine.yaml not there yet
+            "waypoint ls                                   # the recipes"]                # 8
+    waits = check_readme.after(plan, ROOT)
+    assert waits[1] == set() and waits[2] == {1} and waits[3] == {0}
+    assert waits[5] == {4}  # tiny.yaml's own output_dir too, and the port
+    assert waits[7] == set(range(7)) and waits[8] == {7}
