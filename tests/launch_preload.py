@@ -18,3 +18,8 @@ from recipes import dpo_finetune, full_finetune, grpo_finetune, lora_finetune  #
 from tests import faults  # noqa: F401
 
 Plugins.instance()  # imports and registers hydra's core plugins (bash completion, the basic launcher, ...)
+
+import gc  # noqa: E402
+
+gc.collect()
+gc.freeze()  # what every child shares stays out of its cyclic GC's scans (and their copy-on-write of its pages)
