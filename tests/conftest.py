@@ -364,11 +364,3 @@ def pack_fp8_experts(source: Path, path: Path) -> None:
             (path / name).unlink()
     index_path.write_text(json.dumps(index, indent=2))
 
-
-def pytest_collection_finish(session):
-    """What collection imported (torch, the libraries, every test module) lives to the end: out of the cyclic GC's
-    reach, its full collections (30 a worker, 0.3 s each) scan only what the tests make."""
-    import gc
-
-    gc.collect()
-    gc.freeze()

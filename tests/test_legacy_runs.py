@@ -48,8 +48,10 @@ def x86_with_avx2() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-pytestmark = pytest.mark.skipif(not x86_with_avx2(), reason="the fixtures' numbers are those of x86-64 CPUs with AVX2 "
-                                                            "(ATen's AVX2 kernels, MKL's AVX2,STRICT mode)")
+# one worker runs them all (`--dist loadgroup`): the calibration run (reproduces_fixtures) once, not once a worker
+pytestmark = [pytest.mark.skipif(not x86_with_avx2(), reason="the fixtures' numbers are those of x86-64 CPUs with AVX2 "
+                                                             "(ATen's AVX2 kernels, MKL's AVX2,STRICT mode)"),
+              pytest.mark.xdist_group("legacy")]
 
 
 def expected(kind: str) -> dict:
