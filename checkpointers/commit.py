@@ -28,6 +28,8 @@ MANIFEST_VERSION = 1
 HASH = "blake3"  # cryptographic, and ~5 GB/s on one core (SHA-256: ~1.3 GB/s here, more than a disk write)
 CHUNK = 16 * 2**20  # write in 16 MiB pieces: one giant write() is several times slower on common disks
 MAX_PENDING = 16  # chunks queued for the hashing thread at most
+SMALL = 2**16  # writes below this are gathered (torch.save writes a record's name, header and padding apiece)
+GATHER = 2**20  # and handed on together once this many bytes are gathered
 
 
 def new_hasher(name: str = HASH):
@@ -54,18 +56,37 @@ class HashingFile:
         self._pending = []
         self.size = 0
         self.error: OSError | None = None  # the failed write, which torch.save reports as a RuntimeError of its own
+        self._gathered = bytearray()  # small writes not yet on their way (write)
 
     def write(self, data) -> int:
         """Write ``data``; a buffer that may change after this call (torch.save reuses its own) is
-        copied for the hashing thread, immutable ``bytes`` are not."""
-        return self._write(data, stable=isinstance(data, bytes))
+        copied for the hashing thread, immutable ``bytes`` are not. Small writes are gathered first: a
+        handoff to the hashing thread apiece cost more than the bytes (2,700 of them in a tiny run's
+        recipe_state.pt, 0.05 s a save)."""
+        view = memoryview(data).cast("B")
+        return self._gather(view) if len(view) < SMALL else self._write(view, stable=isinstance(data, bytes))
 
     def write_stable(self, data) -> int:
-        """Write a buffer that stays unchanged until the file is closed (a tensor being saved): no copy."""
-        return self._write(data, stable=True)
-
-    def _write(self, data, stable: bool) -> int:
+        """Write a buffer that stays unchanged until the file is closed (a tensor being saved): no copy
+        (a small one is gathered as ``write`` gathers)."""
         view = memoryview(data).cast("B")
+        return self._gather(view) if len(view) < SMALL else self._write(view, stable=True)
+
+    def _gather(self, view: memoryview) -> int:
+        self._gathered += view  # a copy: the caller may reuse its buffer
+        if len(self._gathered) >= GATHER:
+            self._hand_on()
+        return len(view)
+
+    def _hand_on(self) -> None:
+        """What was gathered goes to disk and to the hash, before anything written after it."""
+        if self._gathered:
+            gathered, self._gathered = bytes(self._gathered), bytearray()
+            self._write(memoryview(gathered), stable=True, gathered=True)
+
+    def _write(self, view: memoryview, stable: bool, gathered: bool = False) -> int:
+        if not gathered:
+            self._hand_on()
         for offset in range(0, len(view), CHUNK):
             piece = view[offset: offset + CHUNK]
             try:
@@ -81,6 +102,7 @@ class HashingFile:
 
     def flush(self) -> None:
         try:
+            self._hand_on()
             self._file.flush()
         except OSError as e:
             self.error = e
@@ -88,6 +110,7 @@ class HashingFile:
 
     def close_durably(self) -> tuple[int, str]:
         """Flush, fsync and close; the (size, hex digest) of what was written."""
+        self._hand_on()
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()

@@ -99,3 +99,31 @@ def test_remove_stale_staging_only_for_dead_processes(tmp_path):
     alive.mkdir()
     remove_stale_staging(tmp_path)
     assert not dead.exists() and alive.exists()
+
+
+def test_small_and_large_writes_reach_the_file_and_the_hash_in_order(tmp_path):
+    """HashingFile gathers small writes (torch.save writes thousands) before handing them on: what reaches the file and
+    the manifest's hash is every write in order, a caller's buffer reused after a small write included."""
+    import os as _os
+
+    from waypoint.checkpointers.commit import GATHER, SMALL, StagedDir, verify
+
+    pieces, reused = [], bytearray(b"x" * 100)
+
+    def produce(f):
+        for i in range(6000):
+            size = (i * 37) % 600 if i % 500 else SMALL + i  # mostly small, a large one now and then
+            data = _os.urandom(size)
+            pieces.append(data)
+            (f.write_stable if i % 3 == 0 else f.write)(data)
+            if i % 7 == 0:  # a buffer the caller rewrites right after the call, as torch.save does
+                reused[:] = _os.urandom(100)
+                pieces.append(bytes(reused))
+                f.write(memoryview(reused))
+                reused[:] = b"\0" * 100
+    with StagedDir(tmp_path / "step_1") as stage:
+        stage.write("blob.bin", produce)
+    written = (tmp_path / "step_1/blob.bin").read_bytes()
+    assert len(written) > GATHER  # handed on by size too, not only at the end
+    assert written == b"".join(pieces)
+    assert verify(tmp_path / "step_1").ok
