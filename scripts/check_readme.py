@@ -33,7 +33,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -214,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         plan.append(rest)
     waits, finished, failures, started = after(plan, copy), set(), [], time.perf_counter()
-    running, lock = {}, threading.Lock()
+    running = {}  # future -> the index of the command it runs
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         while len(finished) < len(plan):
             for i in range(len(plan)):  # in the README's order, as slots free up
@@ -226,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 i = running.pop(future)
                 status, output, reply, seconds = future.result()
                 problem = problem_of(plan[i], plan[:i], copy, status, output, reply)
-                with lock:
-                    finished.add(i)
+                finished.add(i)
                 print(f"{'FAIL' if problem else 'ok  '} {seconds:6.1f} s  {plan[i]}", flush=True)
                 if problem:
                     failures.append(plan[i])
