@@ -363,4 +363,3 @@ def pack_fp8_experts(source: Path, path: Path) -> None:
         else:  # held only experts of a later layer: gone with them
             (path / name).unlink()
     index_path.write_text(json.dumps(index, indent=2))
-

@@ -6,6 +6,8 @@ run on 2 cores): torch._dynamo (torch's optimizers and FSDP2 import it lazily, a
 torch._numpy with it), jinja2's sandbox and tokenizers (the data and its template), and hydra's core plugins (scanned
 by its first compose)."""
 
+import gc
+
 import torch._dynamo  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401  (FSDP2 and DCP: what several ranks import first)
@@ -18,8 +20,6 @@ from recipes import dpo_finetune, full_finetune, grpo_finetune, lora_finetune  #
 from tests import faults  # noqa: F401
 
 Plugins.instance()  # imports and registers hydra's core plugins (bash completion, the basic launcher, ...)
-
-import gc  # noqa: E402
 
 gc.collect()
 gc.freeze()  # what every child shares stays out of its cyclic GC's scans (and their copy-on-write of its pages)
