@@ -21,7 +21,7 @@ TRL's option names, defaults and logged metric names.
   averages the completions. All but dapo, cispo and vespo are divided by ``gradient_accumulation_steps`` in training.
 
 Not reproduced here (each a separate TRL option left at its default): ``top_entropy_quantile``, ``entropy_coef``,
-``off_policy_mask_threshold``, vLLM's importance-sampling correction, the MoE router's aux loss, and
+``off_policy_mask_threshold``, the MoE router's aux loss, and
 ``multi_objective_aggregation="normalize_then_sum"``. ``tool_mask`` and ``mask_truncated_completions`` are the
 caller's: pass the mask they give.
 """
@@ -161,11 +161,14 @@ def rollout_metrics(rewards_per_func: torch.Tensor, reward_func_names: list[str]
     return metrics
 
 
-def _gamma_weights(options: GRPOLossOptions, advantages, log_ratio, mask) -> torch.Tensor:
-    """VESPO's ``phi(w) = exp(lambda + k log w - lambda w)`` [B, 1] of each sequence's summed log-ratio, no grad."""
+def _gamma_weights(options: GRPOLossOptions, advantages, log_ratio, mask, sampling_ratio=None) -> torch.Tensor:
+    """VESPO's ``phi(w) = exp(lambda + k log w - lambda w)`` [B, 1] of each sequence's summed log-ratio (times the
+    sampling correction's ratio, summed over the tokens in log space, where there is one), no grad."""
     with torch.no_grad():
         lower = math.log(1e-8)
         seq_log_ratio = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+        if sampling_ratio is not None:
+            seq_log_ratio = seq_log_ratio + torch.clamp(torch.log(sampling_ratio), lower, 20.0).sum(-1, keepdim=True)
         log_w = torch.clamp(seq_log_ratio, lower, 20.0)
         nonneg = advantages >= 0
         k = torch.where(nonneg, options.vespo_k_pos, options.vespo_k_neg)
@@ -177,12 +180,14 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
               ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, completion_mask: torch.Tensor,
               options: GRPOLossOptions, entropies: torch.Tensor | None = None,
               num_items_in_batch: torch.Tensor | None = None, num_processes: int = 1,
-              training: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+              training: bool = True, importance_sampling_ratio: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, dict[str, float]]:
     """(the loss to backpropagate, TRL's metrics) of one micro-batch: log-probs [B, T] of the completions' tokens
     under the policy, the policy that sampled them (None: the current one, detached) and the reference (needed when
     ``beta`` > 0), ``advantages`` [B] (or [B, T]), and ``completion_mask`` [B, T]. ``num_items_in_batch`` (dapo,
-    cispo, vespo) defaults to the mask's token count. Metrics are this process's (TRL reduces them across
-    processes)."""
+    cispo, vespo) defaults to the mask's token count. ``importance_sampling_ratio`` ([B, T] or [B, 1]): the
+    correction for completions another engine sampled (``training.sampling_correction``), which multiplies each
+    token's loss (VESPO: its gamma weights). Metrics are this process's (TRL reduces them across processes)."""
     o, mask = options, completion_mask
     if o.beta != 0.0 and ref_per_token_logps is None:
         raise ValueError(f"ref_per_token_logps: required with beta={o.beta} (the KL to the reference)")
@@ -213,8 +218,10 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
         temperatures = torch.where(advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
         per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages
     else:  # vespo
-        phi_seq = _gamma_weights(o, advantages, log_ratio, mask)
+        phi_seq = _gamma_weights(o, advantages, log_ratio, mask, importance_sampling_ratio)
         per_token_loss = -phi_seq * advantages * per_token_logps
+    if importance_sampling_ratio is not None and o.loss_type != "vespo":
+        per_token_loss = per_token_loss * importance_sampling_ratio
     if o.beta != 0.0:
         per_token_loss = per_token_loss + o.beta * per_token_kl
 
