@@ -10,7 +10,7 @@ weights came from when it is known, else a config.json derived from the model an
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -188,6 +188,19 @@ class HFCheckpointer(Checkpointer):
 
     def _disk_key(self, key: str) -> str:
         return disk_key(self._prefixes, key)
+
+    # -- what an engine serving the input takes --------------------------------------------
+    def served_tensors(self, native: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``native`` as the input's files name and lay out its tensors (the family's table run backwards: fused,
+        stacked, permuted as on disk), one conversion group at a time, for an inference engine that loaded the input
+        (vLLM's ``load_weights``). A quantized input is refused: what it serves are the quantized tensors."""
+        if self.quantized.method is not None:
+            raise CheckpointError(f"{self.checkpoint_dir / CONFIG_FILE}: a {self.quantized.method} checkpoint's weights "
+                                  "cannot be pushed to an inference engine yet; set generation.engine=native")
+        converter = self.converter
+        for group in converter.plan(converter.native_keys_to_save(native), "native"):
+            for key, tensor in converter.apply_groups([group], native, forward=False, where=None).items():
+                yield self._disk_key(key), tensor
 
     # -- save like the input ------------------------------------------------------------
     def _model_writer(self, native: Mapping[str, torch.Tensor], adapted: frozenset[str] = frozenset()):

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from waypoint.cli.option_checks import Check, Problem, boolean, integer, number, one_of, optional
 from waypoint.models.nf4 import QUANTIZE_BASE
+from waypoint.sampling.vllm_options import ENGINES
 from waypoint.training.grpo_loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
 
@@ -45,6 +46,21 @@ def generation(v) -> str | None:
     return None
 
 
+def vllm_section(v) -> str | Problem | None:
+    """The ``vllm`` section's keys and values (``sampling.vllm_options``: TRL's names), checked without vLLM."""
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        return "null or a section {vllm_mode, vllm_gpu_memory_utilization, vllm_importance_sampling_mode, ...}"
+    from waypoint.sampling.vllm_options import vllm_options
+
+    try:
+        vllm_options(v)
+    except ValueError as e:
+        return Problem(str(e))
+    return None
+
+
 GRPO: dict[str, tuple[bool, Check]] = {
     "reward_funcs": (True, reward_funcs),
     "reward_weights": (False, reward_weights),
@@ -58,6 +74,9 @@ GRPO: dict[str, tuple[bool, Check]] = {
     "generation.repetition_penalty": (False, number(0, inclusive=False)),
     "generation.stop_strings": (False, stop_strings),
     "generation.mask_truncated_completions": (False, boolean),
+    "generation.engine": (False, one_of(*ENGINES)),  # who samples: the policy's own decode loop, or vLLM
+    "use_vllm": (False, boolean),  # TRL's name for generation.engine=vllm
+    "vllm": (False, vllm_section),
     "loss.loss_type": (True, one_of(*LOSS_TYPES)),
     "loss.importance_sampling_level": (False, one_of(*IMPORTANCE_SAMPLING_LEVELS)),
     "loss.scale_rewards": (False, scale_rewards),

@@ -9,7 +9,9 @@ and torchrun support as the other recipes, with what online RL adds:
 - a step takes ``batch_size`` prompts per micro-batch (``gradient_accumulation_steps`` micro-batches per process) and
   samples ``generation.num_generations`` completions of each from the policy with its KV cache
   (``waypoint.models.sample_group``), deterministically from the run's seed and the step: the sampling generator is
-  part of every step's recipe_state.pt, so a resumed run samples what the uninterrupted one sampled;
+  part of every step's recipe_state.pt, so a resumed run samples what the uninterrupted one sampled; or, with
+  ``generation.engine: vllm``, by vLLM in this process, given the policy's weights before every step and checked on a
+  probe sequence, its samples corrected as TRL corrects them (``waypoint.sampling``, README: Sampling with vLLM);
 - ``reward_funcs`` score them (``waypoint.rewards``: built-ins, or ``module.function`` from the working directory, TRL's
   signature), ``reward_weights`` weigh them, and the rewards become group advantages (``loss.scale_rewards``); each
   reward call is bounded by ``reward_timeout`` seconds, and a preemption signal that arrives while the step samples
@@ -60,6 +62,7 @@ from waypoint.run.recipe_state import capture_recipe_state
 from waypoint.run.resume import RunStart, refusing
 from waypoint.run.run_outputs import RunOutputs
 from waypoint.run.step_content import adapter_step, model_step
+from waypoint.sampling.grpo_engine import start_engine
 from waypoint.text.stop_tokens import stop_token_ids
 from waypoint.training.distributed import Distributed
 from waypoint.training.fsdp import shard_model
@@ -89,6 +92,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         raise CheckpointError("quantize_base: a 4-bit base is frozen, so it needs a lora section (QLoRA); "
                               "set quantize_base=null for full fine-tuning")
     generation, loss = (OmegaConf.to_container(cfg[key], resolve=True) for key in ("generation", "loss"))
+    generation.pop("engine", None)  # who samples: sampling.grpo_engine
     generation["stop_strings"] = tuple(generation.get("stop_strings") or ())
     for section, given, known in (("generation", generation, RolloutOptions.__dataclass_fields__),
                                   ("loss", loss, set(LOSS_OPTIONS))):
@@ -154,10 +158,13 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                               f"make {longest} tokens, past the model's max_seq_len={model.args.max_seq_len}; set "
                               "dataset.max_prompt_length or lower generation.max_completion_length")
     template = getattr(_origin(dataset), "prompt_format", None)
+    # vLLM in the policy's place where the config asks for it (refused in one line where it cannot serve this run)
+    engine = start_engine(cfg, checkpointer, dataset, longest, lora, dist, say, options.loss_type)
     step = GRPOStep(rollout, options, reward_funcs, reward_weights, tokenizer, stop_token_ids(tokenizer, template),
                     conversational=bool(getattr(_origin(dataset), "conversational", False)), device=device, dist=dist,
                     loss_chunk=None if cfg.get("fused_loss", True) else 0,
-                    reward_timeout=cfg.get("reward_timeout", REWARD_TIMEOUT_S))
+                    reward_timeout=cfg.get("reward_timeout", REWARD_TIMEOUT_S),
+                    engine=engine and engine.engine, correction=engine and engine.options.correction)
     accumulate = cfg.gradient_accumulation_steps
     steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
                                                 cfg.max_steps_per_epoch)
@@ -208,6 +215,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             prompts = [next(batches)[1] for _ in range(accumulate)]
             # Sample and score (the policy as it is), then num_iterations optimizer steps on those samples.
             before = sampling.get_state()
+            synced = engine.sync(model, global_step, f"before step {global_step + 1}") if engine else {}
             try:
                 rollouts, record = step.rollouts(model, prompts, step_seed(sampling), stop=lambda: preemption.requested)
             except Preempted:  # a signal while it sampled or scored: nothing of it trained; save the last whole step
@@ -216,6 +224,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                     save(*whole, final=False, preempted=True)
                 return outputs.stop(global_step, preemption, progress)
             step.fill_fixed_logps(model, rollouts, reference)
+            record.update(synced, **step.sampling_metrics(rollouts))  # TRL's sampling/*: the engine against the policy
             global_step, whole = global_step + 1, (epoch, step_in_epoch)
             losses, loss_metrics = [], []
             for iteration in range(options.num_iterations):
@@ -237,10 +246,13 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
             if main:
                 metrics.write(**record)
             if validation and validation.due(global_step, plan.total_steps):
+                # the held-out prompts sampled by the policy as this step left it (an engine given it first)
+                synced = engine.sync(model, global_step, f"after step {global_step}") if engine else {}
                 try:
                     held_out = step.evaluate(model, validation.dataset, cfg.seed, stop=lambda: preemption.requested)
                 except Preempted:  # the step is whole and saved below; its held-out reward goes unmeasured
                     held_out = {}
+                held_out.update(synced)
                 record.update(held_out)
                 if main and held_out:
                     metrics.write(step=global_step, **held_out)

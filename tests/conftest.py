@@ -15,6 +15,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# tests/with_vllm/ run in vLLM's own environment (tests/test_vllm_environment.py runs them there)
+collect_ignore = [] if __import__("importlib.util").util.find_spec("vllm") else ["with_vllm"]
+
 # TRL's trainers take 12-25 s to import: the tests that use them as oracles share one xdist worker (`--dist
 # loadgroup`, pyproject's addopts), so the suite pays that import once.
 TRL_ORACLE = pytest.mark.xdist_group("trl")

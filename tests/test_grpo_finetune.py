@@ -19,7 +19,8 @@ from tests.test_dpo_bad_input import error_lines
 from waypoint.checkpointers.commit import verify
 from waypoint.training.distributed import Distributed
 from waypoint.training.grpo_loss import GRPOLossOptions
-from waypoint.training.grpo_step import GRPOStep, Preempted, RolloutOptions, step_seed
+from waypoint.models.sample_group import group_seed
+from waypoint.training.grpo_step import GRPOStep, Preempted, RolloutOptions, group_generator, step_seed
 
 FAST = ["epochs=1", "max_steps_per_epoch=4", "validation.every_n_steps=2", "save_every_n_steps=2",
         "keep_last_n_checkpoints=null", "progress=off"]
@@ -209,25 +210,29 @@ def test_a_preemption_while_a_reward_runs_saves_the_last_whole_step(tmp_path, mo
     assert state["global_step"] == 1 and torch.equal(state["sampling_rng"], one_draw.get_state())
 
 
-def test_a_preemption_while_sampling_drops_the_step_before_its_other_groups_and_rewards():
-    """The step's part (``GRPOStep.rollouts``), with an engine in the policy's place: a signal after the second group
-    stops the sampling there (within a group the policy's sampler checks before each token:
-    tests/test_sample_group.py) and no reward runs."""
+def test_a_preemption_while_an_engine_samples_drops_the_step_before_its_rewards():
+    """The step's part (``GRPOStep.rollouts``), with an engine in the policy's place: it samples the step's prompts in
+    one batch, one seed a completion (the native sampler's row seeds); a signal while it samples stops the step before
+    any reward runs (the policy's own sampler checks before each token: tests/test_sample_group.py)."""
     signalled, sampled, scored = [], [], []
 
-    def engine(prompt_ids, n, generator):
-        sampled.append(prompt_ids)
-        if len(sampled) == 2:
+    class Engine:
+        def sample(self, prompts, seeds, max_tokens, sampling, stop_ids, stop_strings):
+            sampled.append((prompts, seeds))
             signalled.append("SIGTERM")
-        return [[3, 4]] * n
+            return [[3, 4]] * sum(map(len, seeds)), [[-1.0, -1.0]] * sum(map(len, seeds))
 
     step = GRPOStep(RolloutOptions(num_generations=2), GRPOLossOptions(), [lambda **kw: scored.append(1)], None,
                     tokenizer=None, stop_ids=[], conversational=False, device=torch.device("cpu"), dist=Distributed(),
-                    engine=engine)
+                    engine=Engine())
     items = [{"prompt_ids": [1, i], "index": i, "prompt": "p", "columns": {}} for i in range(4)]
     with pytest.raises(Preempted):
         step.rollouts(None, [items[:2], items[2:]], seed=0, stop=lambda: bool(signalled))
-    assert len(sampled) == 2 and not scored
+    assert not scored and len(sampled) == 1
+    prompts, seeds = sampled[0]
+    assert prompts == [item["prompt_ids"] for item in items]
+    bases = [group_seed(group_generator(0, i)) for i in range(4)]
+    assert seeds == [[b, b + 1] for b in bases]  # row r of prompt i: the native sampler's row_generator(base, r)
 
 
 @pytest.mark.parametrize("body, more, says", [

@@ -29,13 +29,15 @@ import torch
 
 from waypoint.models.fused_loss import IGNORE_INDEX
 from waypoint.models.generate import Sampling
-from waypoint.models.sample_group import generate_group
+from waypoint.models.sample_group import generate_group, group_seed
 from waypoint.rewards.bounded import Interrupted
 from waypoint.rewards.finite import group_problem, prompt_excerpt
 from waypoint.rewards.scoring import RewardError, reward_name, score
 from waypoint.training.fsdp import gathered, reshard
 from waypoint.training.grpo_loss import GRPOLossOptions, group_advantages, grpo_loss, rollout_metrics, weighted_rewards
 from waypoint.training.loss import backward_with_balance
+from waypoint.training.sampling_correction import (
+    SamplingCorrection, importance_sampling_ratio, reduce_sampling_metrics, sampling_metrics)
 
 _MIX = 0x9E3779B97F4A7C15  # an odd 64-bit constant: prompt indices far apart in seed space
 
@@ -77,13 +79,16 @@ class RolloutOptions:
 class Rollout:
     """One micro-batch's completions, ready for the loss: ``tokens`` [N, L] (each prompt then a completion, padded
     on the right), ``labels`` (-100 but at the completion's tokens), ``advantages`` [N]; ``old_logps`` and
-    ``ref_logps`` [N, L - 1] when the loss needs them."""
+    ``ref_logps`` [N, L - 1] when the loss needs them; from an engine (vLLM), ``sampling_logps`` [N, L - 1] (its
+    log-prob of each completion token, 0 elsewhere) and the importance-sampling ratio that corrects for it."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     advantages: torch.Tensor
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    sampling_logps: torch.Tensor | None = None
+    sampling_ratio: torch.Tensor | None = None
 
     @property
     def mask(self) -> torch.Tensor:
@@ -92,45 +97,58 @@ class Rollout:
 
 class GRPOStep:
     """A GRPO step's parts, set up once per run; :meth:`rollouts` samples and scores, :meth:`train` takes the
-    optimizer steps. ``engine``: None (sample with the policy, ``models.sample_group``), or a callable
-    ``engine(prompt_ids, n, generator) -> list[list[int]]`` in its place (an external engine such as vLLM, given the
-    policy's weights after each step by the caller). ``reward_timeout``: the seconds one reward call may take (None:
-    no bound)."""
+    optimizer steps. ``engine``: None (sample with the policy, ``models.sample_group``), or an engine in its place
+    (``sampling.vllm_engine.VLLMEngine``, given the policy's weights after each step by the caller) whose
+    ``sample(prompts, seeds, max_tokens, sampling, stop_ids, stop_strings) -> (tokens, log-probs)`` samples a step's
+    prompts in one batch, one seed a completion; ``correction``: TRL's importance-sampling correction of the engine's
+    samples (None or disabled: none). ``reward_timeout``: the seconds one reward call may take (None: no bound)."""
 
     def __init__(self, rollout: RolloutOptions, loss: GRPOLossOptions, reward_funcs: list[Callable],
                  reward_weights, tokenizer, stop_ids: list[int], conversational: bool, device: torch.device, dist,
-                 loss_chunk: int | None = None, engine=None, reward_timeout: float | None = None) -> None:
+                 loss_chunk: int | None = None, engine=None, reward_timeout: float | None = None,
+                 correction: SamplingCorrection | None = None) -> None:
         self.rollout, self.options, self.funcs, self.weights = rollout, loss, reward_funcs, reward_weights
         self.names = [reward_name(f) for f in reward_funcs]
         self.tokenizer, self.stop_ids, self.conversational = tokenizer, list(stop_ids), conversational
         self.device, self.dist, self.loss_chunk, self.engine = device, dist, loss_chunk, engine
         self.reward_timeout = reward_timeout
+        self.correction = correction if engine is not None and correction is not None and correction.enabled else None
 
     # Sampling and scoring ------------------------------------------------------------------------------------------
 
-    def _sample(self, model, prompt_ids: list[int], generator: torch.Generator, stop) -> list[list[int]]:
-        r = self.rollout
-        interrupt = _interrupter(stop)
-        if self.engine is not None:
-            if interrupt is not None:
-                interrupt()
-            return self.engine(prompt_ids, r.num_generations, generator)
-        return generate_group(model, prompt_ids, r.num_generations, r.max_completion_length, r.sampling, self.stop_ids,
-                              list(r.stop_strings), self._text if r.stop_strings else None, generator, interrupt)
+    def _sample(self, model, items: list[dict], seed: int, stop) -> tuple[list[list[int]], list[list[float]] | None]:
+        """Every item's ``num_generations`` completions (and, from an engine, its log-probs of their tokens): item
+        ``i``'s group from ``group_generator(seed, index)``, row ``r`` from its base seed + ``r`` (the native sampler's
+        row generators; an engine's request seeds)."""
+        r, interrupt = self.rollout, _interrupter(stop)
+        if self.engine is None:
+            return [c for item in items for c in generate_group(
+                model, item["prompt_ids"], r.num_generations, r.max_completion_length, r.sampling, self.stop_ids,
+                list(r.stop_strings), self._text if r.stop_strings else None, group_generator(seed, item["index"]),
+                interrupt)], None
+        if interrupt is not None:
+            interrupt()
+        seeds = [[base + row for row in range(r.num_generations)]
+                 for base in (group_seed(group_generator(seed, item["index"])) for item in items)]
+        completions, logps = self.engine.sample([item["prompt_ids"] for item in items], seeds, r.max_completion_length,
+                                                r.sampling, self.stop_ids, list(r.stop_strings))
+        if interrupt is not None:
+            interrupt()
+        return completions, logps
 
     def _text(self, ids: list[int]) -> str:
         stops = set(self.stop_ids) | {self.tokenizer.pad_id}
         return self.tokenizer.decode([t for t in ids if t not in stops])
 
-    def _sample_and_score(self, model, items: list[dict], seed: int, stop) -> tuple[list[list[int]], torch.Tensor]:
-        """(every item's ``num_generations`` completions, their rewards per function); ``Preempted`` on every rank
-        once ``stop()`` was true on one while it sampled or scored."""
+    def _sample_and_score(self, model, items: list[dict], seed: int, stop
+                          ) -> tuple[list[list[int]], torch.Tensor, list[list[float]] | None]:
+        """(every item's ``num_generations`` completions, their rewards per function, an engine's log-probs of
+        them); ``Preempted`` on every rank once ``stop()`` was true on one while it sampled or scored."""
         n, interrupted = self.rollout.num_generations, False
-        completions, per_func = [], torch.zeros(0, len(self.funcs))
+        completions, per_func, logps = [], torch.zeros(0, len(self.funcs)), None
         try:
-            with gathered(model) if self.dist.enabled else contextlib.nullcontext():
-                completions = [c for item in items for c in self._sample(model, item["prompt_ids"],
-                                                                          group_generator(seed, item["index"]), stop)]
+            with gathered(model) if self.dist.enabled and self.engine is None else contextlib.nullcontext():
+                completions, logps = self._sample(model, items, seed, stop)
             if items:
                 texts = [self._text(ids) for ids in completions]
                 shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
@@ -142,7 +160,7 @@ class GRPOStep:
             interrupted = True
         if self.dist.any(interrupted):
             raise Preempted
-        return completions, per_func
+        return completions, per_func, logps
 
     def rollouts(self, model, micro_batches: list[list[dict]], seed: int,
                  stop: Callable[[], bool] | None = None) -> tuple[list[Rollout], dict[str, float]]:
@@ -150,7 +168,7 @@ class GRPOStep:
         step) for the step whose seed is ``seed``; ``Preempted`` once ``stop()`` is true before the step is scored."""
         r, n = self.rollout, self.rollout.num_generations
         items = [item for batch in micro_batches for item in batch]
-        completions, per_func = self._sample_and_score(model, items, seed, stop)
+        completions, per_func, engine_logps = self._sample_and_score(model, items, seed, stop)
         terminated = torch.tensor([bool(ids) and (ids[-1] in self.stop_ids or self._stopped(ids)) for ids in completions])
         lengths = torch.tensor([len(ids) for ids in completions])
 
@@ -177,7 +195,10 @@ class GRPOStep:
             rows = len(batch) * n
             prompt_ids = [item["prompt_ids"] for item in batch for _ in range(n)]
             keep = [not (r.mask_truncated_completions and not bool(terminated[offset + i])) for i in range(rows)]
-            out.append(self._pack(prompt_ids, completions[offset: offset + rows], keep, mine[offset: offset + rows]))
+            rollout = self._pack(prompt_ids, completions[offset: offset + rows], keep, mine[offset: offset + rows])
+            if engine_logps is not None:
+                rollout.sampling_logps = _aligned(prompt_ids, engine_logps[offset: offset + rows], rollout.tokens.shape[1])
+            out.append(rollout)
             offset += rows
         return out, metrics
 
@@ -201,7 +222,7 @@ class GRPOStep:
         the run (each evaluation sees the same draws), each rank its share of the prompts; ``Preempted`` as
         :meth:`rollouts`."""
         items = [prompts[i] for i in range(self.dist.rank, len(prompts), self.dist.world_size)]
-        completions, per_func = self._sample_and_score(model, items, seed, stop)
+        completions, per_func, _ = self._sample_and_score(model, items, seed, stop)
         lengths = torch.tensor([float(len(ids)) for ids in completions])
         per_func = torch.cat(self.dist.all_gather(per_func))
         lengths = torch.cat(self.dist.all_gather(lengths))
@@ -221,12 +242,17 @@ class GRPOStep:
 
     @torch.no_grad()
     def fill_fixed_logps(self, model, rollouts: list[Rollout], reference: Callable | None) -> None:
-        """Before the updates: the sampling policy's log-probs when ``num_iterations`` > 1 (the ratio's denominator
-        for every iteration) and the reference's when ``beta`` > 0 (``reference``: a context in which ``model`` is
-        the reference, or a callable returning it)."""
-        if self.options.num_iterations > 1:
+        """Before the updates: the sampling policy's log-probs when ``num_iterations`` > 1 or an engine's samples
+        are corrected (the ratio's denominator for every iteration; TRL computes them then too), the correction's
+        ratio, and the reference's log-probs when ``beta`` > 0 (``reference``: a context in which ``model`` is the
+        reference, or a callable returning it)."""
+        if self.options.num_iterations > 1 or self.correction is not None:
             for rollout in rollouts:
                 rollout.old_logps = self.token_logps(model, rollout)[0]
+                if self.correction is not None:
+                    rollout.sampling_ratio = importance_sampling_ratio(
+                        rollout.old_logps, rollout.sampling_logps.to(rollout.old_logps.device),
+                        rollout.mask.to(rollout.old_logps.device), self.correction)
         if self.options.beta != 0.0:
             with reference() as ref_model:
                 for rollout in rollouts:
@@ -247,11 +273,36 @@ class GRPOStep:
             mask = rollout.mask.to(logps.device)
             loss, metrics = grpo_loss(logps, None if rollout.old_logps is None else rollout.old_logps.to(logps.device),
                                       None if rollout.ref_logps is None else rollout.ref_logps.to(logps.device),
-                                      rollout.advantages.to(logps.device), mask, o, entropies, num_items, w)
+                                      rollout.advantages.to(logps.device), mask, o, entropies, num_items, w,
+                                      importance_sampling_ratio=None if rollout.sampling_ratio is None
+                                      else rollout.sampling_ratio.to(logps.device))
             backward_with_balance(model, loss / w, self.dist, (rollout.tokens != self.tokenizer.pad_id), len(rollouts))
             total += float(loss.detach()) / w
             logged.append(metrics)
         return self.dist.sum(total), reduce_metrics([m for ms in self.dist.all_gather(logged) for m in ms])
+
+    def sampling_metrics(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """TRL's ``sampling/*`` metrics of the step's engine samples against the policy's log-probs (empty without a
+        correction): this rank's micro-batches as one batch, then every rank's combined as TRL's gathers do."""
+        if self.correction is None:
+            return {}
+        width = max(r.mask.shape[1] for r in rollouts)
+        pad = lambda t: torch.nn.functional.pad(t.float().cpu(), (0, width - t.shape[1]))  # noqa: E731
+        ratios = [r.sampling_ratio.cpu() if self.correction.sequence_level else pad(r.sampling_ratio) for r in rollouts]
+        mine = sampling_metrics(torch.cat([pad(r.old_logps) for r in rollouts]),
+                                torch.cat([pad(r.sampling_logps) for r in rollouts]),
+                                torch.cat([pad(r.mask) for r in rollouts]), torch.cat(ratios), self.correction)
+        return reduce_sampling_metrics(self.dist.all_gather(mine))
+
+
+def _aligned(prompts: list[list[int]], logps: list[list[float]], width: int) -> torch.Tensor:
+    """An engine's log-probs of each completion's tokens, placed as ``token_logps`` places the policy's [N, width - 1]
+    (position ``j`` scores token ``j + 1``), 0 elsewhere."""
+    out = torch.zeros(len(prompts), width - 1)
+    for row, (prompt, values) in enumerate(zip(prompts, logps)):
+        if values:
+            out[row, len(prompt) - 1: len(prompt) - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 def _interrupter(stop: Callable[[], bool] | None) -> Callable[[], None] | None:

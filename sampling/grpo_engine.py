@@ -1,0 +1,102 @@
+"""A GRPO run's sampling engine: which one the config asks for, refused in one line before the first step where it
+cannot serve the run, and kept in step with the policy (``PolicyEngine.sync``: pushed, then checked on a probe).
+
+``generation.engine: native`` (the default) samples with the policy's own decode loop (``models.sample_group``);
+``generation.engine: vllm``, or TRL's top-level ``use_vllm: true``, with vLLM in the training process
+(``sampling.vllm_engine``), configured by the ``vllm`` section (``sampling.vllm_options``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from waypoint.checkpointers.extra_state import split_extra_state
+from waypoint.errors import CheckpointError
+from waypoint.models.dtypes import parse_dtype
+from waypoint.sampling.vllm_options import VLLMOptions, vllm_options
+
+PROBE_TOKENS = 32  # the probe sequence: the first training prompt's first tokens
+
+
+def engine_choice(cfg) -> str:
+    """``native`` or ``vllm``: ``generation.engine``, or ``vllm`` where TRL's ``use_vllm`` is true."""
+    generation = cfg.get("generation") or {}
+    engine, use_vllm = generation.get("engine"), cfg.get("use_vllm")
+    if (use_vllm is True and engine == "native") or (use_vllm is False and engine == "vllm"):
+        raise CheckpointError(f"use_vllm={str(use_vllm).lower()} and generation.engine={engine} disagree: keep one of them")
+    return "vllm" if use_vllm is True else engine or "native"
+
+
+class PolicyEngine:
+    """vLLM as a run's sampler, given the policy's weights (``sync``) whenever they changed since the last sync."""
+
+    def __init__(self, engine, checkpointer, probe: list[int], family: str, options: VLLMOptions) -> None:
+        self.engine, self.checkpointer, self.probe, self.family, self.options = engine, checkpointer, probe, family, options
+        self.synced_step: int | None = None
+
+    def sync(self, model: torch.nn.Module, step: int, when: str) -> dict[str, float]:
+        """Push the policy as it is after ``step`` optimizer steps (nothing where it already has), then check it on
+        the probe; the metrics ``sampling/weight_sync_s`` and ``sampling/weight_sync_logp_gap``."""
+        if self.synced_step == step:
+            return {}
+        started = time.perf_counter()
+        native = split_extra_state(model.state_dict())[0]
+        self.engine.push(self.checkpointer.served_tensors(native))
+        seconds = time.perf_counter() - started
+        gap = self.engine.check(self.probe, self._policy_logps(model), self.family, when)
+        self.synced_step = step
+        return {"sampling/weight_sync_s": seconds, "sampling/weight_sync_logp_gap": gap}
+
+    @torch.no_grad()
+    def _policy_logps(self, model: torch.nn.Module) -> list[float]:
+        device = next(model.parameters()).device
+        tokens = torch.tensor([self.probe], device=device)
+        labels = tokens.clone()
+        labels[:, 0] = -100
+        was_training = model.training
+        model.eval()
+        try:
+            return model(tokens, labels=labels, per_token=True, temperature=1.0)[0][0].tolist()
+        finally:
+            model.train(was_training)
+
+
+def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Callable[[str], None],
+                 loss_type: str = "dapo") -> PolicyEngine | None:
+    """The run's vLLM engine (None for the native sampler), refused in one line where it cannot serve this run."""
+    if engine_choice(cfg) == "native":
+        if cfg.get("vllm"):
+            say("note: the vllm section is unused: generation.engine is native (set generation.engine=vllm to use it)")
+        return None
+    try:
+        options = vllm_options(cfg.get("vllm"))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    correction = options.correction
+    if loss_type == "vespo" and correction.enabled and correction.sequence_level:
+        raise CheckpointError(f"loss.loss_type=vespo weighs sequences itself: set vllm.vllm_importance_sampling_mode to "
+                              f"token_truncate or token_mask (not {correction.mode}), as TRL requires")
+    refusals = [(dist.enabled, "under torchrun (one process per engine is not built yet)"),
+                (bool(lora), "with a lora section (pushing adapters to vLLM is not built yet)"),
+                (getattr(checkpointer, "name", None) != "hf",
+                 f"from a {getattr(checkpointer, 'label', 'non-HF')} checkpoint (vLLM loads Hugging Face directories: "
+                 "convert it with scripts/convert.py --to hf)")]
+    for refused, why in refusals:
+        if refused:
+            raise CheckpointError(f"generation.engine=vllm cannot sample {why}; set generation.engine=native")
+    if checkpointer.quantized.method is not None:
+        raise CheckpointError(f"generation.engine=vllm cannot sample from a {checkpointer.quantized.method} checkpoint "
+                              "yet; set generation.engine=native")
+    from waypoint.sampling.vllm_engine import VLLMEngine
+
+    first = list(dataset[0]["prompt_ids"])
+    probe = (first * 2 if len(first) < 2 else first)[:PROBE_TOKENS]
+    dtype = parse_dtype(cfg.dtype)
+    engine = VLLMEngine(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, seed=cfg.seed,
+                        device=torch.device(cfg.device))
+    say(f"sampling: vLLM in this process ({checkpointer.model_type}, {cfg.dtype}); importance-sampling correction "
+        + (f"{correction.mode}, clip [{correction.clip_min}, {correction.clip_max}]" if correction.enabled else "off"))
+    return PolicyEngine(engine, checkpointer, probe, checkpointer.model_type, options)

@@ -1,0 +1,74 @@
+"""The ``vllm`` section of a GRPO config: TRL 1.16's ``GRPOConfig`` names and defaults for what they mean here.
+
+``generation.engine: vllm`` (or TRL's top-level ``use_vllm: true``) samples the completions with vLLM instead of the
+policy's own decode loop; this section says how. Every option is checked before the model loads, in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from waypoint.training.sampling_correction import SamplingCorrection
+
+ENGINES = ("native", "vllm")
+MODES = ("colocate",)  # TRL's "server" mode is not built yet (refused in one line)
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """How vLLM samples (``vllm_mode`` ... ``vllm_importance_sampling_clip_min``: TRL's names and defaults)."""
+
+    vllm_mode: str = "colocate"
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_tensor_parallel_size: int = 1
+    vllm_enable_sleep_mode: bool = False
+    vllm_max_model_length: int | None = None  # None: the prompt and completion lengths of the run
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_cap: float | None = None  # TRL's deprecated name of clip_max
+    # after each weight sync, the engine's log-probs of a probe sequence must be ours within this (None: by dtype)
+    vllm_sync_tolerance: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.vllm_mode not in MODES:
+            hint = " (a vLLM server is not supported yet: run vLLM in the training process)" if self.vllm_mode == "server" else ""
+            raise ValueError(f"vllm_mode={self.vllm_mode!r}: expected colocate{hint}")
+        if not (isinstance(self.vllm_gpu_memory_utilization, (int, float)) and 0 < self.vllm_gpu_memory_utilization <= 1):
+            raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization!r}: expected a number in (0, 1]")
+        if self.vllm_tensor_parallel_size != 1:
+            raise ValueError(f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size!r}: only 1 is supported yet")
+        for name in ("vllm_enable_sleep_mode", "vllm_importance_sampling_correction"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
+        length = self.vllm_max_model_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 2):
+            raise ValueError(f"vllm_max_model_length={length!r}: expected an integer >= 2, or null")
+        tolerance = self.vllm_sync_tolerance
+        if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                      or not math.isfinite(tolerance) or tolerance <= 0):
+            raise ValueError(f"vllm_sync_tolerance={tolerance!r}: expected a number > 0, or null")
+        self.correction  # noqa: B018 (checks the importance-sampling options)
+
+    @property
+    def correction(self) -> SamplingCorrection:
+        clip_max = self.vllm_importance_sampling_clip_max if self.vllm_importance_sampling_cap is None \
+            else self.vllm_importance_sampling_cap
+        return SamplingCorrection(self.vllm_importance_sampling_correction, self.vllm_importance_sampling_mode,
+                                  clip_max, self.vllm_importance_sampling_clip_min)
+
+
+def vllm_options(section) -> VLLMOptions:
+    """The ``vllm`` section (a mapping, or None) as options; an unknown key or a bad value: ``ValueError`` naming it
+    as ``vllm.<key>``."""
+    given = dict(section or {})
+    known = {f.name for f in fields(VLLMOptions)}
+    for key in given:
+        if key not in known:
+            raise ValueError(f"vllm.{key}: no such option (options: {', '.join(sorted(known))})")
+    try:
+        return VLLMOptions(**given)
+    except ValueError as e:
+        raise ValueError(f"vllm.{e}") from None

