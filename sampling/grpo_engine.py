@@ -97,6 +97,7 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
     dtype = parse_dtype(cfg.dtype)
     engine = VLLMEngine(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, seed=cfg.seed,
                         device=torch.device(cfg.device))
+    bounds = f"[{correction.clip_min or 0:g}, {'inf' if correction.clip_max is None else format(correction.clip_max, 'g')}]"
     say(f"sampling: vLLM in this process ({checkpointer.model_type}, {cfg.dtype}); importance-sampling correction "
-        + (f"{correction.mode}, clip [{correction.clip_min}, {correction.clip_max}]" if correction.enabled else "off"))
+        + (f"{correction.mode}, ratios within {bounds}" if correction.enabled else "off"))
     return PolicyEngine(engine, checkpointer, probe, checkpointer.model_type, options)
