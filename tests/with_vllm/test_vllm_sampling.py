@@ -73,6 +73,19 @@ def test_after_a_sync_the_engine_samples_greedily_what_the_policy_does(served):
     assert engine.engine.sample(PROMPTS[:1], [[0]], 8, Sampling(temperature=0), stop_ids=[stop])[0][0] == \
         generate_group(model, PROMPTS[0], 1, 8, Sampling(temperature=0), stop_ids=[stop])[0] == \
         native[0][: native[0].index(stop) + 1]
+    # a stop string ends it at the token whose text completes it, that token kept whole, as the native sampler does
+    from waypoint.text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(engine.checkpointer.checkpoint_dir)
+    # a string of whole characters (vLLM holds a partial UTF-8 character back) ending within a later token
+    row, stop_string = next((i, tokenizer.decode(c[:k])[-2:]) for i, c in enumerate(native) for k in range(2, 8)
+                            if "\ufffd" not in tokenizer.decode(c[:k])[-2:]
+                            and tokenizer.decode(c[:k])[-2:] not in tokenizer.decode(c[:k - 1]))
+    ours = generate_group(model, PROMPTS[row], 1, 8, Sampling(temperature=0), stop_strings=[stop_string],
+                          decode=tokenizer.decode)[0]
+    theirs = engine.engine.sample([PROMPTS[row]], [[0]], 8, Sampling(temperature=0), stop_ids=[],
+                                  stop_strings=[stop_string])[0][0]
+    assert theirs == ours and len(ours) < 8, (theirs, ours, stop_string)
     # the engine's log-prob of each token it sampled is the policy's (processed: temperature 1 here)
     tokens = torch.tensor([PROMPTS[1] + native[1]])
     labels = tokens.clone()
