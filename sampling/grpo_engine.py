@@ -16,6 +16,7 @@ import torch
 from waypoint.checkpointers.extra_state import split_extra_state
 from waypoint.errors import CheckpointError
 from waypoint.models.dtypes import parse_dtype
+from waypoint.models.lora import MergedState, lora_modules
 from waypoint.sampling.vllm_options import VLLMOptions, vllm_options
 
 PROBE_TOKENS = 32  # the probe sequence: the first training prompt's first tokens
@@ -44,6 +45,9 @@ class PolicyEngine:
             return {}
         started = time.perf_counter()
         native = split_extra_state(model.state_dict())[0]
+        scalings = {name: m.scaling for name, m in lora_modules(model).items()}
+        if scalings:  # LoRA: the base with each adapter's update folded in, a tensor at a time as the engine reads it
+            native = MergedState(native, scalings)
         self.engine.push(self.checkpointer.served_tensors(native))
         seconds = time.perf_counter() - started
         gap = self.engine.check(self.probe, self._policy_logps(model), self.family, when)
@@ -80,7 +84,8 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
         raise CheckpointError(f"loss.loss_type=vespo weighs sequences itself: set vllm.vllm_importance_sampling_mode to "
                               f"token_truncate or token_mask (not {correction.mode}), as TRL requires")
     refusals = [(dist.enabled, "under torchrun (one process per engine is not built yet)"),
-                (bool(lora), "with a lora section (pushing adapters to vLLM is not built yet)"),
+                (bool(cfg.get("quantize_base")), f"over a quantize_base={cfg.get('quantize_base')} base (vLLM would "
+                 "serve the merged weights, not the 4-bit base the policy computes with)"),
                 (getattr(checkpointer, "name", None) != "hf",
                  f"from a {getattr(checkpointer, 'label', 'non-HF')} checkpoint (vLLM loads Hugging Face directories: "
                  "convert it with scripts/convert.py --to hf)")]
@@ -100,4 +105,7 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
     bounds = f"[{correction.clip_min or 0:g}, {'inf' if correction.clip_max is None else format(correction.clip_max, 'g')}]"
     say(f"sampling: vLLM in this process ({checkpointer.model_type}, {cfg.dtype}); importance-sampling correction "
         + (f"{correction.mode}, ratios within {bounds}" if correction.enabled else "off"))
+    if lora:
+        say("sampling: vLLM is given the merged weights (base + adapters) before every step; adapters pushed as "
+            "adapters are not built yet")
     return PolicyEngine(engine, checkpointer, probe, checkpointer.model_type, options)

@@ -44,7 +44,8 @@ def test_bad_engine_options_are_one_line_and_write_nothing(case, tmp_path):
 
 
 @pytest.mark.parametrize("what, says", [
-    ("lora", "generation.engine=vllm cannot sample with a lora section (pushing adapters"),
+    ("qlora", "generation.engine=vllm cannot sample over a quantize_base=nf4 base (vLLM would serve the merged "
+              "weights, not the 4-bit base the policy computes with)"),
     ("meta", "generation.engine=vllm cannot sample from a Meta checkpoint (vLLM loads Hugging "
              "Face directories: convert it with scripts/convert.py --to hf)"),
 ])
@@ -52,8 +53,8 @@ def test_runs_vllm_cannot_serve_yet_are_refused_in_one_line(what, says, tmp_path
     from tests.test_resume import tiny_in_format
 
     out = tmp_path / "out"
-    if what == "lora":
-        done = run_recipe("grpo", args("tiny_grpo_lora", out, "+generation.engine=vllm"))
+    if what == "qlora":
+        done = run_recipe("grpo", args("tiny_grpo_lora", out, "+generation.engine=vllm", "quantize_base=nf4"))
     else:
         source = tiny_in_format("meta", tmp_path)
         done = run_recipe("grpo", args("tiny_grpo", out, "+generation.engine=vllm", "checkpointer=meta",

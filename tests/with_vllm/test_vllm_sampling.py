@@ -154,3 +154,32 @@ def test_a_grpo_run_sampled_by_vllm_learns_logs_trls_metrics_and_resumes_bit_for
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     assert [r["loss"] for r in records(stopped) if "loss" in r and r["step"] > 10] == \
         [r["loss"] for r in steps if 10 < r["step"] <= 15]
+
+
+def test_a_lora_policy_reaches_the_engine_merged(tmp_path):
+    """A LoRA run gives vLLM the base with each adapter's update folded in (checked by the probe), so the engine's
+    greedy tokens are the LoRA model's; a GRPO LoRA run sampled by vLLM logs a sync at every step."""
+    from waypoint.models.lora import apply_lora
+
+    path = ROOT / "assets/tiny_llama"
+    checkpointer = checkpointer_for(path)
+    model = model_from(checkpointer, checkpointer.load_checkpoint()["model"], "fp32")
+    apply_lora(model, ["q_proj", "v_proj", "down_proj"], rank=4, alpha=8)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)  # adapters that change every greedy token
+    engine = PolicyEngine(VLLMEngine(path, torch.float32, VLLMOptions(), 128, seed=0, device=torch.device("cpu")),
+                          checkpointer, [1, 5, 6, 7, 9, 11, 13, 15], checkpointer.model_type, VLLMOptions())
+    base = engine.engine.sample(PROMPTS, [[0]] * 3, 8, Sampling(temperature=0), stop_ids=[])[0]
+    assert engine.sync(model, 1, "before step 2")["sampling/weight_sync_logp_gap"] < 1e-4
+    native = [generate_group(model, p, 1, 8, Sampling(temperature=0))[0] for p in PROMPTS]
+    assert engine.engine.sample(PROMPTS, [[0]] * 3, 8, Sampling(temperature=0), stop_ids=[])[0] == native != base
+
+    out = tmp_path / "lora"
+    with sigterm_at_step(4):
+        assert grpo_finetune(["--config", str(ROOT / "configs/tiny_grpo_lora.yaml"), f"output_dir={out}",
+                              "+generation.engine=vllm", "progress=off", "validation=null"]) == 75
+    steps = [r for r in records(out) if "loss" in r]
+    assert len(steps) == 4 and all(r["sampling/weight_sync_logp_gap"] < 1e-4 for r in steps)
+    assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in steps)
