@@ -8,7 +8,8 @@ shape: vocab 32000, hidden 512, 4 layers, heads 8/4), saved once by transformers
 ``--prompt`` tokens, ``--n`` completions each of ``--new`` tokens, no reachable end, temperature 0.8, top-k 50,
 top-p 0.95, fp32:
 
-  native   ``waypoint.models.sample_group.generate_group`` a prompt at a time, as a GRPO step samples today
+  group    ``waypoint.models.sample_group.generate_group``: a prompt's group at a time (GRPO before 2026-11-29)
+  native   ``generate_groups``: ``--batch`` prompts' groups in one decode loop (a micro-batch's, as GRPO samples now)
   vllm     ``waypoint.sampling.vllm_engine.VLLMEngine.sample``: the step's prompts x completions as one batch of
            seeded requests (``enforce_eager`` on the CPU)
   sync     ``PolicyEngine.sync``: the policy pushed through the family's table, then the probe checked
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4, help="prompts the native sampler decodes together")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
@@ -65,7 +67,7 @@ def main() -> None:
     from waypoint.checkpointers.formats import checkpointer_for
     from waypoint.checkpointers.load_model import model_from
     from waypoint.models.generate import Sampling
-    from waypoint.models.sample_group import generate_group
+    from waypoint.models.sample_group import generate_group, generate_groups
     from waypoint.sampling.grpo_engine import PolicyEngine
     from waypoint.sampling.vllm_engine import VLLMEngine
     from waypoint.sampling.vllm_options import VLLMOptions
@@ -82,9 +84,15 @@ def main() -> None:
         sampling = Sampling(temperature=0.8, top_k=50, top_p=0.95)
         tokens = args.prompts * args.n * args.new
 
-        def native():
+        def group():
             for i, prompt in enumerate(prompts):
                 generate_group(model, prompt, args.n, args.new, sampling, generator=torch.Generator().manual_seed(i))
+
+        def native():
+            for first in range(0, len(prompts), args.batch):
+                chunk = range(first, min(first + args.batch, len(prompts)))
+                generate_groups(model, [prompts[i] for i in chunk], args.n, args.new, sampling,
+                                generators=[torch.Generator().manual_seed(i) for i in chunk])
 
         started = time.perf_counter()
         engine = VLLMEngine(path, torch.float32, VLLMOptions(), args.prompt + args.new + 8, seed=0, device=device)
@@ -96,11 +104,13 @@ def main() -> None:
         vllm_s = timed(lambda: engine.sample(prompts, seeds, args.new, sampling, stop_ids=[]), args.repeats)
         sync_s = timed(lambda: served.sync(model, next(step), "in the benchmark"), args.repeats)
         native_s = timed(native, args.repeats)
+        group_s = timed(group, args.repeats)
 
     print(f"{args.prompts} prompts x {args.n} completions x {args.new} tokens (prompt {args.prompt}), {args.device}, "
           f"fp32, torch threads {torch.get_num_threads()}; vLLM's start: {start_s:.1f} s")
     print(f"{'sampler':<10} {'s / step':>9} {'tokens/s':>10} {'ratio':>7}")
-    print(f"{'native':<10} {native_s:>9.2f} {tokens / native_s:>10.0f} {1.0:>7.2f}")
+    print(f"{'group':<10} {group_s:>9.2f} {tokens / group_s:>10.0f} {native_s / group_s:>7.2f}")
+    print(f"{'native':<10} {native_s:>9.2f} {tokens / native_s:>10.0f} {1.0:>7.2f}  ({args.batch} prompts a loop)")
     print(f"{'vllm':<10} {vllm_s:>9.2f} {tokens / vllm_s:>10.0f} {native_s / vllm_s:>7.2f}")
     print(f"{'sync':<10} {sync_s:>9.3f} {'':>10} {'':>7}  (push + probe check, once a step)")
 

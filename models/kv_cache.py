@@ -26,6 +26,14 @@ class KVCache:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
+    def rope_rows(self, table: torch.Tensor, new: int, offset: int = 0) -> torch.Tensor:
+        """The rotary rows of the ``new`` tokens that follow the cached ones (``offset``: mRoPE's delta)."""
+        return table[self.length + offset:]
+
+    def advance(self, new: int) -> None:
+        """``new`` tokens were appended to every layer."""
+        self.length += new
+
     def mask(self, new: int, window: int | None, device=None) -> torch.Tensor:
         """[new, length + new] bool: the new tokens attend every earlier token and themselves, causally, and with a
         ``window`` only the last ``window`` of them."""

@@ -1,9 +1,11 @@
-"""``n`` sampled completions of one prompt as one batch (GRPO's group), with ``generate``'s processors and tokens.
+"""``n`` sampled completions of a prompt as one batch (GRPO's group), with ``generate``'s processors and tokens; several
+prompts' groups in one decode loop (``generate_groups``: a micro-batch's).
 
-The prompt runs once, as a batch of one; its cache (attention's keys and values, Gated DeltaNet's convolution inputs
+Each prompt runs once, as a batch of one; its cache (attention's keys and values, Gated DeltaNet's convolution inputs
 and delta-rule state) is copied to ``n`` rows, into buffers with room for every new token (no concatenation a step).
-Each step then runs the rows still going as one batch; a row that ends (a stop token, a stop string) leaves the
-batch, its cache rows dropped, so later steps cost only the rows that remain.
+Each step then runs the rows still going, of every prompt, as one batch, each row at its own position (prompts differ
+in length: a row attends its own tokens only, never the padding after a shorter prompt's); a row that ends (a stop
+token, a stop string) leaves the batch, its cache rows dropped, so later steps cost only the rows that remain.
 
 Determinism (what a resumed run must restore to get the same completions):
 
@@ -33,7 +35,7 @@ import torch
 from waypoint.models.generate import Sampling, sample_rows
 from waypoint.models.kv_cache import KVCache
 
-__all__ = ["generate_group", "group_seed", "row_generator"]
+__all__ = ["generate_group", "generate_groups", "group_seed", "row_generator"]
 
 
 def group_seed(generator: torch.Generator | None = None) -> int:
@@ -47,31 +49,59 @@ def row_generator(base: int, row: int, device=None) -> torch.Generator:
     return torch.Generator(device=device if device is not None else "cpu").manual_seed(base + row)
 
 
-class _GroupCache(KVCache):
-    """A ``KVCache`` of ``rows`` copies of a batch-of-one cache, in buffers preallocated for ``capacity`` tokens:
-    ``append`` writes the new keys and values in place and returns views of the filled part."""
+class _RowsCache(KVCache):
+    """The caches of several prompts' prefills, each copied to ``n`` rows, in buffers preallocated for ``capacity``
+    tokens: row ``r`` holds its prompt's keys and values at positions ``0 .. lengths[r] - 1``, a shorter prompt's rows
+    padded after them (never attended: ``mask``). Each decode step appends one token to every row at its own
+    position and attends up to it; ``rope_rows`` gives each row its own positions."""
 
-    def __init__(self, prompt: KVCache, rows: int, capacity: int) -> None:
-        super().__init__(len(prompt.keys))
-        self.length = prompt.length
-        for layer, (k, v) in enumerate(zip(prompt.keys, prompt.values)):
+    def __init__(self, prompts: list[KVCache], n: int, capacity: int) -> None:
+        first = prompts[0]
+        super().__init__(len(first.keys))
+        device = next(k for k in first.keys + [s[0] for s in first.states if s is not None] if k is not None).device
+        self.lengths = torch.tensor([c.length for c in prompts for _ in range(n)], device=device)
+        self.length = int(self.lengths.max())
+        for layer, k in enumerate(first.keys):
             if k is not None:
-                self.keys[layer] = self._buffer(k, rows, capacity)
-                self.values[layer] = self._buffer(v, rows, capacity)
-        self.states = [None if s is None else tuple(t.repeat(rows, *[1] * (t.dim() - 1)) for t in s) for s in prompt.states]
+                self.keys[layer] = self._buffer([c.keys[layer] for c in prompts], n, capacity)
+                self.values[layer] = self._buffer([c.values[layer] for c in prompts], n, capacity)
+        self.states = [None if s is None else tuple(
+            torch.cat([c.states[layer][i].repeat(n, *[1] * (t.dim() - 1)) for c in prompts]) for i, t in enumerate(s))
+            for layer, s in enumerate(first.states)]
 
     @staticmethod
-    def _buffer(t: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
-        buffer = t.new_empty(rows, t.shape[1], capacity, t.shape[3])
-        buffer[:, :, : t.shape[2]] = t
+    def _buffer(caches: list[torch.Tensor], n: int, capacity: int) -> torch.Tensor:
+        t = caches[0]
+        buffer = t.new_zeros(len(caches) * n, t.shape[1], capacity, t.shape[3])
+        for i, c in enumerate(caches):
+            buffer[i * n: (i + 1) * n, :, : c.shape[2]] = c
         return buffer
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + k.shape[2]
+        if k.shape[2] != 1:
+            raise ValueError("_RowsCache takes one token a row a step")
+        rows = torch.arange(k.shape[0], device=k.device)
         keys, values = self.keys[layer], self.values[layer]
-        keys[:, :, self.length:end] = k
-        values[:, :, self.length:end] = v
-        return keys[:, :, :end], values[:, :, :end]
+        keys[rows, :, self.lengths] = k[:, :, 0]
+        values[rows, :, self.lengths] = v[:, :, 0]
+        return keys[:, :, : self.length + 1], values[:, :, : self.length + 1]
+
+    def rope_rows(self, table: torch.Tensor, new: int, offset: int = 0) -> torch.Tensor:
+        return table[(self.lengths + offset)[:, None] + torch.arange(new, device=self.lengths.device)]
+
+    def mask(self, new: int, window: int | None, device=None) -> torch.Tensor:
+        """[rows, 1, new, length + new] bool: each row's new token attends its own tokens up to itself (the last
+        ``window`` of them with a window), never another row's padding."""
+        position = (self.lengths[:, None] + torch.arange(new, device=self.lengths.device))[:, :, None]
+        j = torch.arange(self.length + new, device=self.lengths.device)[None, None, :]
+        allowed = j <= position
+        if window is not None:
+            allowed &= j > position - window
+        return allowed[:, None].to(device)
+
+    def advance(self, new: int) -> None:
+        self.lengths = self.lengths + new
+        self.length = int(self.lengths.max())
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only the batch rows ``rows`` (in that order)."""
@@ -79,6 +109,8 @@ class _GroupCache(KVCache):
         self.keys = [None if k is None else pick(k) for k in self.keys]
         self.values = [None if v is None else pick(v) for v in self.values]
         self.states = [None if s is None else tuple(pick(t) for t in s) for s in self.states]
+        self.lengths = pick(self.lengths)
+        self.length = int(self.lengths.max())
 
 
 @torch.no_grad()
@@ -90,34 +122,58 @@ def generate_group(model: torch.nn.Module, prompt: list[int], n: int, max_new_to
     """``n`` completions of ``prompt`` by ``model`` (each row's tokens, a stop token included); see the module's
     docstring for the draws each row takes and how stop strings end a row (``decode``: token ids -> text).
     ``interrupt``: called before each forward; what it raises abandons the group (a preemption)."""
-    if not prompt:
-        raise ValueError("generate_group: the prompt has no tokens")
+    return generate_groups(model, [prompt], n, max_new_tokens, sampling, stop_ids, stop_strings, decode, [generator],
+                           interrupt)[0]
+
+
+@torch.no_grad()
+def generate_groups(model: torch.nn.Module, prompts: Sequence[list[int]], n: int, max_new_tokens: int,
+                    sampling: Sampling = Sampling(), stop_ids: Iterable[int] = (),
+                    stop_strings: Sequence[str] | None = None, decode: Callable[[list[int]], str] | None = None,
+                    generators: Sequence[torch.Generator | None] | None = None,
+                    interrupt: Callable[[], None] | None = None) -> list[list[list[int]]]:
+    """``generate_group`` of each prompt (``generators[i]``: prompt ``i``'s), in one decode loop: each prompt is
+    prefilled alone, then every row of every group runs as one batch a token, finished rows leaving it. Each row's
+    tokens are those ``generate_group`` gives it alone (its own generator; the same draws)."""
+    generators = list(generators) if generators is not None else [None] * len(prompts)
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("generate_group: a prompt has no tokens")
+    if len(generators) != len(prompts):
+        raise ValueError(f"generate_groups: {len(generators)} generators for {len(prompts)} prompts")
     if n < 1 or max_new_tokens < 0:
         raise ValueError(f"generate_group: n >= 1 and max_new_tokens >= 0 (got n={n}, max_new_tokens={max_new_tokens})")
     stop_strings = [s for s in stop_strings or () if s]
     if stop_strings and decode is None:
         raise ValueError("generate_group: stop_strings need decode (token ids -> text)")
     device = next(model.parameters()).device
-    base = group_seed(generator)
-    generators = [row_generator(base, row, device) for row in range(n)]
-    out: list[list[int]] = [[] for _ in range(n)]
+    bases = [group_seed(g) for g in generators]  # one draw from each, in prompt order
+    row_generators = [row_generator(base, row, device) for base in bases for row in range(n)]
+    out: list[list[int]] = [[] for _ in range(len(prompts) * n)]
+    grouped = lambda: [out[i * n: (i + 1) * n] for i in range(len(prompts))]  # noqa: E731
     if max_new_tokens == 0:
-        return out
+        return grouped()
     stop = set(stop_ids)
     was_training = model.training
     model.eval()
     try:
-        if interrupt is not None:
-            interrupt()
-        prefill = KVCache(len(model.layers))
-        logits = model(torch.tensor([prompt], device=device), cache=prefill)[:, -1].float().expand(n, -1)
-        cache = _GroupCache(prefill, n, len(prompt) + max_new_tokens)
-        del prefill
-        seen = torch.tensor(prompt, device=device).repeat(n, 1)
-        seen = torch.cat([seen, seen.new_zeros(n, max_new_tokens)], dim=1)  # the prompt, then each row's tokens
-        running = list(range(n))  # the rows of the batch, in its order
+        prefills, first_logits = [], []
+        for prompt in prompts:
+            if interrupt is not None:
+                interrupt()
+            prefill = KVCache(len(model.layers))
+            first_logits.append(model(torch.tensor([prompt], device=device), cache=prefill)[:, -1].float().expand(n, -1))
+            prefills.append(prefill)
+        longest = max(len(p) for p in prompts)
+        cache = _RowsCache(prefills, n, longest + max_new_tokens)
+        del prefills
+        logits = torch.cat(first_logits)
+        # each row's tokens so far, for the repetition penalty: its prompt (padded with its own first token, which the
+        # penalty counts once however often it appears), then its new tokens
+        seen = torch.tensor([p + [p[0]] * (longest - len(p)) for p in prompts for _ in range(n)], device=device)
+        seen = torch.cat([seen, seen.new_zeros(len(seen), max_new_tokens)], dim=1)
+        running = list(range(len(out)))  # the rows of the batch, in its order
         for step in range(max_new_tokens):
-            tokens = sample_rows(logits, seen[:, : len(prompt) + step], sampling, [generators[row] for row in running])
+            tokens = sample_rows(logits, seen[:, : longest + step], sampling, [row_generators[row] for row in running])
             keep = []
             for index, (row, token) in enumerate(zip(running, tokens.tolist())):
                 out[row].append(token)
@@ -130,10 +186,10 @@ def generate_group(model: torch.nn.Module, prompt: list[int], n: int, max_new_to
                 cache.keep(picked)
                 tokens, seen = tokens[picked], seen[picked]
                 running = [running[i] for i in keep]
-            seen[:, len(prompt) + step] = tokens
+            seen[:, longest + step] = tokens
             if interrupt is not None:
                 interrupt()
             logits = model(tokens[:, None], cache=cache)[:, -1].float()
     finally:
         model.train(was_training)
-    return out
+    return grouped()

@@ -360,7 +360,7 @@ class Transformer(nn.Module):
         local_rope = self.local_rope if self.args.local_rope_theta is not None else self.rope
         if cache is not None:  # positions start .. start + seq, over the cached keys as well
             full_mask, window_mask = cache.mask(seq, None, h.device), cache.mask(seq, window, h.device)
-            global_rope, local_rope = self.rope[start + offset:], local_rope[start + offset:]
+            global_rope, local_rope = cache.rope_rows(self.rope, seq, offset), cache.rope_rows(local_rope, seq, offset)
         elif document_ids is None:
             full_mask, window_mask = None, sliding_window_mask(seq, window, h.device) if window is not None and seq > window else None
             global_rope = self.rope
@@ -389,7 +389,7 @@ class Transformer(nn.Module):
             else:
                 h = layer(h, rope, mask, cache, index, **extra)
         if cache is not None:
-            cache.length += seq
+            cache.advance(seq)
         h = self.norm(h)
         if self.args.n_experts:
             self.router_logits = [layer.router_logits for layer in self.layers if layer.moe is not None]

@@ -7,8 +7,8 @@ from the policy as it trains, scored by reward functions. The same loop, config 
 and torchrun support as the other recipes, with what online RL adds:
 
 - a step takes ``batch_size`` prompts per micro-batch (``gradient_accumulation_steps`` micro-batches per process) and
-  samples ``generation.num_generations`` completions of each from the policy with its KV cache
-  (``waypoint.models.sample_group``), deterministically from the run's seed and the step: the sampling generator is
+  samples ``generation.num_generations`` completions of each from the policy with its KV cache, a micro-batch's
+  prompts in one decode loop (``waypoint.models.sample_group``), deterministically from the run's seed and the step: the sampling generator is
   part of every step's recipe_state.pt, so a resumed run samples what the uninterrupted one sampled; or, with
   ``generation.engine: vllm``, by vLLM in this process, given the policy's weights before every step and checked on a
   probe sequence, its samples corrected as TRL corrects them (``waypoint.sampling``, README: Sampling with vLLM);

@@ -12,7 +12,7 @@ kill the process).
   rank 0 alone, and torchrun then stops the other ranks, as when a node dies.
 - ``kill-in-upload STEP -``: SIGKILL once step STEP's first file is in the object store, before its manifest.
 - ``kill-in-reference PAIRS -``: SIGKILL once a preference run's reference pass has done PAIRS pairs.
-- ``kill-in-generation CALLS -``: SIGKILL as an online-RL run samples its CALLS-th group of completions.
+- ``kill-in-generation CALLS -``: SIGKILL as an online-RL run samples its CALLS-th micro-batch of prompts' groups.
 """
 
 from __future__ import annotations
@@ -155,15 +155,15 @@ def kill_in_reference(pairs: int, _: str) -> Iterator[None]:
 def kill_in_generation(calls: int, _: str) -> Iterator[None]:
     from waypoint.training import grpo_step
 
-    generate_group = grpo_step.generate_group
+    generate_groups = grpo_step.generate_groups
     done = {"n": 0}
 
-    def patched(*args, **kw):
+    def patched(*args, **kw):  # one call a micro-batch's prompts
         done["n"] += 1
         if done["n"] == calls:
             _kill()
-        return generate_group(*args, **kw)
-    with mock.patch.object(grpo_step, "generate_group", patched):
+        return generate_groups(*args, **kw)
+    with mock.patch.object(grpo_step, "generate_groups", patched):
         yield
 
 

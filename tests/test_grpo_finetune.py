@@ -96,7 +96,7 @@ def test_signal_then_the_same_command_is_bit_identical(full_run, tmp_path, capsy
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", [["kill-in-generation", "30", "-"],  # step 3: 16 groups, 8 held-out ones at step 2, 6 more
+@pytest.mark.parametrize("fault", [["kill-in-generation", "8", "-"],  # a micro-batch a call: steps 1-2 (4), held out (2), step 3's 2nd
                                    ["kill-group-at-step", "3", "-"],  # step 3 done, not saved
                                    ["kill-in-save", "4", "before-rename"]],  # the final step half committed
                          ids=["during-generation", "between-steps", "during-save"])

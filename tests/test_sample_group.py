@@ -10,7 +10,7 @@ import torch
 
 from waypoint.families import from_hf_config
 from waypoint.models.generate import Sampling, generate
-from waypoint.models.sample_group import generate_group, group_seed, row_generator
+from waypoint.models.sample_group import generate_group, generate_groups, group_seed, row_generator
 from tests.conftest import tiny_family_config
 
 NEW = 10
@@ -128,3 +128,20 @@ def test_interrupt_is_called_before_each_forward_and_what_it_raises_abandons_the
         assert len(calls) == 4  # the prompt's forward and each token's but the last
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_5", "gemma4"])
+def test_several_prompts_in_one_loop_sample_what_each_samples_alone(family):
+    """``generate_groups``: prompts of different lengths prefilled apart, then every row of every group in one batch a
+    token (each row at its own position, attending its own tokens only: sliding windows, attention sinks, MLA's
+    latents, Gated DeltaNet's state, Gemma 4's shared keys); each row's tokens are those its group samples alone, and
+    a stop ends only the rows that meet it."""
+    model = build(family)
+    prompts = [PROMPT, [7, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+    for sampling in (Sampling(temperature=0), SAMPLED):
+        alone = [generate_group(model, p, 3, NEW, sampling, generator=seeded(i)) for i, p in enumerate(prompts)]
+        together = generate_groups(model, prompts, 3, NEW, sampling, generators=[seeded(i) for i in range(3)])
+        assert together == alone, (family, sampling)
+    stop = alone[1][0][1]
+    stopped = generate_groups(model, prompts, 3, NEW, SAMPLED, stop_ids=[stop], generators=[seeded(i) for i in range(3)])
+    assert stopped == [[r[: r.index(stop) + 1] if stop in r else r for r in group] for group in alone]

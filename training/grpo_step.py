@@ -29,7 +29,7 @@ import torch
 
 from waypoint.models.fused_loss import IGNORE_INDEX
 from waypoint.models.generate import Sampling
-from waypoint.models.sample_group import generate_group, group_seed
+from waypoint.models.sample_group import generate_groups, group_seed
 from waypoint.rewards.bounded import Interrupted
 from waypoint.rewards.finite import group_problem, prompt_excerpt
 from waypoint.rewards.scoring import RewardError, reward_name, score
@@ -112,20 +112,28 @@ class GRPOStep:
         self.tokenizer, self.stop_ids, self.conversational = tokenizer, list(stop_ids), conversational
         self.device, self.dist, self.loss_chunk, self.engine = device, dist, loss_chunk, engine
         self.reward_timeout = reward_timeout
+        self.batch = 1  # the prompts the native sampler decodes together (a micro-batch's, once a step has run)
         self.correction = correction if engine is not None and correction is not None and correction.enabled else None
 
     # Sampling and scoring ------------------------------------------------------------------------------------------
 
-    def _sample(self, model, items: list[dict], seed: int, stop) -> tuple[list[list[int]], list[list[float]] | None]:
+    def _sample(self, model, items: list[dict], seed: int, stop, batch: int
+                ) -> tuple[list[list[int]], list[list[float]] | None]:
         """Every item's ``num_generations`` completions (and, from an engine, its log-probs of their tokens): item
         ``i``'s group from ``group_generator(seed, index)``, row ``r`` from its base seed + ``r`` (the native sampler's
-        row generators; an engine's request seeds)."""
+        row generators; an engine's request seeds). The native sampler decodes ``batch`` prompts' groups at a time
+        (a micro-batch's) in one loop; an engine takes them all."""
         r, interrupt = self.rollout, _interrupter(stop)
         if self.engine is None:
-            return [c for item in items for c in generate_group(
-                model, item["prompt_ids"], r.num_generations, r.max_completion_length, r.sampling, self.stop_ids,
-                list(r.stop_strings), self._text if r.stop_strings else None, group_generator(seed, item["index"]),
-                interrupt)], None
+            out = []
+            for first in range(0, len(items), max(1, batch)):
+                chunk = items[first: first + max(1, batch)]
+                for group in generate_groups(
+                        model, [item["prompt_ids"] for item in chunk], r.num_generations, r.max_completion_length,
+                        r.sampling, self.stop_ids, list(r.stop_strings), self._text if r.stop_strings else None,
+                        [group_generator(seed, item["index"]) for item in chunk], interrupt):
+                    out.extend(group)
+            return out, None
         if interrupt is not None:
             interrupt()
         seeds = [[base + row for row in range(r.num_generations)]
@@ -140,7 +148,7 @@ class GRPOStep:
         stops = set(self.stop_ids) | {self.tokenizer.pad_id}
         return self.tokenizer.decode([t for t in ids if t not in stops])
 
-    def _sample_and_score(self, model, items: list[dict], seed: int, stop
+    def _sample_and_score(self, model, items: list[dict], seed: int, stop, batch: int
                           ) -> tuple[list[list[int]], torch.Tensor, list[list[float]] | None]:
         """(every item's ``num_generations`` completions, their rewards per function, an engine's log-probs of
         them); ``Preempted`` on every rank once ``stop()`` was true on one while it sampled or scored."""
@@ -148,7 +156,7 @@ class GRPOStep:
         completions, per_func, logps = [], torch.zeros(0, len(self.funcs)), None
         try:
             with gathered(model) if self.dist.enabled and self.engine is None else contextlib.nullcontext():
-                completions, logps = self._sample(model, items, seed, stop)
+                completions, logps = self._sample(model, items, seed, stop, batch)
             if items:
                 texts = [self._text(ids) for ids in completions]
                 shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
@@ -168,7 +176,8 @@ class GRPOStep:
         step) for the step whose seed is ``seed``; ``Preempted`` once ``stop()`` is true before the step is scored."""
         r, n = self.rollout, self.rollout.num_generations
         items = [item for batch in micro_batches for item in batch]
-        completions, per_func, engine_logps = self._sample_and_score(model, items, seed, stop)
+        batch = self.batch = max((len(b) for b in micro_batches), default=1)  # prompts decoded together: a micro-batch's
+        completions, per_func, engine_logps = self._sample_and_score(model, items, seed, stop, batch)
         terminated = torch.tensor([bool(ids) and (ids[-1] in self.stop_ids or self._stopped(ids)) for ids in completions])
         lengths = torch.tensor([len(ids) for ids in completions])
 
@@ -222,7 +231,7 @@ class GRPOStep:
         the run (each evaluation sees the same draws), each rank its share of the prompts; ``Preempted`` as
         :meth:`rollouts`."""
         items = [prompts[i] for i in range(self.dist.rank, len(prompts), self.dist.world_size)]
-        completions, per_func, _ = self._sample_and_score(model, items, seed, stop)
+        completions, per_func, _ = self._sample_and_score(model, items, seed, stop, self.batch)
         lengths = torch.tensor([float(len(ids)) for ids in completions])
         per_func = torch.cat(self.dist.all_gather(per_func))
         lengths = torch.cat(self.dist.all_gather(lengths))
