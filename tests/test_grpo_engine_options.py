@@ -1,5 +1,5 @@
-"""generation.engine, TRL's use_vllm and the vllm section of recipes/grpo_finetune.py, without vLLM: every bad
-value, and every run vLLM cannot serve yet, is one line before the first step, writing nothing. (What vLLM samples,
+"""generation.engine, TRL's use_vllm and the vllm section of recipes/grpo_finetune.py, without vLLM: what is refused
+once the run has loaded, and every run vLLM cannot serve yet, is one line before the first step, writing nothing. (What vLLM samples,
 and the runs it serves, are tested in vLLM's environment: tests/with_vllm/, run by tests/test_vllm_environment.py.)"""
 
 from __future__ import annotations
@@ -14,22 +14,13 @@ from tests.test_grpo_finetune import args
 from waypoint.sampling.grpo_engine import engine_choice
 from waypoint.sampling.vllm_options import VLLMOptions, vllm_options
 
-VLLM = ["+generation.engine=vllm"]
+# the option table's bad values are rows of tests/test_grpo_bad_input.py; these are refused once the run has loaded
 CASES = {
-    "use_vllm_disagrees": (["+use_vllm=true", "+generation.engine=native"],
-                           "use_vllm=true and generation.engine=native disagree: keep one of them"),
-    "engine_typo": (["+generation.engine=vlm"], "generation.engine=vlm: expected one of native, vllm"),
-    "server_mode": ([*VLLM, "+vllm={vllm_mode: server}"], "vllm.vllm_mode='server': expected colocate (a vLLM server "),
-    "unknown_key": ([*VLLM, "+vllm={vllm_gpu_mem: 0.5}"], "vllm.vllm_gpu_mem: no such option (options: "),
-    "bad_mode": ([*VLLM, "+vllm={vllm_importance_sampling_mode: token}"],
-                 "vllm.vllm_importance_sampling_mode='token': expected one of token_truncate, token_mask"),
-    "bad_clip": ([*VLLM, "+vllm={vllm_importance_sampling_clip_min: 4.0}"],
-                 "vllm.vllm_importance_sampling_clip_min (4.0) must be less than vllm_importance_sampling_clip_max (3.0)"),
-    "tensor_parallel": ([*VLLM, "+vllm={vllm_tensor_parallel_size: 2}"],
-                        "vllm.vllm_tensor_parallel_size=2: only 1 is supported yet"),
-    "vespo_sequence": ([*VLLM, "loss.loss_type=vespo"],
+    "vespo_sequence": (["+generation.engine=vllm", "loss.loss_type=vespo"],
                        "loss.loss_type=vespo weighs sequences itself: set vllm.vllm_importance_sampling_mode to "
                        "token_truncate or token_mask (not sequence_mask), as TRL requires"),
+    "use_vllm_false_disagrees": (["+vllm={vllm_mode: colocate}", "+use_vllm=false", "+generation.engine=vllm"],
+                            "use_vllm=false and generation.engine=vllm disagree: keep one of them"),
 }
 
 
