@@ -63,6 +63,17 @@ def _retie(worker, groups: list[list[str]]) -> None:
                 method.process_weights_after_loading(owner)
 
 
+def _reason(error: Exception) -> str:
+    """One line of what vLLM raised: a config check's own sentence (pydantic wraps it in several lines), else the
+    message's last line."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("Value error, "):
+            return line[len("Value error, "):].split(" [type=")[0]
+    lines = [line for line in lines if not line.startswith("For further information")]
+    return lines[-1] if lines else type(error).__name__
+
+
 class VLLMEngine:
     """vLLM serving ``checkpoint_dir`` (an HF checkpoint) in this process; ``dtype``: the policy's."""
 
@@ -85,7 +96,7 @@ class VLLMEngine:
                            enable_sleep_mode=options.vllm_enable_sleep_mode, enforce_eager=device.type == "cpu",
                            logprobs_mode="processed_logprobs", skip_tokenizer_init=not self.detokenize)
         except Exception as e:  # noqa: BLE001 (vLLM raises many kinds; each is one line here)
-            message = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            message = _reason(e)
             raise CheckpointError(f"generation.engine=vllm: vLLM cannot serve {checkpoint_dir} here: {message}; "
                                   "set generation.engine=native") from e
         self.tied = self.llm.collective_rpc(_tied_groups)[0]

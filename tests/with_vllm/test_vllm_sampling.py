@@ -183,3 +183,17 @@ def test_a_lora_policy_reaches_the_engine_merged(tmp_path):
     steps = [r for r in records(out) if "loss" in r]
     assert len(steps) == 4 and all(r["sampling/weight_sync_logp_gap"] < 1e-4 for r in steps)
     assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in steps)
+
+
+def test_what_vllm_refuses_on_this_backend_is_one_line(tmp_path):
+    """vLLM's own refusal (sleep mode on its CPU build) reaches the user as one line naming the way out."""
+    from tests.recipe_runs import run_recipe
+
+    out = tmp_path / "out"
+    done = run_recipe("grpo", ["--config", str(ROOT / "configs/tiny_grpo.yaml"), f"output_dir={out}",
+                               "+generation.engine=vllm", "+vllm={vllm_enable_sleep_mode: true}", "progress=off"])
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 1 and errors == [
+        "error: generation.engine=vllm: vLLM cannot serve assets/tiny_llama here: Sleep mode is not "
+        "supported on current platform.; set generation.engine=native"], done.stderr[-2000:]
+    assert not list(out.glob("step_*"))
