@@ -164,7 +164,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                     conversational=bool(getattr(_origin(dataset), "conversational", False)), device=device, dist=dist,
                     loss_chunk=None if cfg.get("fused_loss", True) else 0,
                     reward_timeout=cfg.get("reward_timeout", REWARD_TIMEOUT_S),
-                    engine=engine and engine.engine, correction=engine and engine.options.correction)
+                    engine=engine and engine.engine, correction=engine and engine.options.correction,
+                    sample_batch=cfg.batch_size)
     accumulate = cfg.gradient_accumulation_steps
     steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
                                                 cfg.max_steps_per_epoch)

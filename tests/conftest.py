@@ -17,6 +17,12 @@ sys.path.insert(0, str(ROOT))
 
 # tests/with_vllm/ run in vLLM's own environment (tests/test_vllm_environment.py runs them there)
 collect_ignore = [] if __import__("importlib.util").util.find_spec("vllm") else ["with_vllm"]
+# modules of one long test that start the run: collected last, it would leave the other xdist worker idle at the end
+FIRST = ("test_vllm_environment.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: every other test keeps its place
 
 # TRL's trainers take 12-25 s to import: the tests that use them as oracles share one xdist worker (`--dist
 # loadgroup`, pyproject's addopts), so the suite pays that import once.

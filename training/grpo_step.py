@@ -101,33 +101,33 @@ class GRPOStep:
     (``sampling.vllm_engine.VLLMEngine``, given the policy's weights after each step by the caller) whose
     ``sample(prompts, seeds, max_tokens, sampling, stop_ids, stop_strings) -> (tokens, log-probs)`` samples a step's
     prompts in one batch, one seed a completion; ``correction``: TRL's importance-sampling correction of the engine's
-    samples (None or disabled: none). ``reward_timeout``: the seconds one reward call may take (None: no bound)."""
+    samples (None or disabled: none). ``reward_timeout``: the seconds one reward call may take (None: no bound).
+    ``sample_batch``: how many prompts' groups the native sampler decodes in one loop (the recipe's batch_size)."""
 
     def __init__(self, rollout: RolloutOptions, loss: GRPOLossOptions, reward_funcs: list[Callable],
                  reward_weights, tokenizer, stop_ids: list[int], conversational: bool, device: torch.device, dist,
                  loss_chunk: int | None = None, engine=None, reward_timeout: float | None = None,
-                 correction: SamplingCorrection | None = None) -> None:
+                 correction: SamplingCorrection | None = None, sample_batch: int = 1) -> None:
         self.rollout, self.options, self.funcs, self.weights = rollout, loss, reward_funcs, reward_weights
         self.names = [reward_name(f) for f in reward_funcs]
         self.tokenizer, self.stop_ids, self.conversational = tokenizer, list(stop_ids), conversational
         self.device, self.dist, self.loss_chunk, self.engine = device, dist, loss_chunk, engine
         self.reward_timeout = reward_timeout
-        self.batch = 1  # the prompts the native sampler decodes together (a micro-batch's, once a step has run)
+        self.sample_batch = max(1, sample_batch)  # the prompts the native sampler decodes together (a micro-batch's)
         self.correction = correction if engine is not None and correction is not None and correction.enabled else None
 
     # Sampling and scoring ------------------------------------------------------------------------------------------
 
-    def _sample(self, model, items: list[dict], seed: int, stop, batch: int
-                ) -> tuple[list[list[int]], list[list[float]] | None]:
+    def _sample(self, model, items: list[dict], seed: int, stop) -> tuple[list[list[int]], list[list[float]] | None]:
         """Every item's ``num_generations`` completions (and, from an engine, its log-probs of their tokens): item
         ``i``'s group from ``group_generator(seed, index)``, row ``r`` from its base seed + ``r`` (the native sampler's
-        row generators; an engine's request seeds). The native sampler decodes ``batch`` prompts' groups at a time
-        (a micro-batch's) in one loop; an engine takes them all."""
+        row generators; an engine's request seeds). The native sampler decodes ``sample_batch`` prompts' groups at a
+        time in one loop; an engine takes them all."""
         r, interrupt = self.rollout, _interrupter(stop)
         if self.engine is None:
             out = []
-            for first in range(0, len(items), max(1, batch)):
-                chunk = items[first: first + max(1, batch)]
+            for first in range(0, len(items), self.sample_batch):
+                chunk = items[first: first + self.sample_batch]
                 for group in generate_groups(
                         model, [item["prompt_ids"] for item in chunk], r.num_generations, r.max_completion_length,
                         r.sampling, self.stop_ids, list(r.stop_strings), self._text if r.stop_strings else None,
@@ -148,7 +148,7 @@ class GRPOStep:
         stops = set(self.stop_ids) | {self.tokenizer.pad_id}
         return self.tokenizer.decode([t for t in ids if t not in stops])
 
-    def _sample_and_score(self, model, items: list[dict], seed: int, stop, batch: int
+    def _sample_and_score(self, model, items: list[dict], seed: int, stop
                           ) -> tuple[list[list[int]], torch.Tensor, list[list[float]] | None]:
         """(every item's ``num_generations`` completions, their rewards per function, an engine's log-probs of
         them); ``Preempted`` on every rank once ``stop()`` was true on one while it sampled or scored."""
@@ -156,7 +156,7 @@ class GRPOStep:
         completions, per_func, logps = [], torch.zeros(0, len(self.funcs)), None
         try:
             with gathered(model) if self.dist.enabled and self.engine is None else contextlib.nullcontext():
-                completions, logps = self._sample(model, items, seed, stop, batch)
+                completions, logps = self._sample(model, items, seed, stop)
             if items:
                 texts = [self._text(ids) for ids in completions]
                 shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
@@ -176,8 +176,7 @@ class GRPOStep:
         step) for the step whose seed is ``seed``; ``Preempted`` once ``stop()`` is true before the step is scored."""
         r, n = self.rollout, self.rollout.num_generations
         items = [item for batch in micro_batches for item in batch]
-        batch = self.batch = max((len(b) for b in micro_batches), default=1)  # prompts decoded together: a micro-batch's
-        completions, per_func, engine_logps = self._sample_and_score(model, items, seed, stop, batch)
+        completions, per_func, engine_logps = self._sample_and_score(model, items, seed, stop)
         terminated = torch.tensor([bool(ids) and (ids[-1] in self.stop_ids or self._stopped(ids)) for ids in completions])
         lengths = torch.tensor([len(ids) for ids in completions])
 
@@ -231,7 +230,7 @@ class GRPOStep:
         the run (each evaluation sees the same draws), each rank its share of the prompts; ``Preempted`` as
         :meth:`rollouts`."""
         items = [prompts[i] for i in range(self.dist.rank, len(prompts), self.dist.world_size)]
-        completions, per_func, _ = self._sample_and_score(model, items, seed, stop, self.batch)
+        completions, per_func, _ = self._sample_and_score(model, items, seed, stop)
         lengths = torch.tensor([float(len(ids)) for ids in completions])
         per_func = torch.cat(self.dist.all_gather(per_func))
         lengths = torch.cat(self.dist.all_gather(lengths))
