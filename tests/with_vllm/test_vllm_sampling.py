@@ -197,3 +197,35 @@ def test_what_vllm_refuses_on_this_backend_is_one_line(tmp_path):
         "error: generation.engine=vllm: vLLM cannot serve assets/tiny_llama here: Sleep mode is not "
         "supported on current platform.; set generation.engine=native"], done.stderr[-2000:]
     assert not list(out.glob("step_*"))
+
+
+VLLM_FAST = ["+generation.engine=vllm"]
+
+
+@pytest.fixture(scope="module")
+def whole_vllm_run(tmp_path_factory):
+    from tests.test_grpo_finetune import FAST
+
+    whole = tmp_path_factory.mktemp("whole")
+    assert grpo_finetune(["--config", str(ROOT / "configs/tiny_grpo.yaml"), f"output_dir={whole}", *FAST, *VLLM_FAST]) == 0
+    return whole
+
+
+@pytest.mark.parametrize("fault", [["kill-group-at-step", "3", "-"], ["kill-in-save", "4", "before-rename"]],
+                         ids=["between-steps", "during-save"])
+def test_sigkill_then_rerun_with_vllm_is_bit_identical(fault, whole_vllm_run, tmp_path):
+    """SIGKILLed (after step 3, unsaved; or while the final step commits) and rerun, a run sampled by vLLM ends with
+    the bytes and records of one never killed: the engine starts again from the input and is given the resumed
+    policy before its first step."""
+    from tests.test_grpo_finetune import FAST, final, records as rows_of, run_process, tensor_bytes, without_timing
+
+    whole, killed, vllm = whole_vllm_run, tmp_path / "killed", VLLM_FAST
+    done = run_process("tiny_grpo", killed, *vllm, fault=fault)
+    assert done.returncode == -9, done.stderr[-2000:]
+    assert [p.name for p in killed.glob("step_*")] == ["step_2"]
+    assert grpo_finetune(["--config", str(ROOT / "configs/tiny_grpo.yaml"), f"output_dir={killed}", *FAST, *vllm]) == 0
+    assert tensor_bytes(final(killed)) == tensor_bytes(final(whole))
+    # the records equal but for the syncs' own (a resumed run's fresh engine takes one sync more, logged at its step)
+    unsynced = lambda rows: [{k: v for k, v in r.items() if not k.startswith("sampling/weight_sync")}  # noqa: E731
+                             for r in without_timing(rows)]
+    assert unsynced(rows_of(killed)) == unsynced(rows_of(whole))
