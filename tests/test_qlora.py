@@ -210,7 +210,7 @@ def test_an_nf4_load_peaks_below_a_bf16_load_of_the_same_checkpoint():
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_qlora.py"), "--size-gb", "0.15", "--no-steps"],
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_qlora.py"), "--size-gb", "0.1", "--no-steps"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     print("\n" + "\n".join(result.stdout.splitlines()[:-1]))
