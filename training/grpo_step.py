@@ -34,6 +34,7 @@ from waypoint.rewards.bounded import Interrupted
 from waypoint.rewards.finite import group_problem, prompt_excerpt
 from waypoint.rewards.scoring import RewardError, reward_name, score
 from waypoint.training.fsdp import gathered, reshard
+from waypoint.training.gathered_metrics import reduce_gathered
 from waypoint.training.grpo_loss import GRPOLossOptions, group_advantages, grpo_loss, rollout_metrics, weighted_rewards
 from waypoint.training.loss import backward_with_balance
 from waypoint.training.sampling_correction import (
@@ -287,7 +288,7 @@ class GRPOStep:
             backward_with_balance(model, loss / w, self.dist, (rollout.tokens != self.tokenizer.pad_id), len(rollouts))
             total += float(loss.detach()) / w
             logged.append(metrics)
-        return self.dist.sum(total), reduce_metrics([m for ms in self.dist.all_gather(logged) for m in ms])
+        return self.dist.sum(total), reduce_gathered([m for ms in self.dist.all_gather(logged) for m in ms])
 
     def sampling_metrics(self, rollouts: list[Rollout]) -> dict[str, float]:
         """TRL's ``sampling/*`` metrics of the step's engine samples against the policy's log-probs (empty without a
@@ -322,19 +323,3 @@ def _interrupter(stop: Callable[[], bool] | None) -> Callable[[], None] | None:
         if stop():
             raise Interrupted
     return interrupt
-
-
-def reduce_metrics(records: list[dict[str, float]]) -> dict[str, float]:
-    """The loss metrics of every micro-batch of every rank as one: ``*_min`` their least, ``*_max`` their greatest
-    (NaN, from a micro-batch without completion tokens, left out), the rest their mean."""
-    out = {}
-    for key in records[0] if records else ():
-        values = torch.tensor([r[key] for r in records], dtype=torch.float64)
-        kept = values[~torch.isnan(values)]
-        if key.endswith("_min"):
-            out[key] = float(kept.min()) if kept.numel() else float("nan")
-        elif key.endswith("_max"):
-            out[key] = float(kept.max()) if kept.numel() else float("nan")
-        else:
-            out[key] = float(values.mean())
-    return out

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from waypoint.training.gathered_metrics import reduce_gathered
+
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -87,16 +89,4 @@ def sampling_metrics(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask
 def reduce_sampling_metrics(records: list[dict[str, float]]) -> dict[str, float]:
     """Several processes' (or micro-batches') ``sampling_metrics`` as TRL reduces its gathered values: the mean of
     the means (NaN left out of the ratio's), the greatest max, the least min (NaN left out)."""
-    out = {}
-    for key in records[0] if records else ():
-        values = torch.tensor([r[key] for r in records], dtype=torch.float64)
-        kept = values[~torch.isnan(values)]
-        if key.endswith("/min"):
-            out[key] = float(kept.min()) if kept.numel() else float("nan")
-        elif key.endswith("/max"):
-            out[key] = float(kept.max()) if kept.numel() else float("nan")
-        elif key.startswith("sampling/importance_sampling_ratio"):
-            out[key] = float(kept.mean()) if kept.numel() else float("nan")
-        else:
-            out[key] = float(values.mean())
-    return out
+    return reduce_gathered(records, nan_skipping_means=("sampling/importance_sampling_ratio",))
