@@ -17,17 +17,20 @@ from waypoint.run.object_store import input_copy_path, is_url, local_copy
 from waypoint.run.output_dir import RunDir
 
 
-TRACKERS = "metric_loggers"  # the trackers' options: where the run reports to (a server's http:// URL), no input
+# sections whose URLs are servers the run talks to, no inputs to download: the trackers' (metric_loggers) and a vLLM
+# server's (vllm.vllm_server_base_url)
+SERVERS = ("metric_loggers", "vllm")
 
 
 def cache_inputs(cfg, dist, say=print) -> None:
     """Inputs named by object-store URLs (the checkpoint, a dataset: any config string but ``output_dir`` and the
-    trackers' options, ``metric_loggers``: a tracking server's ``http://`` URL is no input to download) are
+    servers' sections, ``SERVERS``: a tracking or vLLM server's ``http://`` URL is no input to download) are
     copied to ``$WAYPOINT_CACHE/inputs/...`` on every machine with a size check (files already there with the object's size are
     kept), and the config points at the copies; a URL inside one already copied (the checkpoint's tokenizer,
     interpolated from it) points inside that copy."""
     config = OmegaConf.to_container(cfg, resolve=True)
-    config.pop(TRACKERS, None)
+    for section in SERVERS:
+        config.pop(section, None)
     found = sorted({v for k, v in _strings(config) if k != "output_dir" and is_url(v)}, key=len)
     local: dict[str, Path] = {}
     for url in found:
@@ -81,10 +84,10 @@ def _strings(node, key: str = ""):
 
 
 def _replace(node, mapping: dict[str, str], top: bool = True) -> None:
-    """Every string value of a (resolved) config found in ``mapping``, replaced in place (the trackers' aside)."""
+    """Every string value of a (resolved) config found in ``mapping``, replaced in place (the servers' sections aside)."""
     items = node.items() if isinstance(node, DictConfig) else enumerate(node)
     for k, v in list(items):
-        if top and k == TRACKERS:
+        if top and k in SERVERS:
             continue
         if isinstance(v, (DictConfig, ListConfig)):
             _replace(v, mapping, top=False)

@@ -10,7 +10,7 @@ and torchrun support as the other recipes, with what online RL adds:
   samples ``generation.num_generations`` completions of each from the policy with its KV cache, a micro-batch's
   prompts in one decode loop (``waypoint.models.sample_group``), deterministically from the run's seed and the step: the sampling generator is
   part of every step's recipe_state.pt, so a resumed run samples what the uninterrupted one sampled; or, with
-  ``generation.engine: vllm``, by vLLM in this process, given the policy's weights before every step and checked on a
+  ``generation.engine: vllm``, by vLLM in this process or a vLLM server, given the policy's weights before every step and checked on a
   probe sequence, its samples corrected as TRL corrects them (``waypoint.sampling``, README: Sampling with vLLM);
 - ``reward_funcs`` score them (``waypoint.rewards``: built-ins, or ``module.function`` from the working directory, TRL's
   signature), ``reward_weights`` weigh them, and the rewards become group advantages (``loss.scale_rewards``); each

@@ -3,13 +3,15 @@ cannot serve the run, and kept in step with the policy (``PolicyEngine.sync``: p
 
 ``generation.engine: native`` (the default) samples with the policy's own decode loop (``models.sample_group``);
 ``generation.engine: vllm``, or TRL's top-level ``use_vllm: true``, with vLLM in the training process
-(``sampling.vllm_engine``), configured by the ``vllm`` section (``sampling.vllm_options``).
+(``sampling.vllm_engine``) or a vLLM server (``vllm.vllm_mode: server``, ``sampling.vllm_server``), configured by the
+``vllm`` section (``sampling.vllm_options``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -95,15 +97,23 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
     if checkpointer.quantized.method is not None:
         raise CheckpointError(f"generation.engine=vllm cannot sample from a {checkpointer.quantized.method} checkpoint "
                               "yet; set generation.engine=native")
-    from waypoint.sampling.vllm_engine import VLLMEngine
-
     first = list(dataset[0]["prompt_ids"])
     probe = (first * 2 if len(first) < 2 else first)[:PROBE_TOKENS]
     dtype = parse_dtype(cfg.dtype)
-    engine = VLLMEngine(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, seed=cfg.seed,
-                        device=torch.device(cfg.device))
+    if options.vllm_mode == "server":
+        from waypoint.sampling.vllm_server import VLLMServer
+
+        weights_dir = Path(options.vllm_server_weights_dir or Path(cfg.output_dir) / ".vllm_weights")
+        engine = VLLMServer(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, weights_dir=weights_dir)
+        where = f"the vLLM server at {options.server_url} (each sync's weights written to {weights_dir})"
+    else:
+        from waypoint.sampling.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, seed=cfg.seed,
+                            device=torch.device(cfg.device))
+        where = "vLLM in this process"
     bounds = f"[{correction.clip_min or 0:g}, {'inf' if correction.clip_max is None else format(correction.clip_max, 'g')}]"
-    say(f"sampling: vLLM in this process ({checkpointer.model_type}, {cfg.dtype}); importance-sampling correction "
+    say(f"sampling: {where} ({checkpointer.model_type}, {cfg.dtype}); importance-sampling correction "
         + (f"{correction.mode}, ratios within {bounds}" if correction.enabled else "off"))
     if lora:
         say("sampling: vLLM is given the merged weights (base + adapters) before every step; adapters pushed as "

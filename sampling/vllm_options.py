@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from waypoint.training.sampling_correction import SamplingCorrection
 
 ENGINES = ("native", "vllm")
-MODES = ("colocate",)  # TRL's "server" mode is not built yet (refused in one line)
+MODES = ("colocate", "server")  # vLLM in the training process, or a server the user started (sampling.vllm_server)
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,13 @@ class VLLMOptions:
     """How vLLM samples (``vllm_mode`` ... ``vllm_importance_sampling_clip_min``: TRL's names and defaults)."""
 
     vllm_mode: str = "colocate"
+    vllm_server_base_url: str | None = None  # server mode: its URL, or http://vllm_server_host:vllm_server_port
+    vllm_server_host: str = "0.0.0.0"
+    vllm_server_port: int = 8000
+    vllm_server_timeout: float = 240.0  # seconds: the wait for the server to answer at start, and for each request
+    # server mode (ours): where each sync's weights are written for the server to read (None: output_dir/.vllm_weights,
+    # or a temporary directory for an object-store output_dir); the server must see it (this machine, or a shared disk)
+    vllm_server_weights_dir: str | None = None
     vllm_gpu_memory_utilization: float = 0.3
     vllm_tensor_parallel_size: int = 1
     vllm_enable_sleep_mode: bool = False
@@ -34,8 +41,21 @@ class VLLMOptions:
 
     def __post_init__(self) -> None:
         if self.vllm_mode not in MODES:
-            hint = " (a vLLM server is not supported yet: run vLLM in the training process)" if self.vllm_mode == "server" else ""
-            raise ValueError(f"vllm_mode={self.vllm_mode!r}: expected colocate{hint}")
+            raise ValueError(f"vllm_mode={self.vllm_mode!r}: expected colocate or server")
+        url = self.vllm_server_base_url
+        if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://")) and "://" != url[-3:]):
+            raise ValueError(f"vllm_server_base_url={url!r}: expected a URL such as http://10.0.0.5:8000, or null")
+        if not (isinstance(self.vllm_server_host, str) and self.vllm_server_host and "/" not in self.vllm_server_host):
+            raise ValueError(f"vllm_server_host={self.vllm_server_host!r}: expected a host name or address")
+        port = self.vllm_server_port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"vllm_server_port={port!r}: expected a port number (1-65535)")
+        timeout = self.vllm_server_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"vllm_server_timeout={timeout!r}: expected seconds > 0")
+        if self.vllm_server_weights_dir is not None and not (isinstance(self.vllm_server_weights_dir, str)
+                                                             and self.vllm_server_weights_dir):
+            raise ValueError(f"vllm_server_weights_dir={self.vllm_server_weights_dir!r}: expected a directory, or null")
         if not (isinstance(self.vllm_gpu_memory_utilization, (int, float)) and 0 < self.vllm_gpu_memory_utilization <= 1):
             raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization!r}: expected a number in (0, 1]")
         if self.vllm_tensor_parallel_size != 1:
@@ -51,6 +71,11 @@ class VLLMOptions:
                                       or not math.isfinite(tolerance) or tolerance <= 0):
             raise ValueError(f"vllm_sync_tolerance={tolerance!r}: expected a number > 0, or null")
         self.correction  # noqa: B018 (checks the importance-sampling options)
+
+    @property
+    def server_url(self) -> str:
+        """The server's base URL, without a trailing slash."""
+        return (self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}").rstrip("/")
 
     @property
     def correction(self) -> SamplingCorrection:
