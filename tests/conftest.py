@@ -56,7 +56,7 @@ def on_test_device(*items):
     return moved[0] if len(moved) == 1 else moved
 
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: each worker one thread (and its children), one per core
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 3`: each worker one thread (and its children): 3 on 2 cores (README)
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
 
