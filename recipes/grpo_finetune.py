@@ -159,7 +159,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                               "dataset.max_prompt_length or lower generation.max_completion_length")
     template = getattr(_origin(dataset), "prompt_format", None)
     # vLLM in the policy's place where the config asks for it (refused in one line where it cannot serve this run)
-    engine = start_engine(cfg, checkpointer, dataset, longest, lora, dist, say, options.loss_type)
+    engine = start_engine(cfg, checkpointer, dataset, longest, lora, dist, say, options.loss_type, model,
+                          converter if lora else None)
     step = GRPOStep(rollout, options, reward_funcs, reward_weights, tokenizer, stop_token_ids(tokenizer, template),
                     conversational=bool(getattr(_origin(dataset), "conversational", False)), device=device, dist=dist,
                     loss_chunk=None if cfg.get("fused_loss", True) else 0,

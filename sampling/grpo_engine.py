@@ -9,6 +9,9 @@ cannot serve the run, and kept in step with the policy (``PolicyEngine.sync``: p
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,8 +39,9 @@ def engine_choice(cfg) -> str:
 class PolicyEngine:
     """vLLM as a run's sampler, given the policy's weights (``sync``) whenever they changed since the last sync."""
 
-    def __init__(self, engine, checkpointer, probe: list[int], family: str, options: VLLMOptions) -> None:
+    def __init__(self, engine, checkpointer, probe: list[int], family: str, options: VLLMOptions, adapters=None) -> None:
         self.engine, self.checkpointer, self.probe, self.family, self.options = engine, checkpointer, probe, family, options
+        self.adapters = adapters  # a LoRA policy pushed as its adapter (sampling.adapter_push), else its weights
         self.synced_step: int | None = None
 
     def sync(self, model: torch.nn.Module, step: int, when: str) -> dict[str, float]:
@@ -46,11 +50,14 @@ class PolicyEngine:
         if self.synced_step == step:
             return {}
         started = time.perf_counter()
-        native = split_extra_state(model.state_dict())[0]
-        scalings = {name: m.scaling for name, m in lora_modules(model).items()}
-        if scalings:  # LoRA: the base with each adapter's update folded in, a tensor at a time as the engine reads it
-            native = MergedState(native, scalings)
-        self.engine.push(self.checkpointer.served_tensors(native))
+        if self.adapters is not None:  # the base as the engine loaded it (frozen), the adapter a new request
+            self.engine.use_adapter(*self.adapters.write(model))
+        else:
+            native = split_extra_state(model.state_dict())[0]
+            scalings = {name: m.scaling for name, m in lora_modules(model).items()}
+            if scalings:  # LoRA: the base with each adapter's update folded in, a tensor at a time as the engine reads it
+                native = MergedState(native, scalings)
+            self.engine.push(self.checkpointer.served_tensors(native))
         seconds = time.perf_counter() - started
         gap = self.engine.check(self.probe, self._policy_logps(model), self.family, when)
         self.synced_step = step
@@ -71,7 +78,7 @@ class PolicyEngine:
 
 
 def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Callable[[str], None],
-                 loss_type: str = "dapo") -> PolicyEngine | None:
+                 loss_type: str = "dapo", model: torch.nn.Module | None = None, converter=None) -> PolicyEngine | None:
     """The run's vLLM engine (None for the native sampler), refused in one line where it cannot serve this run."""
     if engine_choice(cfg) == "native":
         if cfg.get("vllm"):
@@ -100,6 +107,17 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
     first = list(dataset[0]["prompt_ids"])
     probe = (first * 2 if len(first) < 2 else first)[:PROBE_TOKENS]
     dtype = parse_dtype(cfg.dtype)
+    # a LoRA policy: its adapter, where vLLM in this process serves it; else the merged weights (said below)
+    adapters, unserved = None, None
+    if lora:
+        from waypoint.sampling.adapter_push import AdapterPush
+
+        unserved = "a server is given weights, not adapters, yet" if options.vllm_mode == "server" else \
+            AdapterPush.why_not(model, converter)
+        if not unserved:
+            folder = Path(tempfile.mkdtemp(prefix="waypoint-vllm-adapters-"))
+            atexit.register(shutil.rmtree, folder, True)
+            adapters = AdapterPush(model, converter, folder)
     if options.vllm_mode == "server":
         from waypoint.sampling.vllm_server import VLLMServer
 
@@ -110,12 +128,13 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
         from waypoint.sampling.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, seed=cfg.seed,
-                            device=torch.device(cfg.device))
+                            device=torch.device(cfg.device), max_lora_rank=adapters and adapters.max_lora_rank)
         where = "vLLM in this process"
     bounds = f"[{correction.clip_min or 0:g}, {'inf' if correction.clip_max is None else format(correction.clip_max, 'g')}]"
     say(f"sampling: {where} ({checkpointer.model_type}, {cfg.dtype}); importance-sampling correction "
         + (f"{correction.mode}, ratios within {bounds}" if correction.enabled else "off"))
-    if lora:
-        say("sampling: vLLM is given the merged weights (base + adapters) before every step; adapters pushed as "
-            "adapters are not built yet")
-    return PolicyEngine(engine, checkpointer, probe, checkpointer.model_type, options)
+    if adapters:
+        say(f"sampling: vLLM is given the adapter (PEFT's, rank {adapters.rank}) before every step, over the base it loaded")
+    elif lora:
+        say(f"sampling: vLLM is given the merged weights (base + adapters) before every step ({unserved})")
+    return PolicyEngine(engine, checkpointer, probe, checkpointer.model_type, options, adapters)

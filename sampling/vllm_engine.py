@@ -75,13 +75,15 @@ class VLLMEngine(ProbeChecked):
     """vLLM serving ``checkpoint_dir`` (an HF checkpoint) in this process; ``dtype``: the policy's."""
 
     def __init__(self, checkpoint_dir: str | os.PathLike, dtype: torch.dtype, options: VLLMOptions,
-                 max_model_len: int, seed: int, device: torch.device) -> None:
+                 max_model_len: int, seed: int, device: torch.device, max_lora_rank: int | None = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocate: the engine core in this process
         try:
             from vllm import LLM
         except ImportError:
             raise CheckpointError(f"generation.engine=vllm: {INSTALL}; or set generation.engine=native") from None
         self.dtype, self.options = dtype, options
+        self.lora_request = None  # the policy's adapter where it is pushed as one (use_adapter)
+        lora = {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1} if max_lora_rank else {}
         # token ids in, token ids out: a directory without a tokenizer is served without one (no stop strings then)
         self.detokenize = any((Path(checkpoint_dir) / name).exists() for name in TOKENIZER_FILES)
         self.tolerance = options.vllm_sync_tolerance or SYNC_TOLERANCE.get(dtype, 0.1)
@@ -91,7 +93,7 @@ class VLLMEngine(ProbeChecked):
                            gpu_memory_utilization=options.vllm_gpu_memory_utilization,
                            tensor_parallel_size=options.vllm_tensor_parallel_size,
                            enable_sleep_mode=options.vllm_enable_sleep_mode, enforce_eager=device.type == "cpu",
-                           logprobs_mode="processed_logprobs", skip_tokenizer_init=not self.detokenize)
+                           logprobs_mode="processed_logprobs", skip_tokenizer_init=not self.detokenize, **lora)
         except Exception as e:  # noqa: BLE001 (vLLM raises many kinds; each is one line here)
             message = _reason(e)
             raise CheckpointError(f"generation.engine=vllm: vLLM cannot serve {checkpoint_dir} here: {message}; "
@@ -110,13 +112,20 @@ class VLLMEngine(ProbeChecked):
             self.llm.collective_rpc(retie, args=(self.tied,))
         self.llm.reset_prefix_cache()
 
+    def use_adapter(self, folder: str | os.PathLike, lora_id: int) -> None:
+        """Serve every request from now on with the PEFT adapter in ``folder`` over the base (``lora_id``: new for
+        every adapter, as vLLM caches adapters by id)."""
+        from vllm.lora.request import LoRARequest
+
+        self.lora_request = LoRARequest(f"policy-{lora_id}", lora_id, str(folder))
+
     def probe_logps(self, tokens: Sequence[int]) -> list[float]:
         """The engine's log-prob of each of ``tokens[1:]`` after the tokens before it (unprocessed: temperature 1)."""
         from vllm import SamplingParams
 
         out = self.llm.generate([{"prompt_token_ids": list(tokens)}],
                                 SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=self.detokenize),
-                                use_tqdm=False)[0]
+                                use_tqdm=False, lora_request=self.lora_request)[0]
         return [entry[token].logprob for token, entry in zip(tokens[1:], out.prompt_logprobs[1:])]
 
     # Sampling ---------------------------------------------------------------------------------------------------
@@ -142,7 +151,7 @@ class VLLMEngine(ProbeChecked):
                     repetition_penalty=sampling.repetition_penalty, max_tokens=max_tokens, logprobs=0,
                     ignore_eos=True, stop_token_ids=list(stop_ids), stop=list(stop_strings) or None,
                     include_stop_str_in_output=True, detokenize=self.detokenize))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         if self.options.vllm_enable_sleep_mode:
             self.llm.sleep(level=1)
         tokens, logps = [], []

@@ -177,10 +177,13 @@ def test_sigkill_then_rerun_with_vllm_is_bit_identical(learned, tmp_path):
     assert unsynced(records(killed)) == unsynced(records(learned))
 
 
-def test_a_lora_policy_reaches_the_engine_merged(tmp_path):
-    """A LoRA run gives vLLM the base with each adapter's update folded in (checked by the probe), so the engine's
-    greedy tokens are the LoRA model's; a GRPO LoRA run sampled by vLLM logs a sync at every step."""
+@pytest.mark.parametrize("push", ["adapter", "merged"])
+def test_a_lora_policy_reaches_the_engine(push, tmp_path):
+    """A LoRA run gives vLLM its PEFT adapter over the base the engine loaded (a new LoRARequest each sync), or, where
+    vLLM cannot serve the adapter, the base with each adapter's update folded in; either way the probe checks it and
+    the engine's greedy tokens are the LoRA model's."""
     from waypoint.models.lora import apply_lora
+    from waypoint.sampling.adapter_push import AdapterPush
 
     path = ROOT / "assets/tiny_llama"
     checkpointer = checkpointer_for(path)
@@ -190,17 +193,30 @@ def test_a_lora_policy_reaches_the_engine_merged(tmp_path):
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)  # adapters that change every greedy token
-    engine = PolicyEngine(VLLMEngine(path, torch.float32, VLLMOptions(), 128, seed=0, device=torch.device("cpu")),
-                          checkpointer, [1, 5, 6, 7, 9, 11, 13, 15], checkpointer.model_type, VLLMOptions())
+    converter = checkpointer.hf_converter()
+    assert AdapterPush.why_not(model, converter) is None
+    adapters = AdapterPush(model, converter, tmp_path / "adapters") if push == "adapter" else None
+    engine = PolicyEngine(VLLMEngine(path, torch.float32, VLLMOptions(), 128, seed=0, device=torch.device("cpu"),
+                                     max_lora_rank=adapters and adapters.max_lora_rank),
+                          checkpointer, [1, 5, 6, 7, 9, 11, 13, 15], checkpointer.model_type, VLLMOptions(), adapters)
     base = engine.engine.sample(PROMPTS, [[0]] * 3, 8, Sampling(temperature=0), stop_ids=[])[0]
-    assert engine.sync(model, 1, "before step 2")["sampling/weight_sync_logp_gap"] < 1e-4
-    native = [generate_group(model, p, 1, 8, Sampling(temperature=0))[0] for p in PROMPTS]
-    assert engine.engine.sample(PROMPTS, [[0]] * 3, 8, Sampling(temperature=0), stop_ids=[])[0] == native != base
+    for step in (1, 2):  # a second sync: a new adapter, not the one vLLM cached under the first id
+        assert engine.sync(model, step, f"before step {step + 1}")["sampling/weight_sync_logp_gap"] < 1e-4
+        native = [generate_group(model, p, 1, 8, Sampling(temperature=0))[0] for p in PROMPTS]
+        assert engine.engine.sample(PROMPTS, [[0]] * 3, 8, Sampling(temperature=0), stop_ids=[])[0] == native != base
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.5)
+    assert (engine.engine.lora_request is not None) == (push == "adapter")
 
+
+def test_a_grpo_lora_run_pushes_its_adapter_and_checks_every_sync(tmp_path, capsys):
     out = tmp_path / "lora"
     with sigterm_at_step(4):
         assert grpo_finetune(["--config", str(ROOT / "configs/tiny_grpo_lora.yaml"), f"output_dir={out}",
                               "+generation.engine=vllm", "progress=off", "validation=null"]) == 75
+    assert "sampling: vLLM is given the adapter (PEFT's, rank 8) before every step" in capsys.readouterr().out
     steps = [r for r in records(out) if "loss" in r]
     assert len(steps) == 4 and all(r["sampling/weight_sync_logp_gap"] < 1e-4 for r in steps)
     assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in steps)
