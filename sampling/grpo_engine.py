@@ -133,6 +133,9 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
     bounds = f"[{correction.clip_min or 0:g}, {'inf' if correction.clip_max is None else format(correction.clip_max, 'g')}]"
     say(f"sampling: {where} ({checkpointer.model_type}, {cfg.dtype}); importance-sampling correction "
         + (f"{correction.mode}, ratios within {bounds}" if correction.enabled else "off"))
+    if cfg.device.startswith("cuda") and not options.vllm_batch_invariant:
+        say("sampling: vLLM's GPU kernels are not batch-invariant: a resumed run samples close to, not exactly, what the "
+            "uninterrupted run would have (vllm.vllm_batch_invariant=true: exactly, slower)")
     if adapters:
         say(f"sampling: vLLM is given the adapter (PEFT's, rank {adapters.rank}) before every step, over the base it loaded")
     elif lora:

@@ -77,10 +77,20 @@ class VLLMEngine(ProbeChecked):
     def __init__(self, checkpoint_dir: str | os.PathLike, dtype: torch.dtype, options: VLLMOptions,
                  max_model_len: int, seed: int, device: torch.device, max_lora_rank: int | None = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocate: the engine core in this process
+        if options.vllm_batch_invariant and device.type == "cpu":
+            raise CheckpointError("vllm.vllm_batch_invariant: vLLM's batch-invariant kernels are for GPUs (its CPU build "
+                                  "fails with them), and on the CPU a request samples alike alone or batched already; "
+                                  "set vllm.vllm_batch_invariant=false")
         try:
             from vllm import LLM
+            import vllm.envs
         except ImportError:
             raise CheckpointError(f"generation.engine=vllm: {INSTALL}; or set generation.engine=native") from None
+        if options.vllm_batch_invariant:
+            if "VLLM_BATCH_INVARIANT" not in dir(vllm.envs):
+                raise CheckpointError("vllm.vllm_batch_invariant: the installed vLLM has no batch-invariant mode "
+                                      "(VLLM_BATCH_INVARIANT); upgrade vLLM or set vllm.vllm_batch_invariant=false")
+            os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read when the engine starts
         self.dtype, self.options = dtype, options
         self.lora_request = None  # the policy's adapter where it is pushed as one (use_adapter)
         lora = {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1} if max_lora_rank else {}

@@ -38,6 +38,9 @@ class VLLMOptions:
     vllm_importance_sampling_cap: float | None = None  # TRL's deprecated name of clip_max
     # after each weight sync, the engine's log-probs of a probe sequence must be ours within this (None: by dtype)
     vllm_sync_tolerance: float | None = None
+    # vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, GPUs): a request samples the same whatever else is in its
+    # batch, so a resumed run samples what the uninterrupted one did; slower. (Its CPU backend is batch-invariant as is.)
+    vllm_batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.vllm_mode not in MODES:
@@ -60,7 +63,7 @@ class VLLMOptions:
             raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization!r}: expected a number in (0, 1]")
         if self.vllm_tensor_parallel_size != 1:
             raise ValueError(f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size!r}: only 1 is supported yet")
-        for name in ("vllm_enable_sleep_mode", "vllm_importance_sampling_correction"):
+        for name in ("vllm_enable_sleep_mode", "vllm_importance_sampling_correction", "vllm_batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
         length = self.vllm_max_model_length

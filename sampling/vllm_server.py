@@ -73,7 +73,7 @@ class VLLMServer(ProbeChecked):
         self.start = (f"start it as: VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model {checkpoint_dir} --dtype {DTYPES.get(dtype, dtype)} "
                       f"--logprobs-mode processed_logprobs --max-model-len {max_model_len} --worker-extension-cls {QUALNAME}")
         self._wait_until_up()
-        info = self._server_config()
+        info, env = self._server_config()
         model = info.get("model_config") or {}
         # the reload with our worker extension re-derives a tied head (sampling.vllm_worker); vLLM's own may not
         self.reload = "waypoint_reload" if (info.get("parallel_config") or {}).get("worker_extension_cls") == QUALNAME \
@@ -87,6 +87,9 @@ class VLLMServer(ProbeChecked):
              f"gives {model.get('logprobs_mode')} log-probs, not processed_logprobs (the distribution it samples from)"),
             (int(model.get("max_model_len") or 0) < max_model_len,
              f"takes {model.get('max_model_len')} tokens, the run's prompts and completions up to {max_model_len}"),
+            (options.vllm_batch_invariant and not env.get("VLLM_BATCH_INVARIANT"),
+             "runs without its batch-invariant kernels (vllm.vllm_batch_invariant asks for them): start it with "
+             "VLLM_BATCH_INVARIANT=1 in its environment"),
             *[(True, other) for other in [_other_model(served, checkpoint_dir)] if other]]
         for problem, why in problems:
             if problem:
@@ -139,7 +142,8 @@ class VLLMServer(ProbeChecked):
                                       "vllm.vllm_server_base_url, or generation.engine=native")
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
-    def _server_config(self) -> dict:
+    def _server_config(self) -> tuple[dict, dict]:
+        """(vLLM's config, its VLLM_* environment) as the server reports them."""
         try:
             info = self._request("/server_info?config_format=json")
         except ServerError as e:
@@ -152,7 +156,7 @@ class VLLMServer(ProbeChecked):
         if not isinstance(config, dict):
             raise CheckpointError(f"generation.engine=vllm: {self.url} answered /server_info without vLLM's config: "
                                   f"is it a vLLM server? {self.start}")
-        return config
+        return config, info.get("vllm_env") if isinstance(info.get("vllm_env"), dict) else {}
 
     def _served_name(self) -> str:
         models = self._call("/v1/models", None, "listing its models")

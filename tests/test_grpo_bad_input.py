@@ -45,7 +45,8 @@ CASES = [
     ("vllm_server_url", "error: vllm.vllm_server_base_url='localhost:8000': expected a URL such as http://10.0.0.5:8000"),
     ("vllm_server_port", "error: vllm.vllm_server_port=70000: expected a port number (1-65535)"),
     ("vllm_server_timeout", "error: vllm.vllm_server_timeout=0: expected seconds > 0"),
-    ("vllm_unknown_key", "error: vllm.vllm_gpu_mem: no such option (options: vllm_enable_sleep_mode,"),
+    ("vllm_batch_invariant", "error: vllm.vllm_batch_invariant='yes': expected true or false"),
+    ("vllm_unknown_key", "error: vllm.vllm_gpu_mem: no such option (options: vllm_batch_invariant, vllm_enable_sleep_mode,"),
     ("vllm_bad_sampling_mode", "error: vllm.vllm_importance_sampling_mode='token': expected one of token_truncate,"),
     ("vllm_bad_clip", "error: vllm.vllm_importance_sampling_clip_min (4.0) must be less than "
                       "vllm_importance_sampling_clip_max (3.0)"),
@@ -86,6 +87,7 @@ OVERRIDES = {  # rows whose id is not itself the override
     "vllm_server_url": ["+generation.engine=vllm", "+vllm={vllm_mode: server, vllm_server_base_url: 'localhost:8000'}"],
     "vllm_server_port": ["+generation.engine=vllm", "+vllm={vllm_mode: server, vllm_server_port: 70000}"],
     "vllm_server_timeout": ["+generation.engine=vllm", "+vllm={vllm_mode: server, vllm_server_timeout: 0}"],
+    "vllm_batch_invariant": ["+generation.engine=vllm", "+vllm={vllm_batch_invariant: 'yes'}"],
     "vllm_unknown_key": ["+generation.engine=vllm", "+vllm={vllm_gpu_mem: 0.5}"],
     "vllm_bad_sampling_mode": ["+generation.engine=vllm", "+vllm={vllm_importance_sampling_mode: token}"],
     "vllm_bad_clip": ["+generation.engine=vllm", "+vllm={vllm_importance_sampling_clip_min: 4.0}"],

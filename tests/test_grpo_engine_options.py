@@ -19,6 +19,9 @@ CASES = {
     "vespo_sequence": (["+generation.engine=vllm", "loss.loss_type=vespo"],
                        "loss.loss_type=vespo weighs sequences itself: set vllm.vllm_importance_sampling_mode to "
                        "token_truncate or token_mask (not sequence_mask), as TRL requires"),
+    "batch_invariant_on_the_cpu": (["+generation.engine=vllm", "+vllm={vllm_batch_invariant: true}"],
+                                   "vllm.vllm_batch_invariant: vLLM's batch-invariant kernels are for GPUs (its CPU build "
+                                   "fails with them)"),
     "use_vllm_false_disagrees": (["+vllm={vllm_mode: colocate}", "+use_vllm=false", "+generation.engine=vllm"],
                             "use_vllm=false and generation.engine=vllm disagree: keep one of them"),
 }

@@ -51,7 +51,8 @@ class StandIn(BaseHTTPRequestHandler):
                 "model": spec.get("model", str(MODEL)), "dtype": spec.get("dtype", "torch.float32"),
                 "max_model_len": spec.get("max_model_len", 256), "logprobs_mode": spec.get("logprobs_mode", "processed_logprobs"),
                 "skip_tokenizer_init": False},
-                "parallel_config": {"worker_extension_cls": spec.get("extension", QUALNAME)}}}))
+                "parallel_config": {"worker_extension_cls": spec.get("extension", QUALNAME)}},
+                "vllm_env": {"VLLM_BATCH_INVARIANT": spec.get("batch_invariant", False)}}))
         if self.path == "/v1/models":
             return self._reply(200, {"object": "list", "data": [{"id": "tiny", "root": str(MODEL)}]})
         return self._reply(404, {"detail": "Not Found"})
@@ -90,6 +91,7 @@ def stand_in():
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     server.spec, server.seen, server.staged, server.keys = {}, [], [], []
     server.block_on_close = False  # a reply held back (the slow server) does not hold the test
+    server.handle_error = lambda request, address: None  # nor its write to a client gone, printed into another test
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
@@ -199,6 +201,16 @@ def test_each_broken_server_is_one_line(case, stand_in, tmp_path):
     assert "\n" not in message and re.search(says, message), message
     assert message.startswith("generation.engine=vllm: ") and time.monotonic() - started < 10
     assert not (tmp_path / "weights").exists()
+
+
+def test_batch_invariant_sampling_asks_for_a_server_started_so(stand_in, tmp_path):
+    asked = VLLMOptions(vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{stand_in.server_address[1]}",
+                        vllm_batch_invariant=True)
+    with pytest.raises(CheckpointError, match=r"runs without its batch-invariant kernels \(vllm\.vllm_batch_invariant asks "
+                                              r"for them\): start it with VLLM_BATCH_INVARIANT=1 in its environment; "):
+        VLLMServer(MODEL, torch.float32, asked, 128, tmp_path / "weights")
+    stand_in.spec = {"batch_invariant": True}
+    VLLMServer(MODEL, torch.float32, asked, 128, tmp_path / "weights")
 
 
 def test_a_run_with_no_server_is_one_line_before_its_first_step(tmp_path):
