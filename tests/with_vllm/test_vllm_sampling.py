@@ -44,6 +44,15 @@ def tied_llama(path: Path) -> Path:
     return path
 
 
+def policy_logps(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The policy's log-prob of each completion token after the prompt (temperature 1)."""
+    tokens = torch.tensor([prompt + completion])
+    labels = tokens.clone()
+    labels[:, : len(prompt)] = -100
+    with torch.no_grad():
+        return model(tokens, labels=labels, per_token=True, temperature=1.0)[0][0, len(prompt) - 1:]
+
+
 @pytest.fixture(scope="module", params=["untied", "tied"])
 def served(request, tmp_path_factory):
     """(the policy, its engine in step with it): the input's model, then a changed one pushed (as after a step)."""
@@ -87,12 +96,7 @@ def test_after_a_sync_the_engine_samples_greedily_what_the_policy_does(served):
                                   stop_strings=[stop_string])[0][0]
     assert theirs == ours and len(ours) < 8, (theirs, ours, stop_string)
     # the engine's log-prob of each token it sampled is the policy's (processed: temperature 1 here)
-    tokens = torch.tensor([PROMPTS[1] + native[1]])
-    labels = tokens.clone()
-    labels[:, : len(PROMPTS[1])] = -100
-    with torch.no_grad():
-        ours = model(tokens, labels=labels, per_token=True, temperature=1.0)[0][0, len(PROMPTS[1]) - 1:]
-    assert torch.allclose(ours, torch.tensor(logps[1]), atol=1e-4)
+    assert torch.allclose(policy_logps(model, PROMPTS[1], native[1]), torch.tensor(logps[1]), atol=1e-4)
 
 
 def test_a_stale_engine_is_caught_by_the_probe(served):

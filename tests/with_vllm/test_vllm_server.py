@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,15 +28,13 @@ from waypoint.models.sample_group import generate_group  # noqa: E402
 from waypoint.sampling.grpo_engine import PolicyEngine  # noqa: E402
 from waypoint.sampling.vllm_options import VLLMOptions  # noqa: E402
 from waypoint.sampling.vllm_server import VLLMServer  # noqa: E402
+from tests.with_vllm.test_vllm_sampling import PROMPTS, policy_logps, tied_llama  # noqa: E402
 
-PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 30, 31, 32, 33, 34]]
 START_S = 240
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tests.with_vllm.test_vllm_sampling import tied_llama
-
     return tied_llama(tmp_path_factory.mktemp("tied"))
 
 
@@ -98,12 +95,7 @@ def test_after_a_sync_the_server_samples_greedily_what_the_policy_does(server, m
     alone = engine.engine.sample([PROMPTS[2]], [[14]], 8, Sampling(temperature=1.0), stop_ids=[])[0][0]
     assert batch[3] == alone and batch[0] != batch[1]
     # the log-prob of each sampled token is the policy's (processed: temperature 1 here)
-    tokens = torch.tensor([PROMPTS[1] + native[1]])
-    labels = tokens.clone()
-    labels[:, : len(PROMPTS[1])] = -100
-    with torch.no_grad():
-        ours = model(tokens, labels=labels, per_token=True, temperature=1.0)[0][0, len(PROMPTS[1]) - 1:]
-    assert torch.allclose(ours, torch.tensor(logps[1]), atol=1e-4)
+    assert torch.allclose(policy_logps(model, PROMPTS[1], native[1]), torch.tensor(logps[1]), atol=1e-4)
 
 
 def test_a_grpo_run_sampled_by_a_server_checks_every_sync(server, model_dir, tmp_path):
