@@ -7,6 +7,7 @@ file a step instead of the whole model merged, where vLLM serves LoRA on every t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +21,9 @@ from waypoint.lazy import on_host
 from waypoint.models.lora import adapter_state, lora_modules
 
 
+ADAPTERS_FOLDER = ".waypoint_vllm_adapters"  # in a server's vllm_server_weights_dir: the adapters it loads
+
+
 class AdapterPush:
     """The adapter of ``model`` (LoRA layers named by ``converter`` as PEFT names them) written for vLLM, a folder at
     a time in ``folder`` (two, alternating: vLLM may read the last one again until the next is in use)."""
@@ -28,6 +32,7 @@ class AdapterPush:
         modules = lora_modules(model)
         first = next(iter(modules.values()))
         self.converter, self.folder, self.pushed = converter, Path(folder), 0
+        self.made_parent = not self.folder.parent.exists()  # removed again, empty, by close
         self.rank = first.rank
         self.config = adapter_config(converter, list(modules), first.rank, first.alpha, first.dropout_p, "policy")
 
@@ -61,3 +66,6 @@ class AdapterPush:
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+        if self.made_parent:
+            with contextlib.suppress(OSError):
+                self.folder.parent.rmdir()

@@ -10,7 +10,6 @@ cannot serve the run, and kept in step with the policy (``PolicyEngine.sync``: p
 from __future__ import annotations
 
 import atexit
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from waypoint.checkpointers.extra_state import split_extra_state
 from waypoint.errors import CheckpointError
 from waypoint.models.dtypes import parse_dtype
 from waypoint.models.lora import MergedState, lora_modules
+from waypoint.sampling.adapter_push import ADAPTERS_FOLDER, AdapterPush
 from waypoint.sampling.vllm_options import VLLMOptions, vllm_options
 
 PROBE_TOKENS = 32  # the probe sequence: the first training prompt's first tokens
@@ -107,24 +107,24 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
     first = list(dataset[0]["prompt_ids"])
     probe = (first * 2 if len(first) < 2 else first)[:PROBE_TOKENS]
     dtype = parse_dtype(cfg.dtype)
-    # a LoRA policy: its adapter, where vLLM in this process serves it; else the merged weights (said below)
-    adapters, unserved = None, None
-    if lora:
-        from waypoint.sampling.adapter_push import AdapterPush
-
-        unserved = "a server is given weights, not adapters, yet" if options.vllm_mode == "server" else \
-            AdapterPush.why_not(model, converter)
-        if not unserved:
-            folder = Path(tempfile.mkdtemp(prefix="waypoint-vllm-adapters-"))
-            atexit.register(shutil.rmtree, folder, True)
-            adapters = AdapterPush(model, converter, folder)
+    # a LoRA policy: its adapter where vLLM serves it (as a new LoRA request each sync), else the merged weights
+    unserved = AdapterPush.why_not(model, converter) if lora else None
     if options.vllm_mode == "server":
         from waypoint.sampling.vllm_server import VLLMServer
 
         weights_dir = Path(options.vllm_server_weights_dir or Path(cfg.output_dir) / ".vllm_weights")
         engine = VLLMServer(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, weights_dir=weights_dir)
         where = f"the vLLM server at {options.server_url} (each sync's weights written to {weights_dir})"
+        folder = weights_dir / ADAPTERS_FOLDER  # the server reads the adapters too
     else:
+        folder = Path(tempfile.mkdtemp(prefix="waypoint-vllm-adapters-")) if lora and not unserved else None
+    adapters = AdapterPush(model, converter, folder) if lora and not unserved else None
+    if adapters and options.vllm_mode == "server":
+        unserved = engine.adapter_problem(adapters.rank)
+        adapters = None if unserved else adapters
+    if adapters:
+        atexit.register(adapters.close)
+    if options.vllm_mode != "server":
         from waypoint.sampling.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, seed=cfg.seed,

@@ -95,12 +95,13 @@ class VLLMServer(ProbeChecked):
             if problem:
                 raise CheckpointError(f"generation.engine=vllm: the vLLM server at {self.url} {why}; {self.start}")
         self.detokenize = not model.get("skip_tokenizer_init", False)
+        self.lora, self.env, self.base_model = info.get("lora_config"), env, self.model
         self.stale_hint = ("" if self.reload == "waypoint_reload" else
                            f"; a server started without --worker-extension-cls {QUALNAME} may keep a tied head stale")
 
     # HTTP -------------------------------------------------------------------------------------------------------
 
-    def _request(self, path: str, body: dict | None = None, method: str | None = None):
+    def _request(self, path: str, body: dict | None = None, method: str | None = None, text: bool = False):
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method=method or ("GET" if body is None else "POST"),
                                          headers={"Content-Type": "application/json"})
@@ -114,16 +115,16 @@ class VLLMServer(ProbeChecked):
             if isinstance(reason, TimeoutError) or "timed out" in str(reason):
                 reason = f"no answer within vllm.vllm_server_timeout={self.timeout:g} s"
             raise ServerError(f"{path}: {reason}") from None
-        if not raw:
-            return None
+        if not raw or text:
+            return raw.decode(errors="replace") if text else None
         try:
             return json.loads(raw)
         except ValueError:
             raise ServerError(f"{path} answered something that is not JSON ({raw[:60]!r})") from None
 
-    def _call(self, path: str, body: dict | None, doing: str):
+    def _call(self, path: str, body: dict | None, doing: str, text: bool = False):
         try:
-            return self._request(path, body)
+            return self._request(path, body, text=text)
         except ServerError as e:
             raise CheckpointError(f"generation.engine=vllm: the vLLM server at {self.url} failed while {doing}: {e}; "
                                   "set generation.engine=native, or mend the server") from None
@@ -196,6 +197,26 @@ class VLLMServer(ProbeChecked):
             if created:
                 with contextlib.suppress(OSError):
                     self.weights_dir.rmdir()  # only where this run made it and it is empty
+
+    def adapter_problem(self, rank: int) -> str | None:
+        """Why this server cannot take a LoRA policy's adapter of ``rank`` (then the merged weights go), or None."""
+        if not self.lora:
+            return "the server was started without --enable-lora"
+        if not self.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+            return "the server was started without VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which loading adapters needs"
+        if int(self.lora.get("max_lora_rank") or 0) < rank:
+            return f"the server's --max-lora-rank {self.lora.get('max_lora_rank')} is below the adapter's rank {rank}"
+        return None
+
+    def use_adapter(self, folder: str | Path, lora_id: int) -> None:
+        """Serve every request from now on with the PEFT adapter in ``folder`` (loaded by the server under a new name,
+        the last one unloaded)."""
+        name = f"policy-{lora_id}"
+        self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(folder).resolve())},
+                   "loading the policy's adapter", text=True)
+        previous, self.model = self.model, name
+        if previous != self.base_model:
+            self._call("/v1/unload_lora_adapter", {"lora_name": previous}, "unloading the last adapter", text=True)
 
     def probe_logps(self, tokens: Sequence[int]) -> list[float]:
         """The server's log-prob of each of ``tokens[1:]`` after the tokens before it (temperature 1)."""

@@ -51,8 +51,10 @@ class StandIn(BaseHTTPRequestHandler):
                 "model": spec.get("model", str(MODEL)), "dtype": spec.get("dtype", "torch.float32"),
                 "max_model_len": spec.get("max_model_len", 256), "logprobs_mode": spec.get("logprobs_mode", "processed_logprobs"),
                 "skip_tokenizer_init": False},
-                "parallel_config": {"worker_extension_cls": spec.get("extension", QUALNAME)}},
-                "vllm_env": {"VLLM_BATCH_INVARIANT": spec.get("batch_invariant", False)}}))
+                "parallel_config": {"worker_extension_cls": spec.get("extension", QUALNAME)},
+                "lora_config": spec.get("lora_config")},
+                "vllm_env": {"VLLM_BATCH_INVARIANT": spec.get("batch_invariant", False),
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": spec.get("lora_updating", False)}}))
         if self.path == "/v1/models":
             return self._reply(200, {"object": "list", "data": [{"id": "tiny", "root": str(MODEL)}]})
         return self._reply(404, {"detail": "Not Found"})
@@ -71,8 +73,8 @@ class StandIn(BaseHTTPRequestHandler):
             if "reload_error" in spec:
                 return self._reply(500, {"error": {"message": spec["reload_error"], "type": "InternalServerError"}})
             return self._reply(200, {"results": [None]})
-        if self.path == "/reset_prefix_cache":
-            return self._reply(200, None, raw=b"")
+        if self.path in ("/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            return self._reply(200, None, raw=b"" if self.path == "/reset_prefix_cache" else b"Success: done.")
         if self.path == "/v1/completions":
             time.sleep(spec.get("delay", 0))
             if spec.get("garbage"):
@@ -201,6 +203,25 @@ def test_each_broken_server_is_one_line(case, stand_in, tmp_path):
     assert "\n" not in message and re.search(says, message), message
     assert message.startswith("generation.engine=vllm: ") and time.monotonic() - started < 10
     assert not (tmp_path / "weights").exists()
+
+
+def test_a_lora_policy_is_loaded_as_an_adapter_where_the_server_takes_them(stand_in, tmp_path):
+    engine = client(stand_in, tmp_path)
+    assert engine.adapter_problem(4) == "the server was started without --enable-lora"
+    stand_in.spec = {"lora_config": {"max_lora_rank": 8}}
+    engine = client(stand_in, tmp_path)
+    assert engine.adapter_problem(4).startswith("the server was started without VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+    stand_in.spec["lora_updating"] = True
+    engine = client(stand_in, tmp_path)
+    assert engine.adapter_problem(16) == "the server's --max-lora-rank 8 is below the adapter's rank 16"
+    assert engine.adapter_problem(8) is None
+    for lora_id in (1, 2):
+        engine.use_adapter(tmp_path / f"adapter_{lora_id}", lora_id)
+    calls = [(path, body.get("lora_name")) for path, body in stand_in.seen if "lora_adapter" in path]
+    assert calls == [("/v1/load_lora_adapter", "policy-1"), ("/v1/load_lora_adapter", "policy-2"),
+                     ("/v1/unload_lora_adapter", "policy-1")]
+    engine.sample([[1, 5]], [[3]], 2, Sampling(temperature=1.0), stop_ids=[])
+    assert stand_in.seen[-1][1]["model"] == "policy-2"
 
 
 def test_batch_invariant_sampling_asks_for_a_server_started_so(stand_in, tmp_path):

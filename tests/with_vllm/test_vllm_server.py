@@ -45,11 +45,13 @@ def server(model_dir, tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("server") / "vllm.log"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--dtype", "float32",
                "--logprobs-mode", "processed_logprobs", "--max-model-len", "256", "--host", "127.0.0.1", "--port",
                str(port), "--enforce-eager", "--seed", "0",
-               "--worker-extension-cls", "waypoint.sampling.vllm_worker.WaypointWorker"]
+               "--worker-extension-cls", "waypoint.sampling.vllm_worker.WaypointWorker", "--enable-lora",
+               "--max-lora-rank", "8"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -96,6 +98,32 @@ def test_after_a_sync_the_server_samples_greedily_what_the_policy_does(server, m
     assert batch[3] == alone and batch[0] != batch[1]
     # the log-prob of each sampled token is the policy's (processed: temperature 1 here)
     assert torch.allclose(policy_logps(model, PROMPTS[1], native[1]), torch.tensor(logps[1]), atol=1e-4)
+
+
+def test_a_lora_policy_reaches_the_server_as_its_adapter(server, model_dir, tmp_path):
+    """Each sync loads the PEFT adapter under a new name (the last one unloaded); the server's greedy tokens are then
+    the LoRA model's."""
+    from waypoint.models.lora import apply_lora
+    from waypoint.sampling.adapter_push import AdapterPush
+
+    checkpointer = checkpointer_for(model_dir)
+    model = model_from(checkpointer, checkpointer.load_checkpoint()["model"], "fp32")
+    apply_lora(model, ["q_proj", "v_proj", "down_proj"], rank=4, alpha=8)
+    options = VLLMOptions(vllm_mode="server", vllm_server_base_url=server, vllm_server_timeout=60)
+    remote = VLLMServer(model_dir, torch.float32, options, 128, tmp_path / "weights")
+    assert remote.adapter_problem(4) is None and "max-lora-rank 8 is below" in remote.adapter_problem(16)
+    adapters = AdapterPush(model, checkpointer.hf_converter(), tmp_path / "adapters")
+    engine = PolicyEngine(remote, checkpointer, [1, 5, 6, 7, 9, 11, 13, 15], checkpointer.model_type, options, adapters)
+    base = remote.sample(PROMPTS, [[0]] * 3, 8, Sampling(temperature=0), stop_ids=[])[0]
+    for step in (1, 2):
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.5)  # adapters that change every greedy token
+        assert engine.sync(model, step, f"before step {step + 1}")["sampling/weight_sync_logp_gap"] < 1e-4
+        native = [generate_group(model, p, 1, 8, Sampling(temperature=0))[0] for p in PROMPTS]
+        assert remote.sample(PROMPTS, [[0]] * 3, 8, Sampling(temperature=0), stop_ids=[])[0] == native != base
+    assert remote.model == "policy-2"
 
 
 def test_a_grpo_run_sampled_by_a_server_checks_every_sync(server, model_dir, tmp_path):
