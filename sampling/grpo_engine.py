@@ -42,6 +42,8 @@ class PolicyEngine:
     def __init__(self, engine, checkpointer, probe: list[int], family: str, options: VLLMOptions, adapters=None) -> None:
         self.engine, self.checkpointer, self.probe, self.family, self.options = engine, checkpointer, probe, family, options
         self.adapters = adapters  # a LoRA policy pushed as its adapter (sampling.adapter_push), else its weights
+        # a server may hold what another run pushed: under adapters, the frozen base goes to it once, first
+        self.base_pending = adapters is not None and getattr(engine, "outlives_runs", False)
         self.synced_step: int | None = None
 
     def sync(self, model: torch.nn.Module, step: int, when: str) -> dict[str, float]:
@@ -51,6 +53,10 @@ class PolicyEngine:
             return {}
         started = time.perf_counter()
         if self.adapters is not None:  # the base as the engine loaded it (frozen), the adapter a new request
+            if self.base_pending:
+                base = split_extra_state(model.state_dict())[0]
+                self.engine.push(self.checkpointer.served_tensors({k: v for k, v in base.items() if ".lora_" not in k}))
+                self.base_pending = False
             self.engine.use_adapter(*self.adapters.write(model))
         else:
             native = split_extra_state(model.state_dict())[0]

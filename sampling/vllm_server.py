@@ -65,6 +65,8 @@ def _detail(raw: bytes) -> str:
 class VLLMServer(ProbeChecked):
     """The vLLM server at ``options.server_url``, serving ``checkpoint_dir``'s model for a run in ``dtype``."""
 
+    outlives_runs = True  # it may hold the weights an earlier run pushed (a LoRA run gives it the base first)
+
     def __init__(self, checkpoint_dir: str | Path, dtype: torch.dtype, options: VLLMOptions, max_model_len: int,
                  weights_dir: Path) -> None:
         self.url, self.options, self.timeout = options.server_url, options, float(options.vllm_server_timeout)
