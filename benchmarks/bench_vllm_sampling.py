@@ -1,7 +1,7 @@
 """GRPO's sampling, native against vLLM: a step's prompts x completions, and the weight sync that vLLM adds.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_sampling.py [--prompts 16] [--n 8] [--prompt 64] [--new 128]
-                                                             [--repeats 3] [--device cpu|cuda] [--lora 16] [--server]
+                                                             [--repeats 3] [--device cpu|cuda] [--lora 16]
 
 Run in vLLM's environment (``bash scripts/make_vllm_env.sh``). One random-weight Llama-shaped model (bench_generate's
 shape: vocab 32000, hidden 512, 4 layers, heads 8/4), saved once by transformers; ``--prompts`` random prompts of
@@ -13,8 +13,6 @@ top-p 0.95, fp32:
   vllm     ``waypoint.sampling.vllm_engine.VLLMEngine.sample``: the step's prompts x completions as one batch of
            seeded requests (``enforce_eager`` on the CPU)
   sync     ``PolicyEngine.sync``: the policy pushed through the family's table, then the probe checked
-  server   ``VLLMServer`` (``--server``): vLLM's OpenAI server started on 127.0.0.1 with the worker extension, the
-           step's requests sent together over HTTP; its sync writes the weights to a folder it reloads from
   lora     with ``--lora RANK`` adapters on every projection (random B): the sync of the merged weights, and of the
            PEFT adapter into an engine started with LoRA (``AdapterPush``), and sampling with that adapter
 
@@ -64,7 +62,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--lora", type=int, default=16, help="the adapters' rank (0: no LoRA rows)")
-    parser.add_argument("--server", action="store_true", help="time vLLM's server too (about 45 s to start on 2 cores)")
     args = parser.parse_args()
 
     import torch
@@ -112,19 +109,8 @@ def main() -> None:
         native_s = timed(native, args.repeats)
         group_s = timed(group, args.repeats)
         rows = [("group", group_s, native_s / group_s, ""), ("native", native_s, 1.0, f"({args.batch} prompts a loop)"),
-                ("vllm", vllm_s, native_s / vllm_s, "")]
+                ("vllm", vllm_s, native_s / vllm_s, "")]  # (sampler, s a step, its speed over native's, a note)
         syncs = [("sync", sync_s, "the whole model pushed, then the probe checked")]
-        if args.server:
-            server, server_engine = start_server(path, args, Path(tmp) / "weights")
-            try:
-                remote = PolicyEngine(server_engine, checkpointer, prompts[0][:32], checkpointer.model_type, VLLMOptions())
-                rows.append(("server", timed(lambda: server_engine.sample(prompts, seeds, args.new, sampling, stop_ids=[]),
-                                             args.repeats), None, "(HTTP, the requests sent together)"))
-                syncs.append(("server sync", timed(lambda: remote.sync(model, next(step), "in the benchmark"), args.repeats),
-                              "written to a folder, reloaded by the server, probe checked"))
-            finally:
-                server.terminate()
-                server.wait(60)
         if args.lora:
             from waypoint.models.lora import apply_lora
             from waypoint.sampling.adapter_push import AdapterPush
@@ -150,34 +136,10 @@ def main() -> None:
           f"fp32, torch threads {torch.get_num_threads()}; vLLM's start: {start_s:.1f} s")
     print(f"{'sampler':<10} {'s / step':>9} {'tokens/s':>10} {'/native':>8}")
     for name, seconds, ratio, note in rows:
-        ratio = native_s / seconds if ratio is None else ratio
         print(f"{name:<10} {seconds:>9.2f} {tokens / seconds:>10.0f} {ratio:>8.2f}  {note}".rstrip())
     print(f"{'sync':<14} {'s / step':>9}")
     for name, seconds, note in syncs:
         print(f"{name:<14} {seconds:>9.3f}  {note}")
-
-
-def start_server(path: Path, args, weights: Path):
-    """vLLM's OpenAI server of ``path`` on a free 127.0.0.1 port, as the README starts it: (its process, a VLLMServer)."""
-    import socket
-    import subprocess
-
-    import torch
-
-    from waypoint.sampling.vllm_options import VLLMOptions
-    from waypoint.sampling.vllm_server import QUALNAME, VLLMServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--dtype",
-                               "float32", "--logprobs-mode", "processed_logprobs", "--max-model-len",
-                               str(args.prompt + args.new + 8), "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
-                               "--worker-extension-cls", QUALNAME, *(["--enforce-eager"] if args.device == "cpu" else [])],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    options = VLLMOptions(vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_server_timeout=300)
-    return server, VLLMServer(path, torch.float32, options, args.prompt + args.new + 8, weights)
 
 
 if __name__ == "__main__":

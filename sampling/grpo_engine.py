@@ -114,7 +114,7 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
     probe = (first * 2 if len(first) < 2 else first)[:PROBE_TOKENS]
     dtype = parse_dtype(cfg.dtype)
     # a LoRA policy: its adapter where vLLM serves it (as a new LoRA request each sync), else the merged weights
-    unserved = AdapterPush.why_not(model, converter) if lora else None
+    unserved = (options.adapters_unwanted(cfg.device) or AdapterPush.why_not(model, converter)) if lora else None
     if options.vllm_mode == "server":
         from waypoint.sampling.vllm_server import VLLMServer
 

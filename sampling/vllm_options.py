@@ -41,6 +41,9 @@ class VLLMOptions:
     # vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, GPUs): a request samples the same whatever else is in its
     # batch, so a resumed run samples what the uninterrupted one did; slower. (Its CPU backend is batch-invariant as is.)
     vllm_batch_invariant: bool = False
+    # a LoRA policy given to vLLM as its adapter (true) or merged (false); null: the adapter on a GPU or a server, merged
+    # on the CPU, where vLLM's LoRA kernels sampled 2.7x slower than the merged model (benchmarks/bench_vllm_sampling.py)
+    vllm_push_adapters: bool | None = None
 
     def __post_init__(self) -> None:
         if self.vllm_mode not in MODES:
@@ -63,6 +66,8 @@ class VLLMOptions:
             raise ValueError(f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization!r}: expected a number in (0, 1]")
         if self.vllm_tensor_parallel_size != 1:
             raise ValueError(f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size!r}: only 1 is supported yet")
+        if self.vllm_push_adapters not in (None, True, False):
+            raise ValueError(f"vllm_push_adapters={self.vllm_push_adapters!r}: expected true, false or null")
         for name in ("vllm_enable_sleep_mode", "vllm_importance_sampling_correction", "vllm_batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
@@ -74,6 +79,15 @@ class VLLMOptions:
                                       or not math.isfinite(tolerance) or tolerance <= 0):
             raise ValueError(f"vllm_sync_tolerance={tolerance!r}: expected a number > 0, or null")
         self.correction  # noqa: B018 (checks the importance-sampling options)
+
+    def adapters_unwanted(self, device: str) -> str | None:
+        """Why a LoRA policy goes to vLLM merged although vLLM could take its adapter (``vllm_push_adapters``), or None."""
+        if self.vllm_push_adapters is False:
+            return "vllm.vllm_push_adapters=false"
+        if self.vllm_push_adapters is None and self.vllm_mode == "colocate" and not device.startswith("cuda"):
+            return ("on the CPU vLLM's LoRA kernels sample about 2.7x slower than the merged model; "
+                    "vllm.vllm_push_adapters=true pushes the adapter")
+        return None
 
     @property
     def server_url(self) -> str:

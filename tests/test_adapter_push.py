@@ -52,3 +52,13 @@ def test_an_adapter_vllm_cannot_serve_says_why():
     model, converter = lora_model(["q_proj", "output"])  # the head: not a LoRA module vLLM serves
     why = AdapterPush.why_not(model, converter)
     assert why is not None and why.startswith("target module(s) lm_head are not supported LoRA modules"), why
+
+
+def test_the_adapter_goes_where_vllm_samples_fast_with_it_unless_the_config_says():
+    from waypoint.sampling.vllm_options import VLLMOptions
+
+    assert VLLMOptions().adapters_unwanted("cuda") is None
+    assert VLLMOptions().adapters_unwanted("cpu").startswith("on the CPU vLLM's LoRA kernels sample about 2.7x slower")
+    assert VLLMOptions(vllm_mode="server").adapters_unwanted("cpu") is None  # a server started with --enable-lora
+    assert VLLMOptions(vllm_push_adapters=True).adapters_unwanted("cpu") is None
+    assert VLLMOptions(vllm_push_adapters=False).adapters_unwanted("cuda") == "vllm.vllm_push_adapters=false"
