@@ -52,14 +52,13 @@ class PolicyEngine:
         if self.synced_step == step:
             return {}
         started = time.perf_counter()
+        native = split_extra_state(model.state_dict())[0]
         if self.adapters is not None:  # the base as the engine loaded it (frozen), the adapter a new request
             if self.base_pending:
-                base = split_extra_state(model.state_dict())[0]
-                self.engine.push(self.checkpointer.served_tensors({k: v for k, v in base.items() if ".lora_" not in k}))
+                self.engine.push(self.checkpointer.served_tensors({k: v for k, v in native.items() if ".lora_" not in k}))
                 self.base_pending = False
             self.engine.use_adapter(*self.adapters.write(model))
         else:
-            native = split_extra_state(model.state_dict())[0]
             scalings = {name: m.scaling for name, m in lora_modules(model).items()}
             if scalings:  # LoRA: the base with each adapter's update folded in, a tensor at a time as the engine reads it
                 native = MergedState(native, scalings)
@@ -113,24 +112,16 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
     first = list(dataset[0]["prompt_ids"])
     probe = (first * 2 if len(first) < 2 else first)[:PROBE_TOKENS]
     dtype = parse_dtype(cfg.dtype)
-    # a LoRA policy: its adapter where vLLM serves it (as a new LoRA request each sync), else the merged weights
-    unserved = (options.adapters_unwanted(cfg.device) or AdapterPush.why_not(model, converter)) if lora else None
+    server = None
     if options.vllm_mode == "server":
         from waypoint.sampling.vllm_server import VLLMServer
 
         weights_dir = Path(options.vllm_server_weights_dir or Path(cfg.output_dir) / ".vllm_weights")
-        engine = VLLMServer(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, weights_dir=weights_dir)
-        where = f"the vLLM server at {options.server_url} (each sync's weights written to {weights_dir})"
-        folder = weights_dir / ADAPTERS_FOLDER  # the server reads the adapters too
+        server = VLLMServer(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, weights_dir=weights_dir)
+    adapters, unserved = _adapter_push(model, converter, options, cfg.device, server) if lora else (None, "")
+    if server is not None:
+        engine, where = server, f"the vLLM server at {options.server_url} (each sync's weights written to {weights_dir})"
     else:
-        folder = Path(tempfile.mkdtemp(prefix="waypoint-vllm-adapters-")) if lora and not unserved else None
-    adapters = AdapterPush(model, converter, folder) if lora and not unserved else None
-    if adapters and options.vllm_mode == "server":
-        unserved = engine.adapter_problem(adapters.rank)
-        adapters = None if unserved else adapters
-    if adapters:
-        atexit.register(adapters.close)
-    if options.vllm_mode != "server":
         from waypoint.sampling.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(checkpointer.checkpoint_dir, dtype, options, max_model_len=longest, seed=cfg.seed,
@@ -147,3 +138,20 @@ def start_engine(cfg, checkpointer, dataset, longest: int, lora, dist, say: Call
     elif lora:
         say(f"sampling: vLLM is given the merged weights (base + adapters) before every step ({unserved})")
     return PolicyEngine(engine, checkpointer, probe, checkpointer.model_type, options, adapters)
+
+
+def _adapter_push(model: torch.nn.Module, converter, options: VLLMOptions, device: str,
+                  server) -> tuple[AdapterPush | None, str]:
+    """A LoRA policy's adapter, pushed as a new LoRA request each sync where vLLM (``server``, else vLLM in this
+    process) serves it: (the push, ""); else (None, why the merged weights go instead)."""
+    why = options.adapters_unwanted(device) or AdapterPush.why_not(model, converter)
+    if not why and server is not None:
+        why = server.adapter_problem(next(iter(lora_modules(model).values())).rank)
+    if why:
+        return None, why
+    # a server reads the adapters from beside the weights it reloads; vLLM in this process from a folder of its own
+    folder = server.weights_dir / ADAPTERS_FOLDER if server is not None else \
+        Path(tempfile.mkdtemp(prefix="waypoint-vllm-adapters-"))
+    push = AdapterPush(model, converter, folder)
+    atexit.register(push.close)
+    return push, ""
