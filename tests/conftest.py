@@ -15,6 +15,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# Where the environment says PYTHONDONTWRITEBYTECODE=1 (this CI machine does), every process of the suite (3 workers,
+# the runs they fork and start, torchrun's ranks) compiled the checkout's modules again, and each worker rewrote
+# every test module's asserts again (8 of its 16 CPU-s of collection). Bytecode goes where Python puts it by default:
+# __pycache__ beside the sources, which git ignores. Loaded before xdist starts its workers: they inherit it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 # tests/with_vllm/ run in vLLM's own environment (tests/test_vllm_environment.py runs them there)
 collect_ignore = [] if __import__("importlib.util").util.find_spec("vllm") else ["with_vllm"]
 # modules of one long test that start the run: collected last, it would leave the other xdist worker idle at the end
