@@ -17,7 +17,8 @@ says which step the run holds (``waypoint.run.trackers`` sends only what comes a
 has (``run.step``); offline, the last step in the run's offline files (``waypoint.run.wandb_files``), since a kill
 loses what W&B's service had not yet written. Offline, each process writes its own ``offline-run-*-<id>``
 directory under ``dir``, all of one W&B run, each step in one of them only; ``wandb sync`` uploads them (resume
-offline where the earlier ones are: another machine's are not seen).
+offline where the earlier ones are: another machine's are not seen). An offline run's ``finish`` returns once its
+file is written (W&B writes it after ``run.finish()`` returns), so that a run resumed in the same process reads it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("online", "offline", "disabled")
+CLOSE_WAIT_S = 10.0  # the longest finish() waits for an offline run's file (written anyway at the latest at exit)
 
 
 class WandbLogger:
@@ -109,4 +111,10 @@ class WandbLogger:
             mark = getattr(run, "mark_preempting", None)
             if mark is not None:
                 mark()
+        offline = run.offline and not getattr(run, "disabled", False)
+        sync_file = run.settings.sync_file
         run.finish()
+        if offline:  # finish() returns before W&B's service writes the file: a run resumed in this process reads it
+            from waypoint.run.wandb_files import wait_closed
+
+            wait_closed(sync_file, CLOSE_WAIT_S)

@@ -20,7 +20,7 @@ import torch
 from recipes import full_finetune, lora_finetune
 from tests.conftest import ROOT, TRACKERS, needs, sigterm_at_step
 from tests.recipe_runs import run_recipe
-from waypoint.run.wandb_files import history, parsed, run_files
+from waypoint.run.wandb_files import BLOCK, closed, history, parsed, records, run_files, wait_closed
 
 pytestmark = [TRACKERS, needs("wandb", "mlflow")]
 
@@ -177,14 +177,68 @@ def test_the_offline_reader_reads_what_wandb_wrote(offline):
     for step, values in ((1, {"loss": 1.0}), (2, {"loss": 2.0}), (2, {"val_loss": 0.5}), (5, {"loss": 5.0})):
         run.log(values, step=step)
     run.summary["final_model"] = "/m"
-    seen = f"mode {run.settings.mode}, dir {run.dir}, disabled {getattr(run, 'disabled', None)}"
     run.finish()
+    assert wait_closed(run.settings.sync_file, 60), "W&B's service never wrote the run's file"
     rows = wandb_history(offline, "reader1")
-    files = sorted(str(p.relative_to(offline.parent)) for p in offline.parent.rglob("*") if p.is_file())
-    assert [step for step, _ in rows] == [1, 2, 5], (seen, files)  # once [] in a suite run: what W&B did then
+    assert [step for step, _ in rows] == [1, 2, 5]
     assert rows[1][1]["loss"] == 2.0 and rows[1][1]["val_loss"] == 0.5
     assert [json.loads(i.value_json) for s in wandb_records(offline, "reader1", "summary") for i in s.update
             if i.key == "final_model"] == ["/m"]
+
+
+@pytest.fixture
+def late_stream_close(monkeypatch):
+    """W&B's service closes a finished run's stream (and writes its file) a second after ``run.finish()`` returns,
+    as on a busy machine: ``finish`` tells the service with a message it does not wait on."""
+    from wandb.sdk.lib.service.service_connection import ServiceConnection
+
+    inform, timers = ServiceConnection.inform_finish, []
+
+    def later(self, run_id):
+        timers.append(threading.Timer(1.0, inform, (self, run_id)))
+        timers[-1].start()
+
+    monkeypatch.setattr(ServiceConnection, "inform_finish", later)
+    yield
+    for timer in timers:
+        timer.join()
+
+
+def test_an_offline_run_is_on_disk_when_its_tracker_has_finished(offline, tmp_path, late_stream_close):
+    """A run resumed in the same process reads the earlier run's file: the tracker's finish waits for W&B to write it
+    (with W&B's own ``run.finish()`` alone the file still held only its header, and the reader found no steps)."""
+    import wandb
+
+    from waypoint.run.tracker_wandb import WandbLogger
+
+    bare = wandb.init(project="p", id="bare1", dir=str(offline.parent), mode="offline", reinit="create_new")
+    bare.log({"loss": 1.0}, step=1)
+    bare.finish()
+    assert not closed(bare.settings.sync_file) and wandb_history(offline, "bare1") == [], "W&B's file, unwritten yet"
+    logger = WandbLogger()
+    logger.start("t", {"seed": 1}, "ours2", tmp_path / "out", report=print)
+    logger.log([(1, {"loss": 1.0}), (2, {"loss": 2.0})])
+    logger.finish("/m")
+    assert [s for s, _ in wandb_history(offline, "ours2")] == [1, 2]
+
+
+def test_the_reader_finds_the_exit_record_in_the_last_blocks_and_not_in_a_torn_file(offline, tmp_path):
+    import wandb
+
+    run = wandb.init(project="p", id="long1", dir=str(offline.parent), mode="offline", reinit="create_new")
+    for step in range(1, 301):  # a file of several 32 KiB blocks
+        run.log({f"metric_{k}": float(step) for k in range(12)}, step=step)
+    run.finish()
+    path = Path(run.settings.sync_file)
+    assert wait_closed(path, 60)
+    whole = list(records(path))
+    tail = list(records(path, last_blocks=2))
+    assert path.stat().st_size > 3 * BLOCK and 0 < len(tail) < len(whole) and tail == whole[-len(tail):]
+    assert [s for s, _ in wandb_history(offline, "long1")] == list(range(1, 301))
+    for name, data in (("header", path.read_bytes()[:7]), ("torn", path.read_bytes()[:-5]), ("other", b"PK\x03\x04")):
+        (tmp_path / name).write_bytes(data)
+        assert not closed(tmp_path / name), name
+    assert not closed(tmp_path / "missing")
 
 
 def test_a_wandb_run_already_active_in_the_process_is_not_taken_for_ours(offline, tmp_path):
