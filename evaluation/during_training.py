@@ -8,10 +8,15 @@ checkpoint. The random states (Python's, NumPy's, torch's) are put back afterwar
 bit for bit as one that does not, and resumes as exactly. One process only: under torchrun every rank holds a shard
 of the model, and evaluating a step's checkpoint with ``recipes/eval.py`` is the way. Tasks are resolved at start,
 so an unknown one is a one-line error before the first step.
+
+Only the scores are kept, so lm-eval's description of the environment for its results file (``add_env_info``:
+torch's ``collect_env``, which runs ``pip list``, ``nvidia-smi`` and more in subprocesses; 1.3 s each time on a
+CPU machine, 4 s the first) is not gathered at each evaluation; ``recipes/eval.py`` writes it as lm-eval does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
 from dataclasses import dataclass
@@ -61,7 +66,7 @@ class TrainingEval:
         states = random.getstate(), _numpy_state(), torch.get_rng_state(), _cuda_states()
         training = model.training
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _without_env_info():
                 lm = WaypointLM(model, tokenizer, max_length=self.max_length, max_gen_toks=self.max_gen_toks)
                 results = simple_evaluate(model=lm, tasks=self.tasks, task_manager=self.manager, limit=self.limit,
                                           bootstrap_iters=0, log_samples=False)
@@ -73,6 +78,22 @@ class TrainingEval:
             if states[3] is not None:
                 torch.cuda.set_rng_state_all(states[3])
         return scores(results)
+
+
+@contextlib.contextmanager
+def _without_env_info():
+    """lm-eval's ``simple_evaluate`` without its ``add_env_info`` (the module doc), where lm-eval has that step."""
+    from lm_eval import evaluator
+
+    if not callable(getattr(evaluator, "add_env_info", None)):
+        yield
+        return
+    gather = evaluator.add_env_info
+    evaluator.add_env_info = lambda results: None
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = gather
 
 
 def scores(results: dict) -> dict[str, float]:

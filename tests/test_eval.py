@@ -271,8 +271,10 @@ def test_eval_while_training_logs_the_scores_eval_py_gives_and_changes_no_step(t
     assert scores[-1]["eval/tiny_choice/acc"] == results["results"]["tiny_choice"]["acc,none"]
 
 
-def test_eval_while_training_puts_the_random_states_and_the_mode_back(manager):
+def test_eval_while_training_puts_the_random_states_and_the_mode_back(manager, monkeypatch):
     import random
+
+    import torch.utils.collect_env
 
     from lm_eval import simple_evaluate
 
@@ -288,10 +290,15 @@ def test_eval_while_training_puts_the_random_states_and_the_mode_back(manager):
     torch.manual_seed(7)
     random.seed(7)
     before = torch.get_rng_state(), random.getstate()
+    described = []  # lm-eval's description of the environment (pip list, nvidia-smi...): not gathered at each eval
+    monkeypatch.setattr(torch.utils.collect_env, "get_pretty_env_info", lambda: described.append(1) or "env")
     assert set(training_eval.run(model, tokenizer)) == {"eval/tiny_choice/acc", "eval/tiny_choice/acc_norm"}
     assert model.training and torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
-    # the negative control: lm-eval seeds the global generators itself
-    simple_evaluate(model=WaypointLM(model, tokenizer), tasks=["tiny_choice"], task_manager=manager, limit=2, bootstrap_iters=0)
+    assert described == []
+    # the negative controls: lm-eval seeds the global generators itself, and describes the environment
+    results = simple_evaluate(model=WaypointLM(model, tokenizer), tasks=["tiny_choice"], task_manager=manager, limit=2,
+                              bootstrap_iters=0)
     assert not torch.equal(torch.get_rng_state(), before[0])
+    assert described == [1] and results["pretty_env_info"] == "env"
     with pytest.raises(CheckpointError, match=r"^eval: evaluating while training is single-process; under torchrun"):
         TrainingEval.from_config({"tasks": ["tiny_choice"], "every_n_steps": 5}, world_size=2)
