@@ -3,7 +3,17 @@
 A record is OpenAI style, ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}``,
 or ShareGPT, ``{"conversations": [{"from": "system" | "human" | "gpt", "value": str}, ...], "system": str}`` (the
 optional ``system`` is the system turn, as ShareGPT readers take it, unless the first turn is one); ``columns`` names
-other fields (``{"messages": "dialog", "role": "speaker", "content": "text"}``). Records come from a ``.json``,
+other fields (``{"messages": "dialog", "role": "speaker", "content": "text", "tools": "functions"}``).
+
+Agent traces are records in TRL's conversational format: a ``tools`` column (JSON-schema function definitions, or
+a string holding their JSON list), assistant messages with ``tool_calls`` (``{"type": "function", "function":
+{"name", "arguments"}}``, arguments an object or a JSON string, read as its object; ``content`` may then be
+empty or left out) and
+reasoning (``reasoning_content``, or ``thinking`` / ``reasoning``), ``tool`` messages (``ipython`` read as ``tool``)
+with the result as content and optional ``name`` and ``tool_call_id``, and contents given as a list of parts
+(``[{"type": "text", "text": ...}, ...]``). The template renders them as ``apply_chat_template(messages, tools=...)``
+does; what is trained is each assistant turn as the model writes it, reasoning and tool calls included, never the
+tools' results (``waypoint.text.chat_template``, ``waypoint.text.generation_marks``). Records come from a ``.json``,
 ``.jsonl`` or ``.parquet`` file or a directory of them (``waypoint.data.records``). An item is
 ``{"tokens", "labels"}``: the conversation as ``apply_chat_template(tokenize=True)`` tokenizes it, labels -100
 outside the assistant turns (``waypoint.text.chat_template`` says how those are found), both cut to
@@ -13,6 +23,7 @@ cannot render stops the run before its first step, naming its file and index (``
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from torch.utils.data import Dataset
@@ -22,12 +33,13 @@ from waypoint.text.chat_template import ChatTemplate, load_chat_template
 from waypoint.data.tokenized import TokenizedRecords
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
-         "model": "assistant", "tool": "tool"}
+         "model": "assistant", "tool": "tool", "ipython": "tool"}
 FORMATS = {  # messages field -> (role field, content field)
     "messages": ("role", "content"),
     "conversations": ("from", "value"),
 }
-COLUMN_KEYS = ("messages", "role", "content")
+COLUMN_KEYS = ("messages", "role", "content", "tools")
+OPTIONAL_KEYS = {"assistant": ("reasoning_content", "thinking", "reasoning"), "tool": ("name", "tool_call_id")}
 
 
 class ChatDataset(Dataset):
@@ -39,6 +51,7 @@ class ChatDataset(Dataset):
             chat template).
         max_seq_len: items are cut to this many tokens.
         train_on_input: supervise every token, not only the assistant turns.
+        assistant_only_loss: TRL's name for the opposite of ``train_on_input`` (either may be given, not both).
         template: None for the checkpoint's own chat template; else a built-in name (``chatml``, ``llama3``) or
             a ``.jinja`` file.
         columns: field names of other layouts: ``messages`` (the list), ``role``, ``content``.
@@ -48,7 +61,11 @@ class ChatDataset(Dataset):
 
     def __init__(self, source: str | Path, tokenizer, max_seq_len: int, train_on_input: bool = False,
                  template: str | None = None, columns: dict[str, str] | None = None,
-                 skip_bad_records: bool = False) -> None:
+                 skip_bad_records: bool = False, assistant_only_loss: bool | None = None) -> None:
+        if assistant_only_loss is not None:
+            if train_on_input and assistant_only_loss:
+                raise ValueError("dataset: train_on_input=true and assistant_only_loss=true contradict each other; set one")
+            train_on_input = not assistant_only_loss
         columns = column_names(columns, COLUMN_KEYS)
         self.source = Path(source)
         self.tokenizer = tokenizer
@@ -56,7 +73,7 @@ class ChatDataset(Dataset):
         self.items = TokenizedRecords(max_seq_len, train_on_input)
         self.template: ChatTemplate = load_chat_template(tokenizer, template)
         skipped = Skipped()  # every record rendered and tokenized now: one the template cannot render stops the run here
-        encode = lambda record, where: self.template.encode(self._messages(record), tokenizer)  # noqa: E731
+        encode = lambda record, where: self._encode(record)  # noqa: E731
         for where, (tokens, mask) in converted(self.source, encode, skip_bad_records, skipped):
             self.items.add(tokens, mask, where)
         self.skipped = skipped.count
@@ -65,7 +82,13 @@ class ChatDataset(Dataset):
         if not len(self.items):
             raise ValueError(f"{self.source}: no usable conversations")
 
-    def _messages(self, record) -> list[dict[str, str]]:
+    def _encode(self, record) -> tuple[list[int], list[int]]:
+        """A record's token ids and assistant mask: its messages rendered with its tools."""
+        messages = self._messages(record)
+        tools = read_tools(record.data, f"{record.file}: {record.where}", self.columns.get("tools", "tools"))
+        return self.template.encode(messages, self.tokenizer, tools)
+
+    def _messages(self, record) -> list[dict]:
         where = f"{record.file}: {record.where}"
         data = record.data
         if not isinstance(data, dict):
@@ -91,7 +114,7 @@ class ChatDataset(Dataset):
                 raise ValueError(f"{where}: 'system' must be a string, got {type(system).__name__}")
             if system and ROLES.get(turns[0].get(role_key) if isinstance(turns[0], dict) else None) != "system":
                 messages.append({"role": "system", "content": system})
-        messages += read_messages(turns, where, role_key, content_key)
+        messages += read_messages(turns, where, role_key, content_key, tool_use=True)
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{where}: no assistant message (nothing to train on)")
         return messages
@@ -109,22 +132,93 @@ class ChatDataset(Dataset):
 
 
 def read_messages(turns: list, where: str, role_key: str = "role", content_key: str = "content",
-                  field: str | None = None) -> list[dict[str, str]]:
+                  field: str | None = None, tool_use: bool = False) -> list[dict]:
     """``turns`` (a record's list of messages) as ``{"role", "content"}`` dicts with the roles' standard names; a
     malformed message is a ``ValueError`` naming ``where`` (the file and record), ``field`` when given, and the
-    message's number."""
+    message's number. ``tool_use``: agent traces too (the module doc): tool calls, tool results, reasoning, and
+    contents as lists of parts, kept under the names templates read."""
     at = f"{where}: {field!r}" if field else where
     messages = []
     for n, turn in enumerate(turns, start=1):
         if not isinstance(turn, dict):
             raise ValueError(f"{at}: message {n}: expected an object, got {type(turn).__name__}")
-        for key in (role_key, content_key):
-            if key not in turn:
-                raise ValueError(f"{at}: message {n}: missing key {key!r}")
-        role, content = turn[role_key], turn[content_key]
+        if role_key not in turn:
+            raise ValueError(f"{at}: message {n}: missing key {role_key!r}")
+        role = turn[role_key]
         if not isinstance(role, str) or role not in ROLES:
             raise ValueError(f"{at}: message {n}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
-        if not isinstance(content, str):
-            raise ValueError(f"{at}: message {n}: {content_key!r} must be a string, got {type(content).__name__}")
-        messages.append({"role": ROLES[role], "content": content})
+        message = {"role": ROLES[role]}
+        calls = turn.get("tool_calls") if tool_use and message["role"] == "assistant" else None
+        if calls is not None:
+            message["tool_calls"] = _tool_calls(calls, f"{at}: message {n}")
+        content = turn.get(content_key)
+        if content is None and not calls:
+            raise ValueError(f"{at}: message {n}: missing key {content_key!r}")
+        if content is not None:
+            if not isinstance(content, str) and not (tool_use and _parts(content)):
+                expected = "a string or a list of parts ({'type': 'text', 'text': ...})" if tool_use else "a string"
+                raise ValueError(f"{at}: message {n}: {content_key!r} must be {expected}, got {type(content).__name__}")
+            message["content"] = content
+        for key in OPTIONAL_KEYS.get(message["role"], ()) if tool_use else ():
+            value = turn.get(key)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise ValueError(f"{at}: message {n}: {key!r} must be a string, got {type(value).__name__}")
+                message[key] = value
+        messages.append(message)
     return messages
+
+
+def _parts(content) -> bool:
+    """Whether ``content`` is a list of parts, each an object with a string ``type`` (and a string ``text`` for text)."""
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and isinstance(p.get("type"), str) and (p["type"] != "text" or isinstance(p.get("text"), str))
+        for p in content)
+
+
+def _tool_calls(calls, at: str) -> list[dict]:
+    """An assistant message's ``tool_calls``, checked: each ``{"type": "function", "function": {"name", "arguments"}}``
+    (or the flat ``{"name", "arguments"}``), arguments an object or a JSON string, which is parsed into the object
+    templates expect (transformers asks for one: Llama 3.1's template would encode a string twice, Qwen3.5's and
+    Gemma 4's refuse it)."""
+    if not isinstance(calls, list) or not calls:
+        raise ValueError(f"{at}: 'tool_calls' must be a non-empty list of calls")
+    parsed = []
+    for k, call in enumerate(calls, start=1):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"{at}: tool call {k}: expected {{'type': 'function', 'function': {{'name': ..., "
+                             "'arguments': {...}}}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{at}: tool call {k} ({function['name']}): arguments are not JSON ({e.msg})") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{at}: tool call {k} ({function['name']}): arguments must be an object, "
+                             f"got {type(arguments).__name__}")
+        function = {**function, "arguments": arguments}
+        parsed.append({**call, "function": function} if "function" in call else function)
+    return parsed
+
+
+def read_tools(record: dict, where: str, key: str = "tools") -> list[dict] | None:
+    """A record's tool definitions (JSON-schema functions, as ``apply_chat_template(tools=...)`` takes them), given as
+    a list or as a string holding its JSON; None when it has none."""
+    tools = record.get(key)
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: {key!r} is a string but not JSON ({e.msg})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError(f"{where}: {key!r} must be a list of tool definitions (objects)")
+    for t in tools:
+        function = t.get("function", t)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where}: {key!r}: a tool definition without a name: "
+                             "expected {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}")
+    return tools

@@ -532,7 +532,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]},
      r"record 2 \(line 2\): message 2: unknown role 'robot'"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 3}]},
-     r"record 2 \(line 2\): message 2: 'content' must be a string, got int"),
+     r"record 2 \(line 2\): message 2: 'content' must be a string or a list of parts \({'type': 'text', 'text': \.\.\.}\), got int"),
     ({"messages": [{"role": "user"}]}, r"record 2 \(line 2\): message 1: missing key 'content'"),
     ({"dialog": []}, r"record 2 \(line 2\): missing key 'messages' \(or 'conversations'"),
     ({"messages": []}, r"record 2 \(line 2\): 'messages' must be a non-empty list"),

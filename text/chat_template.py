@@ -45,6 +45,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from waypoint.text.generation_marks import marked_copy
 from waypoint.text.instruction_templates import TEMPLATES as INSTRUCTION_TEMPLATES
 from waypoint.text.template_sandbox import TemplateLimitError, render_limited, sandboxed_environment
 
@@ -125,6 +126,9 @@ class ChatTemplate:
             self._template = self._env.from_string(text)
         except Exception as e:  # TemplateSyntaxError and friends
             raise ChatTemplateError(f"{source}: chat template does not compile{_template_line(e)}: {_one_line(e)}") from e
+        marked = None if self.marks_generation else marked_copy(text)
+        self._marked = self._env.from_string(marked) if marked is not None else None  # waypoint.text.generation_marks
+        self._prompt_tail: str | None = None
 
     def __repr__(self) -> str:
         return f"ChatTemplate({self.source})"
@@ -136,17 +140,19 @@ class ChatTemplate:
         (``tools``: JSON-schema tool definitions, as the template reads them)."""
         return self._render(messages, add_generation_prompt, tools=tools)[0]
 
-    def _render(self, messages, add_generation_prompt, track=False, tools=None) -> tuple[str, list[tuple[int, int]]]:
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
-        variables = {**self.variables, "messages": messages, "tools": tools, "documents": None,
+    def _render(self, messages, add_generation_prompt, track=False, tools=None, template=None,
+                **extra) -> tuple[str, list[tuple[int, int]]]:
+        messages = [_with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in messages]
+        variables = {**self.variables, **extra, "messages": messages, "tools": tools, "documents": None,
                      "add_generation_prompt": add_generation_prompt}
+        template = self._template if template is None else template
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         try:
             if track:
                 with self._env.track_generation(blocks, spans):
-                    return render_limited(self._env, self._template, variables, blocks), spans
-            return render_limited(self._env, self._template, variables, blocks), spans
+                    return render_limited(self._env, template, variables, blocks), spans
+            return render_limited(self._env, template, variables, blocks), spans
         except ChatTemplateError:
             raise
         except TemplateLimitError as e:
@@ -159,14 +165,32 @@ class ChatTemplate:
 
     # Assistant spans --------------------------------------------------------------------------------------
 
-    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans the model is trained on (see the module doc)."""
         if self.marks_generation:
-            return self._render(messages, False, track=True)
-        return self._derive_spans(messages)
+            return self._render(messages, False, track=True, tools=tools)
+        if self._marked is not None:  # a published template marked here: one rendering, checked against the template's
+            text = self.render(messages, tools=tools)
+            try:
+                marked, spans = self._render(messages, False, track=True, tools=tools, template=self._marked,
+                                             wp_prompt_tail=self._generation_prompt_tail())
+            except ChatTemplateError:
+                marked = None
+            if marked == text:
+                return text, spans
+        return self._derive_spans(messages, tools)
 
-    def _derive_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        text = self.render(messages)
+    def _generation_prompt_tail(self) -> str:
+        """What the generation prompt writes after ``<|im_start|>assistant\\n`` (waypoint.text.generation_marks)."""
+        if self._prompt_tail is None:
+            probe = [{"role": "user", "content": "x"}]
+            prompt = self.render(probe, add_generation_prompt=True)
+            header = "<|im_start|>assistant\n"
+            self._prompt_tail = prompt[prompt.rindex(header) + len(header):] if header in prompt else ""
+        return self._prompt_tail
+
+    def _derive_spans(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+        text = self.render(messages, tools=tools)
         assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
         if not assistants:
             return text, []
@@ -186,7 +210,7 @@ class ChatTemplate:
                 lead = content[: len(content) - len(content.lstrip())]
                 trail = content[len(content.rstrip()):] if core else ""
                 marked_messages[i]["content"] = lead + opens[i] + core + closes[i] + trail
-        marked = self.render(marked_messages)
+        marked = self.render(marked_messages, tools=tools)
         mark_positions = [p for p, ch in enumerate(marked) if _MARK_BASE <= ord(ch) < _MARK_BASE + n_marks]
         if "".join(ch for ch in marked if not _MARK_BASE <= ord(ch) < _MARK_BASE + n_marks) != text:
             raise self._cannot("the template renders a message differently when its content changes")
@@ -202,7 +226,7 @@ class ChatTemplate:
             open_ = marked.find(opens[i])
             start = None
             try:
-                prompt = self.render(marked_messages[:i], add_generation_prompt=True)
+                prompt = self.render(marked_messages[:i], add_generation_prompt=True, tools=tools)
             except ChatTemplateError:
                 prompt = None
             content_at = open_ if open_ >= 0 else close
@@ -210,32 +234,33 @@ class ChatTemplate:
             if from_prompt:
                 start = len(prompt)
             else:  # the prompt for this turn renders differently from the conversation: where it ends in the latter
-                start = self._header_end(marked_messages[:i], prompt, marked, previous_end, content_at)
+                start = self._header_end(marked_messages[:i], prompt, marked, previous_end, content_at, tools)
                 if start is None:
                     start = _prompt_end(marked, previous_end, content_at, prompt or "")
                 if start is None and open_ < 0:
                     raise self._cannot(f"the start of assistant message {number} (message {i + 1}) is not found")
                 start = open_ + 1 if start is None else start
             # The turn as the model writes it: the conversation up to it, rendered with it last (see the module doc).
-            as_last = marked if i == len(marked_messages) - 1 else self._render_or_none(marked_messages[: i + 1])
+            as_last = marked if i == len(marked_messages) - 1 else self._render_or_none(marked_messages[: i + 1], tools)
             header = marked[start:open_].rstrip() if from_prompt and open_ >= 0 else ""
             if header and as_last is not None and as_last.startswith(prompt) and opens[i] in as_last \
                     and as_last[len(prompt): as_last.index(opens[i])].rstrip() != header:
                 start += len(header)  # a history form of the header (harmony's, the analysis dropped): not trained
             end = close + 1 + len(self._end_of_turn(marked, close, marked_messages, i, closes[i], 2 * len(assistants),
-                                                    as_last))
+                                                    as_last, tools))
             if start < previous_end:
                 raise self._cannot(f"assistant message {number} (message {i + 1}) overlaps the one before it")
             previous_end = end
             spans.append((plain(start), plain(end)))
         return text, spans
 
-    def _header_end(self, before: list[dict], prompt: str | None, marked: str, low: int, high: int) -> int | None:
+    def _header_end(self, before: list[dict], prompt: str | None, marked: str, low: int, high: int,
+                    tools: list[dict] | None = None) -> int | None:
         """Where a turn's header ends in ``marked[low:high]`` when the conversation renders the messages ``before`` it
         as they render alone but writes the turn's header unlike the generation prompt (Qwen3.5's earlier turns:
         ``<|im_start|>assistant\\n`` without the prompt's ``<think>\\n``): after the part of the generation prompt it
         writes, cut at whitespace when they part mid-way; None when that is not so."""
-        base = self._render_or_none(before)
+        base = self._render_or_none(before, tools)
         if prompt is None or base is None or not prompt.startswith(base) or not marked.startswith(base) \
                 or not low <= len(base) <= high:
             return None
@@ -247,14 +272,14 @@ class ChatTemplate:
             common = max((p + 1 for p in range(common) if header[p].isspace()), default=0)
         return len(base) + common if common else None
 
-    def _render_or_none(self, messages: list[dict]) -> str | None:
+    def _render_or_none(self, messages: list[dict], tools: list[dict] | None = None) -> str | None:
         try:
-            return self.render(messages)
+            return self.render(messages, tools=tools)
         except ChatTemplateError:
             return None
 
     def _end_of_turn(self, marked: str, close: int, marked_messages: list[dict], i: int, close_mark: str,
-                     n_marks: int, as_last: str | None = None) -> str:
+                     n_marks: int, as_last: str | None = None, tools: list[dict] | None = None) -> str:
         """The text the template writes after an assistant content to end the turn (``as_last``: the conversation up to
         the turn, rendered with it last)."""
         after = marked[close + 1:]
@@ -270,7 +295,7 @@ class ChatTemplate:
                 return tail[: found.end()]
         # No control token: what the template writes after the content both here and when the message is the last.
         if as_last is None:
-            last = self.render(marked_messages[: i + 1])
+            last = self.render(marked_messages[: i + 1], tools=tools)
             last_tail = last[last.index(close_mark) + 1:] if close_mark in last else ""
         common = 0
         while common < min(len(tail), len(last_tail)) and tail[common] == last_tail[common]:
@@ -287,12 +312,22 @@ class ChatTemplate:
 
     # Tokens -----------------------------------------------------------------------------------------------
 
-    def encode(self, messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+    def encode(self, messages: list[dict], tokenizer, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
         """Token ids of the rendered conversation and its assistant mask (1 on the tokens trained on), as
         ``apply_chat_template(messages, tokenize=True, return_assistant_tokens_mask=True)`` gives them."""
-        text, spans = self.assistant_spans(messages)
+        text, spans = self.assistant_spans(messages, tools)
         ids, offsets = tokenizer.encode_with_offsets(text)
         return ids, spans_to_mask(offsets, spans)
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names for a message's reasoning
+
+
+def _with_reasoning_aliases(message: dict) -> dict:
+    """A message's reasoning under each name templates read it by, as transformers passes it (``reasoning_content``,
+    and ``thinking`` for gpt-oss), whichever name it came under."""
+    reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _prompt_end(marked: str, low: int, high: int, prompt: str) -> int | None:

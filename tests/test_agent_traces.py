@@ -1,0 +1,222 @@
+"""Agent traces as chat data (TRL's conversational format): a ``tools`` column, assistant turns with reasoning and
+``tool_calls``, ``tool`` results, contents as lists of parts; rendered and tokenized as transformers'
+``apply_chat_template(messages, tools=...)`` does, and trained on each assistant turn as the model writes it, tool
+calls included, tool results never.
+
+The Qwen3 / Qwen3.5 / Qwen3.6 / Qwen3-Next templates (assets/chat_templates/, as published) find their assistant
+turns through marked copies in one rendering (``waypoint.text.generation_marks``). The oracles: what is trained,
+written out by hand per template and switch; and, on every conversation the rendering-based derivation can mark
+(no tool calls), the derivation's spans, a different algorithm checked against transformers' own masks elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_chat_template_qwen35 import CONTROLS, CONVERSATIONS, SPECIALS, SWITCHES, TOOLS, write_checkpoint
+from tests.conftest import ROOT
+from waypoint.data.chat_dataset import ChatDataset
+from waypoint.text.chat_template import ChatTemplate
+from waypoint.text.generation_marks import MARKS, digest
+from waypoint.text.tokenizer import load_tokenizer
+
+DATA = ROOT / "assets" / "chat_templates"
+MARKED = ["qwen3", "qwen3_5", "qwen3_5_small", "qwen3_6", "qwen3_next_thinking", "qwen3_next_instruct"]
+TEXT = {name: (DATA / f"{name}.jinja").read_text(encoding="utf-8") for name in MARKED}
+
+# What the model writes in the "tool-calls" conversation, per template and switches: its three turns.
+_CALLS_XML = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n"
+              "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+              "</parameter>\n<parameter=days>\n[1, 2]\n</parameter>\n<parameter=options>\n"
+              '{"wind": true, "note": "vent, ça souffle"}\n</parameter>\n</function>\n</tool_call><|im_end|>')
+_SEARCH_XML = ("Let me check for warnings.\n\n<tool_call>\n<function=search>\n<parameter=query>\nOslo weather warnings\n"
+               "</parameter>\n<parameter=limit>\n3\n</parameter>\n</function>\n</tool_call><|im_end|>")
+_CALLS_JSON = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": [1, 2], "options": '
+               '{"wind": true, "note": "vent, ça souffle"}}}\n</tool_call><|im_end|>')
+_SEARCH_JSON = ('Let me check for warnings.\n<tool_call>\n{"name": "search", "arguments": {"query": '
+                '"Oslo weather warnings", "limit": 3}}\n</tool_call><|im_end|>')
+_ANSWER = "Paris 21 °C, Oslo 9 °C; no warnings.<|im_end|>"
+_REASONED = "Two cities: two calls.\n</think>\n\n"
+_XML_THINKING = [_REASONED + _CALLS_XML, "\n</think>\n\n" + _SEARCH_XML, "\n</think>\n\n" + _ANSWER]  # prompt opens <think>
+_XML_NOT_THINKING = [_REASONED + _CALLS_XML, _SEARCH_XML, _ANSWER]  # the prompt closes an empty <think> block
+TRAINED_CALLS = {
+    ("qwen3_5", ()): _XML_THINKING,
+    ("qwen3_6", ()): _XML_THINKING,
+    ("qwen3_6", (("preserve_thinking", True),)): _XML_THINKING,
+    ("qwen3_5", (("enable_thinking", False),)): _XML_NOT_THINKING,
+    ("qwen3_5_small", ()): _XML_NOT_THINKING,
+    # Qwen3's prompt writes no <think>: a turn's whole block is the model's (the last one's, even empty)
+    ("qwen3", ()): ["<think>\n" + _REASONED + _CALLS_JSON, _SEARCH_JSON, "<think>\n\n</think>\n\n" + _ANSWER],
+    ("qwen3", (("enable_thinking", False),)): [_REASONED + _CALLS_JSON, _SEARCH_JSON, _ANSWER],
+    ("qwen3_next_thinking", ()): [_REASONED + _CALLS_JSON, _SEARCH_JSON, "\n</think>\n\n" + _ANSWER],
+    ("qwen3_next_instruct", ()): [_CALLS_JSON, _SEARCH_JSON, _ANSWER],
+}
+# Conversations the derivation can mark, and a few more turns of reasoning in and out of the history
+DERIVABLE = {**{k: v for k, v in CONVERSATIONS.items() if k != "tool-calls"},
+             "history": [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+                         {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+                         {"role": "assistant", "reasoning_content": "r", "content": "d"}, {"role": "user", "content": "e"},
+                         {"role": "assistant", "content": "f"}],
+             "empty-reasoning": [{"role": "user", "content": "a"}, {"role": "assistant", "reasoning_content": "", "content": "b"}],
+             "two-in-a-row": [{"role": "user", "content": "a"}, {"role": "assistant", "reasoning_content": "x", "content": "b"},
+                              {"role": "assistant", "content": "more"}],
+             "thinking-alias": [{"role": "user", "content": "a"}, {"role": "assistant", "thinking": "deep", "content": "b"}]}
+
+
+def chat(name, **switches) -> ChatTemplate:
+    return ChatTemplate(TEXT[name], name, SPECIALS, CONTROLS, switches)
+
+
+def test_each_marked_template_is_the_published_one():
+    assert {digest(TEXT[name]) for name in MARKED} == set(MARKS)
+    for name in MARKED:
+        assert chat(name)._marked is not None, name
+
+
+@pytest.mark.parametrize("name, switches", TRAINED_CALLS, ids=[n + "".join(f"-{k}={v}" for k, v in s) for n, s in TRAINED_CALLS])
+def test_tool_call_turns_are_trained_as_the_model_writes_them(name, switches):
+    ours = chat(name, **dict(switches))
+    messages = CONVERSATIONS["tool-calls"]
+    text, spans = ours.assistant_spans(messages, TOOLS)
+    assert text == ours.render(messages, tools=TOOLS)
+    assert [text[s:e] for s, e in spans] == TRAINED_CALLS[name, switches]
+    # nothing of the tools' results, the system or the user, whatever the template writes around them
+    assert not any("<tool_response>" in text[s:e] or "Weather in Paris" in text[s:e] for s, e in spans)
+
+
+@pytest.mark.parametrize("name", MARKED)
+def test_the_marked_copy_trains_what_the_derivation_finds(name):
+    for switches in SWITCHES:
+        ours = chat(name, **switches)
+        for conversation, messages in DERIVABLE.items():
+            for tools in (None, TOOLS):
+                text, spans = ours.assistant_spans(messages, tools)
+                derived_text, derived = ours._derive_spans(messages, tools)
+                assert text == derived_text and spans == derived, (conversation, switches, tools is not None)
+
+
+def test_masks_take_one_rendering_of_each_template_whatever_the_length(monkeypatch):
+    """100 turn pairs with reasoning: the marked copy and the template, once each (the derivation renders three
+    times per turn, each time the conversation up to it)."""
+    import waypoint.text.chat_template as module
+
+    renders = []
+    original = module.render_limited
+    monkeypatch.setattr(module, "render_limited", lambda *a, **k: renders.append(1) or original(*a, **k))
+    messages = [{"role": "system", "content": "S"}]
+    for n in range(100):
+        messages += [{"role": "user", "content": f"Question {n}"},
+                     {"role": "assistant", "reasoning_content": f"think {n}", "content": f"{n}"}]
+    ours = chat("qwen3_5")
+    ours._generation_prompt_tail()
+    renders.clear()
+    text, spans = ours.assistant_spans(messages, TOOLS)
+    assert len(renders) == 2 and len(spans) == 100
+    renders.clear()
+    assert ours._derive_spans(messages, TOOLS) == (text, spans)
+    assert len(renders) > 200
+
+
+def test_an_edited_template_is_not_taken_for_the_published_one():
+    edited = ChatTemplate(TEXT["qwen3_5"] + "\n", "edited.jinja", SPECIALS, CONTROLS)
+    assert edited._marked is None
+    messages = DERIVABLE["history"]
+    assert edited.assistant_spans(messages) == chat("qwen3_5").assistant_spans(messages)
+
+
+# Through the chat dataset ------------------------------------------------------------------------------------
+
+AGENT_RECORDS = [
+    {"tools": TOOLS, "messages": CONVERSATIONS["tool-calls"]},
+    {"tools": json.dumps(TOOLS), "messages": CONVERSATIONS["tool-calls"]},  # a string column, as parquet often holds it
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+                  {"role": "assistant", "thinking": "A greeting.", "content": [{"type": "text", "text": "Hello!"}]}]},
+    {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [  # content None or left out, arguments as a JSON string
+            {"type": "function", "id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "ipython", "name": "get_weather", "tool_call_id": "c1", "content": '{"temp": 9}'},
+        {"role": "assistant", "content": "9 °C."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen35_checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("qwen3.5-agent"), TEXT["qwen3_5"])
+
+
+def as_transformers_takes_it(record):
+    """The record as one passes it to apply_chat_template: ipython as tool, the tools and the arguments as objects."""
+    messages = [{**m, "role": "tool" if m["role"] == "ipython" else m["role"]} for m in record["messages"]]
+    for m in messages:
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                               if isinstance(c.get("function", {}).get("arguments"), str) else c for c in m["tool_calls"]]
+    tools = record.get("tools")
+    return messages, json.loads(tools) if isinstance(tools, str) else tools
+
+
+def test_the_chat_dataset_trains_agent_traces_as_transformers_tokenizes_them(tmp_path, qwen35_checkpoint):
+    from transformers import AutoTokenizer
+
+    source = tmp_path / "agent.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in AGENT_RECORDS))
+    theirs = AutoTokenizer.from_pretrained(qwen35_checkpoint)
+    for option in ({}, {"assistant_only_loss": True}):
+        dataset = ChatDataset(source, load_tokenizer(qwen35_checkpoint), max_seq_len=4096, **option)
+        trained = []
+        for n, record in enumerate(AGENT_RECORDS):
+            messages, tools = as_transformers_takes_it(record)
+            expected = theirs.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True)["input_ids"]
+            item = dataset[n]
+            assert item["tokens"] == expected, n
+            trained.append(theirs.decode([t for t in item["labels"] if t != -100], skip_special_tokens=False))
+        assert trained[0] == trained[1] == "".join(_XML_THINKING)
+        assert trained[2] == "A greeting.\n</think>\n\nHello!<|im_end|>"
+        assert trained[3] == ("\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+                              "</function>\n</tool_call><|im_end|>\n</think>\n\n9 °C.<|im_end|>")
+    everything = ChatDataset(source, load_tokenizer(qwen35_checkpoint), max_seq_len=4096, assistant_only_loss=False)
+    assert all(t != -100 for t in everything[0]["labels"])
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}, "message 2: missing key 'content'"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": {"name": "f"}}]},
+     "message 2: 'tool_calls' must be a non-empty list of calls"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]},
+     "message 2: tool call 1: expected {'type': 'function', 'function': {'name': ..., 'arguments': {...}}}"),
+    ({"messages": [{"role": "user", "content": "a"},
+                   {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+     "message 2: tool call 1 (f): arguments are not JSON (Expecting property name enclosed in double quotes)"),
+    ({"messages": [{"role": "user", "content": "a"},
+                   {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]}]},
+     "message 2: tool call 1 (f): arguments must be an object, got list"),
+    ({"messages": [{"role": "user", "content": [{"text": "no type"}]}, {"role": "assistant", "content": "b"}]},
+     "message 1: 'content' must be a string or a list of parts ({'type': 'text', 'text': ...}), got list"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "reasoning_content": 3, "content": "b"}]},
+     "message 2: 'reasoning_content' must be a string, got int"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "tool", "name": ["f"], "content": "b"},
+                   {"role": "assistant", "content": "c"}]}, "message 2: 'name' must be a string, got list"),
+    ({"tools": "[{", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+     "'tools' is a string but not JSON (Expecting property name enclosed in double quotes)"),
+    ({"tools": {"name": "f"}, "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+     "'tools' must be a list of tool definitions (objects)"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}],
+      "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+     "'tools': a tool definition without a name: expected {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}"),
+], ids=["no-content", "calls-not-list", "call-without-name", "arguments-not-json", "arguments-list", "parts", "reasoning",
+        "tool-name", "tools-not-json", "tools-not-list", "tool-without-name"])
+def test_a_malformed_agent_record_is_one_line_naming_it(tmp_path, qwen35_checkpoint, record, message):
+    source = tmp_path / "bad.jsonl"
+    source.write_text(json.dumps({"messages": CONVERSATIONS["plain"]}) + "\n" + json.dumps(record) + "\n")
+    with pytest.raises(ValueError) as info:
+        ChatDataset(source, load_tokenizer(qwen35_checkpoint), max_seq_len=4096)
+    assert str(info.value).startswith(f"{source}: record 2 (line 2): ") and str(info.value).endswith(message), str(info.value)
+    assert "\n" not in str(info.value)
+    skipped = ChatDataset(source, load_tokenizer(qwen35_checkpoint), max_seq_len=4096, skip_bad_records=True)
+    assert len(skipped) == 1 and skipped.skipped == 1
+    with pytest.raises(ValueError, match=r"^dataset: train_on_input=true and assistant_only_loss=true contradict"):
+        ChatDataset(source, load_tokenizer(qwen35_checkpoint), max_seq_len=4096, train_on_input=True, assistant_only_loss=True)

@@ -1,0 +1,107 @@
+"""Published chat templates marked with ``{% generation %}``: what the model writes, found in one rendering.
+
+A template without ``{% generation %}`` has its assistant turns derived from several renderings per turn
+(``waypoint.text.chat_template``): exact, but its cost grows with the square of the conversation's length (more for
+templates that look across messages), and a turn whose rendering changes when its content does (an empty content
+with tool calls) cannot be marked. The templates agent traces are mostly written in get a marked copy here,
+recognized by their text's SHA-256, rendered instead in one pass with transformers' ``{% generation %}`` semantics;
+the copy renders the same text, which is checked on every conversation (the derivation answers where it does not).
+
+What a copy marks is what the derivation finds: from the end of the generation prompt to the end of the turn
+(``<|im_end|>``, not the newline after it), the tool calls inside. Where a turn opens with a ``<think>`` block, the
+part of it the generation prompt already wrote (``<think>\\n``, or the whole block when the prompt closes an empty
+one and the turn's reasoning is empty) is not trained; the prompt's tail is passed in as ``wp_prompt_tail``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+_HEADER = "'<|im_start|>' + message.role + '\\n'"
+_IM_END = "        {{- '<|im_end|>\\n' }}\n"
+_MARKED_END = "        {{- '<|im_end|>' }}\n        {%- endgeneration %}\n        {{- '\\n' }}\n"
+
+
+def _thinking_turn(think: str, reasoning: str, content: str) -> str:
+    """The marked header and body of an assistant turn that may open a ``<think>`` block: ``think`` when it does,
+    ``reasoning`` and ``content`` as the template writes them there."""
+    return (
+        f"        {{%- set wp_think = {think} %}}\n"
+        "        {%- set wp_open = wp_think and wp_prompt_tail != '' %}\n"
+        f"        {{%- set wp_closed = wp_open and wp_prompt_tail != '<think>\\n' and not {reasoning} %}}\n"
+        f"        {{{{- {_HEADER} }}}}\n"
+        "        {%- if wp_open %}{{- '<think>\\n' }}{%- endif %}\n"
+        "        {%- if wp_closed %}{{- '\\n</think>\\n\\n' }}{%- endif %}\n"
+        "        {%- generation %}\n"
+        "        {%- if wp_think and not wp_open %}{{- '<think>\\n' }}{%- endif %}\n"
+        f"        {{%- if wp_think and not wp_closed %}}{{{{- {reasoning} + '\\n</think>\\n\\n' }}}}{{%- endif %}}\n"
+        f"        {{%- if wp_think %}}{{{{- {content} }}}}{{%- else %}}{{{{- content }}}}{{%- endif %}}\n")
+
+
+# The assistant turn's header block in each template structure, and what replaces it.
+_QWEN35_HEADER = (  # Qwen3.5, Qwen3.6: {condition} keeps the reasoning
+    "        {{%- if {condition} %}}\n"
+    "            {{{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content + '\\n</think>\\n\\n' + content }}}}\n"
+    "        {{%- else %}}\n"
+    "            {{{{- '<|im_start|>' + message.role + '\\n' + content }}}}\n"
+    "        {{%- endif %}}\n")
+_QWEN3_HEADER = (  # Qwen3, Qwen3-Next-Thinking: the last turn, or one with reasoning, after the last user query
+    "        {%- if loop.index0 > ns.last_query_index %}\n"
+    "            {%- if loop.last or (not loop.last and reasoning_content) %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    "            {%- else %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "            {%- endif %}\n"
+    "        {%- else %}\n"
+    "            {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "        {%- endif %}\n")
+_PLAIN_HEADER = "        {{- '<|im_start|>' + message.role + '\\n' + content }}\n"  # Qwen3-Next-Instruct: no reasoning
+
+
+def _qwen35(condition: str):
+    return (_QWEN35_HEADER.format(condition=condition),
+            _thinking_turn(condition, "reasoning_content", "content"))
+
+
+_QWEN3 = (_QWEN3_HEADER, _thinking_turn("loop.index0 > ns.last_query_index and (loop.last or reasoning_content)",
+                                        "reasoning_content.strip('\\n')", "content.lstrip('\\n')"))
+_PLAIN = (_PLAIN_HEADER, f"        {{{{- {_HEADER} }}}}\n        {{%- generation %}}\n        {{{{- content }}}}\n")
+
+
+@dataclass(frozen=True)
+class Marks:
+    name: str  # the template, as its checkpoints ship it
+    header: tuple[str, str]  # the assistant turn's header block, and its marked form
+
+
+# SHA-256 of the published text (assets/chat_templates/README.md says where each copy comes from) -> its marks
+MARKS = {
+    "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715":
+        Marks("Qwen3.5 (4B and larger)", _qwen35("loop.index0 > ns.last_query_index")),
+    "273d8e0e683b885071fb17e08d71e5f2a5ddfb5309756181681de4f5a1822d80":
+        Marks("Qwen3.5 (0.8B, 2B)", _qwen35("loop.index0 > ns.last_query_index")),
+    "e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259":
+        Marks("Qwen3.6", _qwen35("(preserve_thinking is defined and preserve_thinking is true) or "
+                                 "(loop.index0 > ns.last_query_index)")),
+    "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": Marks("Qwen3", _QWEN3),
+    "3802169b2a02b81e6adb7ab4f64f91ff02db753c8c3a64a01c35192d3a61d8d7": Marks("Qwen3-Next-Thinking", _QWEN3),
+    "64f85b198065d0fba2a81f37e10ed68161ce2c19a754c7100e67e0ca2ee9c326": Marks("Qwen3-Next-Instruct", _PLAIN),
+}
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def marked_copy(text: str) -> str | None:
+    """The template ``text`` marked with ``{% generation %}`` (the module doc), or None when it is not one known here."""
+    marks = MARKS.get(digest(text))
+    if marks is None:
+        return None
+    old, new = marks.header
+    if text.count(old) != 1:
+        raise AssertionError(f"{marks.name}: the assistant header is not where its marks expect it")
+    at = text.index(old)
+    end = text.index(_IM_END, at)  # the assistant turn's end, after its tool calls
+    return text[:at] + new + text[at + len(old):end] + _MARKED_END + text[end + len(_IM_END):]
