@@ -17,16 +17,16 @@ PAIR_KEYS = {"prompt", "chosen", "rejected"}
 
 
 def check_data(dataset: Dataset, tokenizer, vocab_size: int, name: str, say: Callable[[str], None],
-               required: bool = True) -> None:
+               required: bool = True, max_positions: int | None = None) -> None:
     """Refuse ``dataset`` (items ``{"tokens", "labels"}``, or preference pairs ``{"prompt", "chosen", "rejected"}``;
-    called ``name`` in messages) when a token id or the padding id is past the model's ``vocab_size``, or
-    (``required``) when no record supervises a token; note the records that supervise none (of pairs: those with a
-    completion that does)."""
+    called ``name`` in messages) when a token id or the padding id is past the model's ``vocab_size``, a record is
+    longer than the model's ``max_positions``, or (``required``) when no record supervises a token; note the records
+    that supervise none (of pairs: those with a completion that does)."""
     pad_id = getattr(tokenizer, "pad_id", None)
     if pad_id is not None and pad_id >= vocab_size:
         raise CheckpointError(_does_not_fit(f"the padding id {pad_id}", tokenizer, vocab_size))
     if len(dataset) and PAIR_KEYS <= set(dataset[0]):
-        return _check_pairs(dataset, tokenizer, vocab_size, name, say, required)
+        return _check_pairs(dataset, tokenizer, vocab_size, name, say, required, max_positions)
     if len(dataset) and "prompt_ids" in dataset[0]:  # online RL's prompts: the completions are sampled
         for index in range(len(dataset)):
             top = max(dataset[index]["prompt_ids"], default=0)
@@ -41,6 +41,7 @@ def check_data(dataset: Dataset, tokenizer, vocab_size: int, name: str, say: Cal
         if top >= vocab_size:
             raise CheckpointError(_does_not_fit(f"{_where(dataset, index, name)}: token id {top} "
                                                 f"({tokenizer.decode([top])!r})", tokenizer, vocab_size))
+        _check_length(len(item["tokens"]), max_positions, dataset, index, name, "max_seq_len")
         if all(label == IGNORE_INDEX for label in item["labels"][1:]):  # the loss predicts labels[1:]
             unsupervised += 1
     if not unsupervised:
@@ -55,7 +56,7 @@ def check_data(dataset: Dataset, tokenizer, vocab_size: int, name: str, say: Cal
 
 
 def _check_pairs(dataset: Dataset, tokenizer, vocab_size: int, name: str, say: Callable[[str], None],
-                 required: bool) -> None:
+                 required: bool, max_positions: int | None = None) -> None:
     """``check_data`` of preference pairs: every id fits; the pairs with a completion that predicts no token (the
     pairs whose prompt fills max_length are dropped by the dataset, so one side at most, but count both) are noted,
     and when none of the pairs predicts a token (``required``) the data is refused."""
@@ -66,6 +67,8 @@ def _check_pairs(dataset: Dataset, tokenizer, vocab_size: int, name: str, say: C
         if top >= vocab_size:
             raise CheckpointError(_does_not_fit(f"{_where(dataset, index, name)}: token id {top} "
                                                 f"({tokenizer.decode([top])!r})", tokenizer, vocab_size))
+        _check_length(len(item["prompt"]) + max(len(item["chosen"]), len(item["rejected"])), max_positions, dataset,
+                      index, name, "max_length")
         # labels[1:] are predicted: without a prompt, a completion's first token is not
         empty = [len(item[side]) - (0 if item["prompt"] else 1) <= 0 for side in ("chosen", "rejected")]
         neither += all(empty)
@@ -82,6 +85,14 @@ def _check_pairs(dataset: Dataset, tokenizer, vocab_size: int, name: str, say: C
     parts += [f"{neither} of {len(dataset)} pairs have both completions empty{within}; they add nothing to the "
               "loss"] if neither else []
     say(f"note: {name}: {'; '.join(parts)}")
+
+
+def _check_length(length: int, max_positions: int | None, dataset: Dataset, index: int, name: str, option: str) -> None:
+    """Refuse a record longer than the model's positions: it would stop the run at its first step."""
+    if max_positions is not None and length > max_positions:
+        raise CheckpointError(f"{_where(dataset, index, name)}: {length} tokens, past the model's {max_positions} "
+                              f"positions (max_position_embeddings in its config.json); set dataset.{option} to at most "
+                              f"{max_positions}")
 
 
 def _does_not_fit(what: str, tokenizer, vocab_size: int) -> str:

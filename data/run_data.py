@@ -16,8 +16,10 @@ from waypoint.data.validation_split import Validation, split
 
 
 def run_data(make_dataset: Callable[..., Dataset], tokenizer, checkpointer, validation: Mapping | None, seed: int,
-             packed_to: int | None, vocab_size: int, say: Callable[[str], None]) -> tuple[Dataset, Validation | None]:
-    """(the training dataset, the validation or None), checked against the model's ``vocab_size`` (``data_checks``).
+             packed_to: int | None, vocab_size: int, say: Callable[[str], None],
+             max_positions: int | None = None) -> tuple[Dataset, Validation | None]:
+    """(the training dataset, the validation or None), checked against the model's ``vocab_size`` and
+    ``max_positions`` (``data_checks``).
     ``make_dataset(source=None)``: the config's dataset (of another source: a validation file); ``validation``: the
     config's section (``{fraction | source, every_n_steps}``); ``packed_to``: the length samples are packed up to
     (None: not packed)."""
@@ -30,9 +32,15 @@ def run_data(make_dataset: Callable[..., Dataset], tokenizer, checkpointer, vali
                 checkpointer.output_files[name], note = bundle
                 say(note)
     dataset, validation = split(validation, dataset, seed=seed, make=lambda source: make_dataset(source=source))
-    check_data(dataset, tokenizer, vocab_size, "dataset", say)
+    check_data(dataset, tokenizer, vocab_size, "dataset", say, max_positions=max_positions)
     if validation:
-        check_data(validation.dataset, tokenizer, vocab_size, "validation", say, required=False)
+        check_data(validation.dataset, tokenizer, vocab_size, "validation", say, required=False,
+                   max_positions=max_positions)
+    if packed_to and max_positions is not None and packed_to > max_positions:
+        from waypoint.errors import CheckpointError
+
+        raise CheckpointError(f"dataset.max_seq_len={packed_to}: packed sequences would be longer than the model's "
+                              f"{max_positions} positions; set it to at most {max_positions}")
     if packed_to:  # samples concatenated up to max_seq_len; attention and positions kept per sample
         dataset = PackedDataset(dataset, packed_to)
         say(f"packed into {len(dataset)} sequences of up to {dataset.max_seq_len} tokens, {dataset.fill:.0%} filled")

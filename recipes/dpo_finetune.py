@@ -102,7 +102,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     def make_dataset(**source):  # the config's dataset (with source=: a validation file)
         return instantiate(cfg.dataset, tokenizer=tokenizer, **source)
     dataset, validation = run_data(make_dataset, tokenizer, checkpointer, cfg.get("validation"), cfg.seed,
-                                   packed_to=None, vocab_size=model.args.vocab_size, say=say)
+                                   packed_to=None, vocab_size=model.args.vocab_size, say=say,
+                                   max_positions=getattr(model.args, "max_seq_len", None))
     pairs, held_out = IndexedPairs(dataset), IndexedPairs(validation.dataset) if validation else None
     collate = pair_collate(tokenizer.pad_id)
     accumulate = cfg.gradient_accumulation_steps

@@ -115,7 +115,8 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
         return instantiate(cfg.dataset, tokenizer=tokenizer, **source)
     dataset, validation = run_data(make_dataset, tokenizer, checkpointer, cfg.get("validation"), cfg.seed,
                                    packed_to=cfg.dataset.max_seq_len if cfg.get("packed", False) else None,
-                                   vocab_size=model.args.vocab_size, say=say)
+                                   vocab_size=model.args.vocab_size, say=say,
+                                   max_positions=getattr(model.args, "max_seq_len", None))
     collate = lambda batch: batch_collate(batch, pad_id=tokenizer.pad_id)  # noqa: E731
     accumulate = cfg.gradient_accumulation_steps
     steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,

@@ -76,7 +76,7 @@ class Kind:
 
 
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+            max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False)
 NO_TEMPLATE = "no chat template (no verified copy of the release's ships): train with configs/tiny.yaml or dataset.template=chatml"
 KINDS: dict[str, Kind] = {
     "llama": Kind("llama", {}, "chat_templates/llama3_2.jinja", ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",

@@ -168,3 +168,26 @@ def test_large_numbers_that_build_nothing_render():
     source = ("{{ x|default(100000000) }} {{ 'abc'.find('b', 0, 10**9) }} {% set ns = namespace(n=10**9) %}{{ ns.n }} "
               "{{ range(0, 10**9, 10**8)|list|length }} {{ 'ab'.center(6) }}")
     assert ChatTemplate(source, "t.jinja").render([]) == "100000000 1 1000000000 10   ab  "
+
+
+def test_a_record_longer_than_the_models_positions_is_refused_before_the_first_step(tmp_path, capsys):
+    """The tiny Llama has 512 positions: a record of more, with dataset.max_seq_len above them, stopped the run at its
+    first step with the model's traceback."""
+    from recipes import full_finetune
+
+    long = {"messages": [{"role": "user", "content": "word " * 1500}, {"role": "assistant", "content": "ok"}]}
+    data = write_jsonl(tmp_path / "d.jsonl", [GOOD, long] + [GOOD] * 8)
+    out = tmp_path / "out"
+    code = full_finetune.main(["--config", str(ROOT / "configs/tiny_chat.yaml"), f"output_dir={out}",
+                               f"dataset.source={data}", "dataset.max_seq_len=4096"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1, err
+    assert re.fullmatch(rf"error: {re.escape(str(data))}: record 2 \(line 2\): \d+ tokens, past the model's 512 positions "
+                        r"\(max_position_embeddings in its config\.json\); set dataset\.max_seq_len to at most 512", err[0]), err
+    assert not out.exists() or not any(out.glob("step_*"))
+    short = write_jsonl(tmp_path / "short.jsonl", [GOOD] * 10)
+    code = full_finetune.main(["--config", str(ROOT / "configs/tiny_chat.yaml"), f"output_dir={tmp_path / 'packed'}",
+                               f"dataset.source={short}", "dataset.max_seq_len=600", "packed=true", "epochs=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and err[-1].startswith("error: dataset.max_seq_len=600: packed sequences would be longer than the "
+                                            "model's 512 positions; set it to at most 512"), err
