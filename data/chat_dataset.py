@@ -7,8 +7,8 @@ other fields (``{"messages": "dialog", "role": "speaker", "content": "text", "to
 
 Agent traces are records in TRL's conversational format: a ``tools`` column (JSON-schema function definitions, or
 a string holding their JSON list), assistant messages with ``tool_calls`` (``{"type": "function", "function":
-{"name", "arguments"}}``, arguments an object or a JSON string, read as its object; ``content`` may then be
-empty or left out) and
+{"name", "arguments"}}``, arguments an object or a JSON string, given to the template in the form it takes;
+``content`` may then be empty or left out) and
 reasoning (``reasoning_content``, or ``thinking`` / ``reasoning``), ``tool`` messages (``ipython`` read as ``tool``)
 with the result as content and optional ``name`` and ``tool_call_id``, and contents given as a list of parts
 (``[{"type": "text", "text": ...}, ...]``). The template renders them as ``apply_chat_template(messages, tools=...)``
@@ -178,12 +178,10 @@ def _parts(content) -> bool:
 
 def _tool_calls(calls, at: str) -> list[dict]:
     """An assistant message's ``tool_calls``, checked: each ``{"type": "function", "function": {"name", "arguments"}}``
-    (or the flat ``{"name", "arguments"}``), arguments an object or a JSON string, which is parsed into the object
-    templates expect (transformers asks for one: Llama 3.1's template would encode a string twice, Qwen3.5's and
-    Gemma 4's refuse it)."""
+    (or the flat ``{"name", "arguments"}``), arguments an object or a JSON string holding one; passed on as given
+    (``ChatTemplate.encode`` hands the template the form it takes)."""
     if not isinstance(calls, list) or not calls:
         raise ValueError(f"{at}: 'tool_calls' must be a non-empty list of calls")
-    parsed = []
     for k, call in enumerate(calls, start=1):
         function = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
@@ -198,9 +196,7 @@ def _tool_calls(calls, at: str) -> list[dict]:
         if not isinstance(arguments, dict):
             raise ValueError(f"{at}: tool call {k} ({function['name']}): arguments must be an object, "
                              f"got {type(arguments).__name__}")
-        function = {**function, "arguments": arguments}
-        parsed.append({**call, "function": function} if "function" in call else function)
-    return parsed
+    return calls
 
 
 def read_tools(record: dict, where: str, key: str = "tools") -> list[dict] | None:

@@ -18,12 +18,12 @@ import pytest
 from tests.test_chat_template_qwen35 import CONTROLS, CONVERSATIONS, SPECIALS, SWITCHES, TOOLS, write_checkpoint
 from tests.conftest import ROOT
 from waypoint.data.chat_dataset import ChatDataset
-from waypoint.text.chat_template import ChatTemplate
+from waypoint.text.chat_template import ChatTemplate, ChatTemplateError
 from waypoint.text.generation_marks import MARKS, digest
 from waypoint.text.tokenizer import load_tokenizer
 
 DATA = ROOT / "assets" / "chat_templates"
-MARKED = ["qwen3", "qwen3_5", "qwen3_5_small", "qwen3_6", "qwen3_next_thinking", "qwen3_next_instruct"]
+MARKED = ["qwen3", "qwen3_5", "qwen3_5_small", "qwen3_6", "qwen3_next_thinking", "qwen3_next_instruct", "llama3_2"]
 TEXT = {name: (DATA / f"{name}.jinja").read_text(encoding="utf-8") for name in MARKED}
 
 # What the model writes in the "tool-calls" conversation, per template and switches: its three turns.
@@ -93,9 +93,32 @@ def test_the_marked_copy_trains_what_the_derivation_finds(name):
         ours = chat(name, **switches)
         for conversation, messages in DERIVABLE.items():
             for tools in (None, TOOLS):
+                try:
+                    ours.render(messages, tools=tools)
+                except ChatTemplateError:  # one the template refuses (Llama 3.2's: a list of parts) is refused alike
+                    with pytest.raises(ChatTemplateError):
+                        ours.assistant_spans(messages, tools)
+                    continue
                 text, spans = ours.assistant_spans(messages, tools)
                 derived_text, derived = ours._derive_spans(messages, tools)
                 assert text == derived_text and spans == derived, (conversation, switches, tools is not None)
+
+
+def test_llama_3_2_trains_its_single_tool_call_and_never_the_ipython_result():
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": [1]}}}]},
+                {"role": "ipython", "content": '{"temp": 9}'}, {"role": "assistant", "content": " It is 9 °C. "}]
+    ours = ChatTemplate(TEXT["llama3_2"], "llama3_2", {"bos_token": "<|begin_of_text|>"}, ["<|eot_id|>"])
+    text, spans = ours.assistant_spans(messages, TOOLS)
+    assert text == render_jinja_template([messages], tools=TOOLS, chat_template=TEXT["llama3_2"],
+                                         bos_token="<|begin_of_text|>")[0][0]
+    assert [text[s:e] for s, e in spans] == ['{"name": "get_weather", "parameters": {"city": "Oslo", "days": [1]}}<|eot_id|>',
+                                             "It is 9 °C.<|eot_id|>"]
+    with pytest.raises(ChatTemplateError, match="This model only supports single tool-calls at once!"):
+        ours.assistant_spans(CONVERSATIONS["tool-calls"], TOOLS)
 
 
 def test_masks_take_one_rendering_of_each_template_whatever_the_length(monkeypatch):
@@ -220,3 +243,24 @@ def test_a_malformed_agent_record_is_one_line_naming_it(tmp_path, qwen35_checkpo
     assert len(skipped) == 1 and skipped.skipped == 1
     with pytest.raises(ValueError, match=r"^dataset: train_on_input=true and assistant_only_loss=true contradict"):
         ChatDataset(source, load_tokenizer(qwen35_checkpoint), max_seq_len=4096, train_on_input=True, assistant_only_loss=True)
+
+
+def test_arguments_reach_each_template_in_the_form_it_takes():
+    """Objects where a template takes them (Qwen3.5's refuses a string), JSON text where it refuses an object
+    (DeepSeek-V3's writes the arguments into a string); the rendering is then transformers' of that form."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def call(arguments):
+        return [{"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}]
+
+    as_object, as_text = {"city": "Oslo", "note": "ça souffle"}, '{"city": "Oslo", "note": "ça souffle"}'
+    for name, taken in (("qwen3_5.jinja", as_object), ("deepseek_v3.jinja", as_text), ("llama3_2.jinja", as_object)):
+        text = (DATA / name).read_text(encoding="utf-8")
+        ours = ChatTemplate(text, name, {"bos_token": "<s>", "eos_token": "</s>"}, CONTROLS)
+        expected = render_jinja_template([call(taken)], chat_template=text, bos_token="<s>", eos_token="</s>")[0][0]
+        for given in (as_object, as_text):
+            assert ours.render(ours.with_arguments_it_takes(call(given))) == expected, (name, given)
+    with pytest.raises(Exception, match="Can only get item pairs from a mapping"):  # the negative control
+        render_jinja_template([call(as_text)], chat_template=TEXT["qwen3_5"])

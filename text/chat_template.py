@@ -41,6 +41,7 @@ and byte-fallback tokenizers).
 from __future__ import annotations
 
 import bisect
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,6 +130,7 @@ class ChatTemplate:
         marked = None if self.marks_generation else marked_copy(text)
         self._marked = self._env.from_string(marked) if marked is not None else None  # waypoint.text.generation_marks
         self._prompt_tail: str | None = None
+        self._arguments_as_text: bool | None = None  # the form the template takes tool calls' arguments in
 
     def __repr__(self) -> str:
         return f"ChatTemplate({self.source})"
@@ -306,6 +308,30 @@ class ChatTemplate:
             eot = eot[: cut + 1]
         return eot.rstrip()
 
+    def with_arguments_it_takes(self, messages: list[dict]) -> list[dict]:
+        """``messages`` with their tool calls' arguments as the template takes them: objects (as transformers asks;
+        Qwen3.5's and Gemma 4's templates refuse a string, Llama 3's would encode it twice), unless the template
+        refuses an object and takes JSON text (DeepSeek-V3's writes the arguments into a string)."""
+        if not any(m.get("tool_calls") for m in messages):
+            return messages
+        if self._arguments_as_text is None:
+            self._arguments_as_text = self._renders_calls_with({"a": 1}) is None and self._renders_calls_with('{"a": 1}')
+        convert = (lambda a: a if isinstance(a, str) else json.dumps(a, ensure_ascii=False)) if self._arguments_as_text \
+            else (lambda a: json.loads(a) if isinstance(a, str) else a)
+        conformed = []
+        for message in messages:
+            if message.get("tool_calls"):
+                message = {**message, "tool_calls": [_with_arguments(call, convert) for call in message["tool_calls"]]}
+            conformed.append(message)
+        return conformed
+
+    def _renders_calls_with(self, arguments) -> str | None:
+        call = {"type": "function", "id": "call_0", "function": {"name": "f", "arguments": arguments}}
+        try:
+            return self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}])
+        except ChatTemplateError:
+            return None
+
     def _cannot(self, why: str) -> ChatTemplateError:
         return ChatTemplateError(f"{self.source}: cannot find the assistant turns in the rendered conversation: {why} "
                                  "(mark them with {% generation %}...{% endgeneration %} in the template)")
@@ -314,10 +340,20 @@ class ChatTemplate:
 
     def encode(self, messages: list[dict], tokenizer, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
         """Token ids of the rendered conversation and its assistant mask (1 on the tokens trained on), as
-        ``apply_chat_template(messages, tokenize=True, return_assistant_tokens_mask=True)`` gives them."""
-        text, spans = self.assistant_spans(messages, tools)
+        ``apply_chat_template(messages, tokenize=True, return_assistant_tokens_mask=True)`` gives them; tool calls'
+        arguments in the form the template takes (:meth:`with_arguments_it_takes`)."""
+        text, spans = self.assistant_spans(self.with_arguments_it_takes(messages), tools)
         ids, offsets = tokenizer.encode_with_offsets(text)
         return ids, spans_to_mask(offsets, spans)
+
+
+def _with_arguments(call: dict, convert) -> dict:
+    """A tool call (nested ``{"function": {...}}`` or flat) with ``convert`` applied to its arguments."""
+    function = call.get("function", call)
+    if not isinstance(function, dict) or "arguments" not in function:
+        return call
+    function = {**function, "arguments": convert(function["arguments"])}
+    return {**call, "function": function} if "function" in call else function
 
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names for a message's reasoning

@@ -19,8 +19,9 @@ import hashlib
 from dataclasses import dataclass
 
 _HEADER = "'<|im_start|>' + message.role + '\\n'"
-_IM_END = "        {{- '<|im_end|>\\n' }}\n"
-_MARKED_END = "        {{- '<|im_end|>' }}\n        {%- endgeneration %}\n        {{- '\\n' }}\n"
+_IM_END = ("        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}\n",  # the assistant turn's end
+           "        {{- '<|im_end|>' }}\n        {%- endgeneration %}\n        {{- '\\n' }}\n"
+           "    {%- elif message.role == \"tool\" %}\n")
 
 
 def _thinking_turn(think: str, reasoning: str, content: str) -> str:
@@ -60,19 +61,34 @@ _PLAIN_HEADER = "        {{- '<|im_start|>' + message.role + '\\n' + content }}\
 
 
 def _qwen35(condition: str):
-    return (_QWEN35_HEADER.format(condition=condition),
-            _thinking_turn(condition, "reasoning_content", "content"))
+    return (_QWEN35_HEADER.format(condition=condition), _thinking_turn(condition, "reasoning_content", "content")), _IM_END
 
 
 _QWEN3 = (_QWEN3_HEADER, _thinking_turn("loop.index0 > ns.last_query_index and (loop.last or reasoning_content)",
-                                        "reasoning_content.strip('\\n')", "content.lstrip('\\n')"))
-_PLAIN = (_PLAIN_HEADER, f"        {{{{- {_HEADER} }}}}\n        {{%- generation %}}\n        {{{{- content }}}}\n")
+                                        "reasoning_content.strip('\\n')", "content.lstrip('\\n')")), _IM_END
+_PLAIN = (_PLAIN_HEADER, f"        {{{{- {_HEADER} }}}}\n        {{%- generation %}}\n        {{{{- content }}}}\n"), _IM_END
+
+# Llama 3.2 Instruct's: a message's turn (the assistant's content trimmed, then <|eot_id|>), and a single tool call
+# written as {"name": ..., "parameters": ...} in the assistant's turn
+_LLAMA_TURN = ("        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+               "'<|eot_id|>' }}\n")
+_LLAMA32 = (
+    (_LLAMA_TURN, "        {%- if message.role == 'assistant' %}\n"
+                  "            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- generation %}"
+                  "{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}\n"
+                  "        {%- else %}\n" + _LLAMA_TURN + "        {%- endif %}\n"),
+    ("        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n",
+     "        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n        {%- generation %}\n"),
+    ("        {{- \"<|eot_id|>\" }}\n    {%- elif message.role == \"tool\" or message.role == \"ipython\" %}\n",
+     "        {{- \"<|eot_id|>\" }}\n        {%- endgeneration %}\n"
+     "    {%- elif message.role == \"tool\" or message.role == \"ipython\" %}\n"),
+)
 
 
 @dataclass(frozen=True)
 class Marks:
     name: str  # the template, as its checkpoints ship it
-    header: tuple[str, str]  # the assistant turn's header block, and its marked form
+    edits: tuple[tuple[str, str], ...]  # (text found exactly once, what replaces it), in order
 
 
 # SHA-256 of the published text (assets/chat_templates/README.md says where each copy comes from) -> its marks
@@ -87,6 +103,7 @@ MARKS = {
     "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": Marks("Qwen3", _QWEN3),
     "3802169b2a02b81e6adb7ab4f64f91ff02db753c8c3a64a01c35192d3a61d8d7": Marks("Qwen3-Next-Thinking", _QWEN3),
     "64f85b198065d0fba2a81f37e10ed68161ce2c19a754c7100e67e0ca2ee9c326": Marks("Qwen3-Next-Instruct", _PLAIN),
+    "5816fce10444e03c2e9ee1ef8a4a1ea61ae7e69e438613f3b17b69d0426223a4": Marks("Llama 3.2 Instruct", _LLAMA32),
 }
 
 
@@ -99,9 +116,8 @@ def marked_copy(text: str) -> str | None:
     marks = MARKS.get(digest(text))
     if marks is None:
         return None
-    old, new = marks.header
-    if text.count(old) != 1:
-        raise AssertionError(f"{marks.name}: the assistant header is not where its marks expect it")
-    at = text.index(old)
-    end = text.index(_IM_END, at)  # the assistant turn's end, after its tool calls
-    return text[:at] + new + text[at + len(old):end] + _MARKED_END + text[end + len(_IM_END):]
+    for old, new in marks.edits:
+        if text.count(old) != 1:
+            raise AssertionError(f"{marks.name}: a part its marks edit is not in the template once")
+        text = text.replace(old, new)
+    return text
