@@ -10,7 +10,8 @@ a string holding their JSON list), assistant messages with ``tool_calls`` (``{"t
 {"name", "arguments"}}``, arguments an object or a JSON string, given to the template in the form it takes;
 ``content`` may then be empty or left out) and
 reasoning (``reasoning_content``, or ``thinking`` / ``reasoning``), ``tool`` messages (``ipython`` read as ``tool``)
-with the result as content and optional ``name`` and ``tool_call_id``, and contents given as a list of parts
+with the result as content and optional ``name`` and ``tool_call_id`` (or Gemma's ``tool_responses`` on the
+message that called), and contents given as a list of parts
 (``[{"type": "text", "text": ...}, ...]``). The template renders them as ``apply_chat_template(messages, tools=...)``
 does; what is trained is each assistant turn as the model writes it, reasoning and tool calls included, never the
 tools' results (``waypoint.text.chat_template``, ``waypoint.text.generation_marks``). Records come from a ``.json``,
@@ -151,6 +152,11 @@ def read_messages(turns: list, where: str, role_key: str = "role", content_key: 
         calls = turn.get("tool_calls") if tool_use and message["role"] == "assistant" else None
         if calls is not None:
             message["tool_calls"] = _tool_calls(calls, f"{at}: message {n}")
+            responses = turn.get("tool_responses")  # Gemma's own form: the results on the message that called
+            if responses is not None:
+                if not isinstance(responses, list) or not all(isinstance(r, dict) and "response" in r for r in responses):
+                    raise ValueError(f"{at}: message {n}: 'tool_responses' must be a list of {{'name': ..., 'response': ...}}")
+                message["tool_responses"] = responses
         content = turn.get(content_key)
         if content is None and not calls:
             raise ValueError(f"{at}: message {n}: missing key {content_key!r}")

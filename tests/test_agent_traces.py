@@ -15,6 +15,7 @@ import json
 
 import pytest
 
+import tests.test_chat_template_gemma4 as GEMMA4
 from tests.test_chat_template_qwen35 import CONTROLS, CONVERSATIONS, SPECIALS, SWITCHES, TOOLS, write_checkpoint
 from tests.conftest import ROOT
 from waypoint.data.chat_dataset import ChatDataset
@@ -71,7 +72,7 @@ def chat(name, **switches) -> ChatTemplate:
 
 
 def test_each_marked_template_is_the_published_one():
-    assert {digest(TEXT[name]) for name in MARKED} == set(MARKS)
+    assert {digest(TEXT[name]) for name in MARKED} | {digest(text) for text in GEMMA4.TEXT.values()} == set(MARKS)
     for name in MARKED:
         assert chat(name)._marked is not None, name
 
@@ -264,3 +265,84 @@ def test_arguments_reach_each_template_in_the_form_it_takes():
             assert ours.render(ours.with_arguments_it_takes(call(given))) == expected, (name, given)
     with pytest.raises(Exception, match="Can only get item pairs from a mapping"):  # the negative control
         render_jinja_template([call(as_text)], chat_template=TEXT["qwen3_5"])
+
+
+
+# Gemma 4: a model turn holds the model's calls, the <|tool_response> it stops at, the results (not trained), then its
+# content, through <turn|>; the turn's earlier reasoning is dropped by the template (a user message follows).
+_PARIS_OSLO = ('<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|><|tool_call>call:'
+               'get_weather{city:<|"|>Oslo<|"|>,days:[1,2],options:{gust:null,note:<|"|>vent, ça souffle<|"|>,wind:true}}'
+               '<tool_call|><|tool_response>')
+_SEARCH = '<|tool_call>call:search{limit:3,query:<|"|>Oslo warnings<|"|>}<tool_call|><|tool_response>'
+GEMMA4_CALLS = {
+    "tool-calls": [_PARIS_OSLO, _SEARCH, "Let me check for warnings.Paris 21 °C, Oslo 9 °C; no warnings.<turn|>",
+                   "You're welcome.<turn|>"],
+    "tool-responses": ['<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,unit:<|"|>celsius<|"|>}<tool_call|><|tool_response>',
+                       "21 °C and clear.<turn|>"],
+    "pending-call": ['<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,days:[1,2],options:{gust:null,note:<|"|>vent, ça '
+                     'souffle<|"|>,wind:true}}<tool_call|>Checking.<|tool_response>'],
+}
+GEMMA4_REASONED = [  # the last turn's reasoning is kept: thinking off, the larger models' prompt opened its channel
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "reasoning_content": "One call.", "tool_calls": [GEMMA4.CALL_PARIS]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    {"role": "assistant", "reasoning_content": "Warm.", "content": "21 °C."}]
+
+
+def gemma4(name, **switches) -> ChatTemplate:
+    return ChatTemplate(GEMMA4.TEXT[name], name, GEMMA4.SPECIALS, GEMMA4.CONTROLS, switches)
+
+
+@pytest.mark.parametrize("name", list(GEMMA4.SHA256))
+def test_gemma4_trains_the_calls_and_the_stop_but_never_the_results(name):
+    for switches in GEMMA4.SWITCHES:
+        ours = gemma4(name, **switches)
+        for conversation, expected in GEMMA4_CALLS.items():
+            if switches.get("preserve_thinking") and conversation == "tool-calls":  # the calling turns keep their reasoning
+                thinking = switches.get("enable_thinking", False)
+                opened = name == "gemma4.jinja" and not thinking  # a fresh turn's prompt opened the channel
+                expected = [("" if opened else "<|channel>thought\n") + "Two cities: two calls.\n<channel|>" + _PARIS_OSLO,
+                            ("" if thinking else "<|channel>thought\n") + "Any warnings?\n<channel|>" + _SEARCH,
+                            *expected[2:]]
+            text, spans = ours.assistant_spans(GEMMA4.CONVERSATIONS[conversation], GEMMA4.TOOLS)
+            assert text == GEMMA4.transformers_render(GEMMA4.TEXT[name], GEMMA4.CONVERSATIONS[conversation],
+                                                      tools=GEMMA4.TOOLS, **switches)
+            assert [text[s:e] for s, e in spans] == expected, (conversation, switches)
+            assert not any("response:" in text[s:e] for s, e in spans)
+    opened = "<|channel>thought\n" if name == "gemma4.jinja" else ""  # the part of the channel the prompt wrote
+    text, spans = gemma4(name).assistant_spans(GEMMA4_REASONED, GEMMA4.TOOLS)
+    assert [text[s:e] for s, e in spans] == [
+        ("" if opened else "<|channel>thought\n") + 'One call.\n<channel|><|tool_call>call:get_weather{city:<|"|>Paris<|"|>,'
+        'unit:<|"|>celsius<|"|>}<tool_call|><|tool_response>', "<|channel>thought\nWarm.\n<channel|>21 °C.<turn|>"]
+    thinking = gemma4(name, enable_thinking=True)  # after the results, a thinking prompt opens the channel itself
+    text, spans = thinking.assistant_spans(GEMMA4_REASONED, GEMMA4.TOOLS)
+    assert [text[s:e] for s, e in spans][1] == "Warm.\n<channel|>21 °C.<turn|>"
+
+
+@pytest.mark.parametrize("name", list(GEMMA4.SHA256))
+def test_gemma4_marked_copy_masks_what_the_derivation_finds(name):
+    """On the conversations the derivation marks (tests/test_chat_template_gemma4.py's MASKED) and every switch."""
+    for switches in GEMMA4.SWITCHES:
+        ours = gemma4(name, **switches)
+        assert ours._marked is not None
+        for conversation in GEMMA4.MASKED:
+            for tools in (None, GEMMA4.TOOLS):
+                messages = GEMMA4.CONVERSATIONS[conversation]
+                assert ours.assistant_spans(messages, tools) == ours._derive_spans(messages, tools), (conversation, switches)
+
+
+def test_the_chat_dataset_trains_gemma4_agent_traces_as_transformers_tokenizes_them(tmp_path, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    checkpoint = GEMMA4.write_checkpoint(tmp_path_factory.mktemp("gemma4-agent"), GEMMA4.LARGE)
+    records = [{"tools": GEMMA4.TOOLS, "messages": GEMMA4.CONVERSATIONS[c]} for c in GEMMA4_CALLS]
+    source = tmp_path / "agent.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    theirs = AutoTokenizer.from_pretrained(checkpoint)
+    dataset = ChatDataset(source, load_tokenizer(checkpoint), max_seq_len=4096)
+    for n, (conversation, expected) in enumerate(GEMMA4_CALLS.items()):
+        messages = GEMMA4.CONVERSATIONS[conversation]
+        assert dataset[n]["tokens"] == theirs.apply_chat_template(messages, tools=GEMMA4.TOOLS, tokenize=True,
+                                                                  return_dict=True)["input_ids"]
+        trained = theirs.decode([t for t in dataset[n]["labels"] if t != -100], skip_special_tokens=False)
+        assert trained == "".join(expected), conversation

@@ -32,11 +32,9 @@ What is trained (assistant spans): everything the model writes after the generat
 written with its reasoning shares ``<|channel>thought\\n`` with the prompt, so its reasoning, ``<channel|>``, the
 content and ``<turn|>`` are trained; otherwise the whole ``<|channel>thought\\n...<channel|>`` block is. The oracle
 for the masks is transformers' ``{% generation %}`` masks of a copy of the template marked that way (``marked``).
-Masks are checked on what the chat dataset passes (role and string content; reasoning too, for the template's sake).
-Conversations that call tools are rendered and tokenized here, not masked: the template writes the tools' results
-inside the model's turn, ahead of the content of the message that called them, and the masks derived from rendering
-(``waypoint.text.chat_template``) then take in those results and miss calls; nor are assistant contents given as a
-list of parts, or left out (Gemma's ``tool_responses`` form), which the derivation cannot mark.
+Masks are checked here on conversations without tool calls (role and string content; reasoning too), which the
+derivation from rendering can mark; those that call tools, whose results the template writes inside the model's
+turn, are masked through the marked copy of ``waypoint.text.generation_marks`` (``tests/test_agent_traces.py``).
 """
 
 from __future__ import annotations

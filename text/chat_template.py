@@ -179,7 +179,7 @@ class ChatTemplate:
             except ChatTemplateError:
                 marked = None
             if marked == text:
-                return text, spans
+                return text, _merged(spans)
         return self._derive_spans(messages, tools)
 
     def _generation_prompt_tail(self) -> str:
@@ -345,6 +345,17 @@ class ChatTemplate:
         text, spans = self.assistant_spans(self.with_arguments_it_takes(messages), tools)
         ids, offsets = tokenizer.encode_with_offsets(text)
         return ids, spans_to_mask(offsets, spans)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted spans with those that touch joined: a turn marked in pieces (thought, calls, content) as one."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(s for s in spans if s[1] > s[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _with_arguments(call: dict, convert) -> dict:

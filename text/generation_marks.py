@@ -85,6 +85,51 @@ _LLAMA32 = (
 )
 
 
+# Gemma 4's (2026-07-09, "Canonical"): a model turn holds the model's thought channel, its tool calls, the
+# <|tool_response> it stops at, the results (not the model's: the same turn, written by whoever ran the tools), then
+# its content and <turn|>. A thought channel the generation prompt opened (`<|channel>thought\n`: a fresh turn of the
+# larger models with thinking off, whose prompt writes an empty channel; a turn continued after results with
+# thinking on) has that opening outside.
+def _gemma4(fresh_turn_prompt_opens_channel: str):
+    thought = "        {{- '<|channel>thought\\n' + thinking_text + '\\n<channel|>' -}}\n"
+    return (
+        ("{%- set ns = namespace(prev_message_type=None, prev_non_tool_role=None) -%}\n",
+         "{%- set ns = namespace(prev_message_type=None, prev_non_tool_role=None) -%}\n"
+         "{%- set wp = namespace(open_response=false) -%}\n"),
+        ("    {{- '<|tool_response>' -}}\n    {%- if response is mapping -%}\n",  # the first result's opening
+         "    {%- if wp.open_response -%}{%- set wp.open_response = false -%}"
+         "{%- generation -%}{{- '<|tool_response>' -}}{%- endgeneration -%}\n"
+         "    {%- else -%}{{- '<|tool_response>' -}}{%- endif -%}\n    {%- if response is mapping -%}\n"),
+        (thought,
+         "        {%- if role != 'model' -%}\n    " + thought +
+         f"        {{%- elif (continue_same_model_turn and enable_thinking) or (not continue_same_model_turn and "
+         f"{fresh_turn_prompt_opens_channel}) -%}}\n"
+         "            {{- '<|channel>thought\\n' -}}{%- generation -%}{{- thinking_text + '\\n<channel|>' -}}"
+         "{%- endgeneration -%}\n"
+         "        {%- else -%}\n"
+         "            {%- generation -%}{{- '<|channel>thought\\n' + thinking_text + '\\n<channel|>' -}}"
+         "{%- endgeneration -%}\n"
+         "        {%- endif -%}\n"),
+        ("            {%- if message.get('tool_calls') -%}\n                {%- for tool_call in message.get('tool_calls') -%}\n",
+         "            {%- generation -%}\n"
+         "            {%- if message.get('tool_calls') -%}\n                {%- for tool_call in message.get('tool_calls') -%}\n"),
+        ("                {%- set ns.prev_message_type = 'tool_call' -%}\n            {%- endif -%}\n",
+         "                {%- set ns.prev_message_type = 'tool_call' -%}\n"
+         "                {%- set wp.open_response = role == 'model' -%}\n            {%- endif -%}\n"
+         "            {%- endgeneration -%}\n"),
+        ("            {{- captured_content -}}\n",
+         "            {%- if role == 'model' -%}{%- generation -%}{{- captured_content -}}{%- endgeneration -%}\n"
+         "            {%- else -%}{{- captured_content -}}{%- endif -%}\n"),
+        ("        {%- if ns.prev_message_type == 'tool_call' and not ns_tr_out.flag -%}\n            {{- '<|tool_response>' -}}\n",
+         "        {%- if ns.prev_message_type == 'tool_call' and not ns_tr_out.flag -%}\n"
+         "            {%- set wp.open_response = false -%}"
+         "{%- generation -%}{{- '<|tool_response>' -}}{%- endgeneration -%}\n"),
+        ("            {{- '<turn|>\\n' -}}\n        {%- endif -%}\n",
+         "            {%- if role == 'model' -%}{%- generation -%}{{- '<turn|>' -}}{%- endgeneration -%}{{- '\\n' -}}\n"
+         "            {%- else -%}{{- '<turn|>\\n' -}}{%- endif -%}\n        {%- endif -%}\n"),
+    )
+
+
 @dataclass(frozen=True)
 class Marks:
     name: str  # the template, as its checkpoints ship it
@@ -104,6 +149,9 @@ MARKS = {
     "3802169b2a02b81e6adb7ab4f64f91ff02db753c8c3a64a01c35192d3a61d8d7": Marks("Qwen3-Next-Thinking", _QWEN3),
     "64f85b198065d0fba2a81f37e10ed68161ce2c19a754c7100e67e0ca2ee9c326": Marks("Qwen3-Next-Instruct", _PLAIN),
     "5816fce10444e03c2e9ee1ef8a4a1ea61ae7e69e438613f3b17b69d0426223a4": Marks("Llama 3.2 Instruct", _LLAMA32),
+    "ae53464bf3be25802b3a5b37def7fd89667067d7577049b3b2d74c4d8de4c6d4":
+        Marks("Gemma 4 (12B, 26B-A4B, 31B)", _gemma4("not enable_thinking")),
+    "0a2c8073c878ab1da004bee933a998606537bbb62016310352c7285c3f01c5b5": Marks("Gemma 4 (E2B, E4B)", _gemma4("false")),
 }
 
 
