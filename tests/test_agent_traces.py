@@ -72,7 +72,8 @@ def chat(name, **switches) -> ChatTemplate:
 
 
 def test_each_marked_template_is_the_published_one():
-    assert {digest(TEXT[name]) for name in MARKED} | {digest(text) for text in GEMMA4.TEXT.values()} == set(MARKS)
+    published = [TEXT[name] for name in MARKED] + list(GEMMA4.TEXT.values()) + [(DATA / "gpt_oss.jinja").read_text()]
+    assert {digest(text) for text in published} == set(MARKS)
     for name in MARKED:
         assert chat(name)._marked is not None, name
 
@@ -346,3 +347,29 @@ def test_the_chat_dataset_trains_gemma4_agent_traces_as_transformers_tokenizes_t
                                                                   return_dict=True)["input_ids"]
         trained = theirs.decode([t for t in dataset[n]["labels"] if t != -100], skip_special_tokens=False)
         assert trained == "".join(expected), conversation
+
+
+def test_gpt_oss_trains_its_calls_with_their_analysis_unless_a_later_final_message_drops_it():
+    """Harmony: a call's analysis is written only while no final message follows it; the arguments and <|call|> are
+    trained either way, the header and analysis only where the model wrote them as shown; the result never."""
+    from tests.test_chat_template_harmony import CONTROLS as HARMONY_CONTROLS
+    from tests.test_chat_template_harmony import CONVERSATIONS as HARMONY_CONVERSATIONS
+    from tests.test_chat_template_harmony import HARMONY, SPECIALS as HARMONY_SPECIALS
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    ours = ChatTemplate(HARMONY, "gpt_oss.jinja", HARMONY_SPECIALS, HARMONY_CONTROLS)
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    trace = [{"role": "user", "content": "Weather in Oslo?"},
+             {"role": "assistant", "thinking": "Need the tool.", "tool_calls": [call]},
+             {"role": "tool", "content": "9 °C"},
+             {"role": "assistant", "reasoning_content": "Answer.", "content": "It is 9 °C."}]
+    header = "<|channel|>analysis<|message|>Need the tool.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    final = "<|channel|>analysis<|message|>Answer.<|end|><|start|>assistant<|channel|>final<|message|>It is 9 °C.<|return|>"
+    for messages, expected in ((trace[:3], [header + '{"city": "Oslo"}<|call|>']),
+                               (trace, ['{"city": "Oslo"}<|call|>', final])):
+        text, spans = ours.assistant_spans(messages, TOOLS)
+        assert text == render_jinja_template([messages], tools=TOOLS, chat_template=HARMONY, **HARMONY_SPECIALS)[0][0]
+        assert [text[s:e] for s, e in spans] == expected
+        assert "9 °C" not in "".join(text[s:e] for s, e in spans[:1])
+    for conversation, messages in HARMONY_CONVERSATIONS.items():  # no tool calls: as the derivation finds
+        assert ours.assistant_spans(messages) == ours._derive_spans(messages), conversation

@@ -130,6 +130,72 @@ def _gemma4(fresh_turn_prompt_opens_channel: str):
     )
 
 
+# gpt-oss's harmony template: after the prompt's `<|start|>assistant`, the last turn (its analysis, then its final
+# message through <|return|>) and a tool call (its analysis unless a later final message drops it, then
+# ` to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>`) are trained whole; an earlier final message
+# in its history form has its content trained, after its `<|channel|>final<|message|>` header only when no analysis
+# was dropped before it, never its <|end|> (the model ends a final message with <|return|>). A tool call whose analysis
+# was dropped keeps its arguments and <|call|>. The tools' results are not the model's.
+_HARMONY_CALL = """            {%- if message.content and message.thinking %}
+                {{- raise_exception("Cannot pass both content and thinking in an assistant message with tool calls! Put the analysis message in one or the other, but not both.") }}
+            {%- elif message.content and not future_final_message.found %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.content + "<|end|>" }}
+            {%- elif message.thinking and not future_final_message.found %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant to=" }}
+            {{- "functions." + tool_call.name + "<|channel|>commentary " }}
+            {{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}
+            {{- tool_call.arguments|tojson }}
+            {{- "<|call|>" }}
+"""
+_HARMONY_CALL_MARKED = """            {%- set wp_header = " to=functions." + tool_call.name + "<|channel|>commentary " + (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" %}
+            {%- if message.content and message.thinking %}
+                {{- raise_exception("Cannot pass both content and thinking in an assistant message with tool calls! Put the analysis message in one or the other, but not both.") }}
+            {%- elif (message.content or message.thinking) and future_final_message.found %}
+                {{- "<|start|>assistant" + wp_header }}
+                {%- generation %}{{- tool_call.arguments|tojson + "<|call|>" }}{%- endgeneration %}
+            {%- else %}
+                {{- "<|start|>assistant" }}
+                {%- generation %}
+                {%- if message.content or message.thinking %}
+                    {{- "<|channel|>analysis<|message|>" + (message.content or message.thinking) + "<|end|><|start|>assistant" }}
+                {%- endif %}
+                {{- wp_header + tool_call.arguments|tojson + "<|call|>" }}
+                {%- endgeneration %}
+            {%- endif %}
+"""
+_HARMONY_LAST = """            {%- if "thinking" in message %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {#- <|return|> indicates the end of generation, but <|end|> does not #}
+            {#- <|return|> should never be an input to the model, but we include it as the final token #}
+            {#- when training, so the model learns to emit it. #}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
+"""
+_HARMONY_LAST_MARKED = """            {{- "<|start|>assistant" }}
+            {%- generation %}
+            {%- if "thinking" in message %}
+                {{- "<|channel|>analysis<|message|>" + message.thinking + "<|end|><|start|>assistant" }}
+            {%- endif %}
+            {{- "<|channel|>final<|message|>" + message.content + "<|return|>" }}
+            {%- endgeneration %}
+"""
+_HARMONY_EARLIER = """            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+"""
+_HARMONY_EARLIER_MARKED = """            {%- if "thinking" in message %}
+                {{- "<|start|>assistant<|channel|>final<|message|>" }}
+                {%- generation %}{{- message.content }}{%- endgeneration %}
+            {%- else %}
+                {{- "<|start|>assistant" }}
+                {%- generation %}{{- "<|channel|>final<|message|>" + message.content }}{%- endgeneration %}
+            {%- endif %}
+            {{- "<|end|>" }}
+"""
+_HARMONY = ((_HARMONY_CALL, _HARMONY_CALL_MARKED), (_HARMONY_LAST, _HARMONY_LAST_MARKED),
+            (_HARMONY_EARLIER, _HARMONY_EARLIER_MARKED))
+
+
 @dataclass(frozen=True)
 class Marks:
     name: str  # the template, as its checkpoints ship it
@@ -152,6 +218,7 @@ MARKS = {
     "ae53464bf3be25802b3a5b37def7fd89667067d7577049b3b2d74c4d8de4c6d4":
         Marks("Gemma 4 (12B, 26B-A4B, 31B)", _gemma4("not enable_thinking")),
     "0a2c8073c878ab1da004bee933a998606537bbb62016310352c7285c3f01c5b5": Marks("Gemma 4 (E2B, E4B)", _gemma4("false")),
+    "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146": Marks("gpt-oss (harmony)", _HARMONY),
 }
 
 
