@@ -25,6 +25,7 @@ cannot render stops the run before its first step, naming its file and index (``
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from torch.utils.data import Dataset
@@ -53,6 +54,8 @@ class ChatDataset(Dataset):
         max_seq_len: items are cut to this many tokens.
         train_on_input: supervise every token, not only the assistant turns.
         assistant_only_loss: TRL's name for the opposite of ``train_on_input`` (either may be given, not both).
+        chat_template_kwargs: the template's switches, as TRL and transformers name them (``{enable_thinking: false}``
+            for Qwen3, ``{builtin_tools: [brave_search]}`` for Llama 3.1).
         template: None for the checkpoint's own chat template; else a built-in name (``chatml``, ``llama3``) or
             a ``.jinja`` file.
         columns: field names of other layouts: ``messages`` (the list), ``role``, ``content``.
@@ -62,7 +65,8 @@ class ChatDataset(Dataset):
 
     def __init__(self, source: str | Path, tokenizer, max_seq_len: int, train_on_input: bool = False,
                  template: str | None = None, columns: dict[str, str] | None = None,
-                 skip_bad_records: bool = False, assistant_only_loss: bool | None = None) -> None:
+                 skip_bad_records: bool = False, assistant_only_loss: bool | None = None,
+                 chat_template_kwargs: dict | None = None) -> None:
         if assistant_only_loss is not None:
             if train_on_input and assistant_only_loss:
                 raise ValueError("dataset: train_on_input=true and assistant_only_loss=true contradict each other; set one")
@@ -72,7 +76,14 @@ class ChatDataset(Dataset):
         self.tokenizer = tokenizer
         self.columns = columns
         self.items = TokenizedRecords(max_seq_len, train_on_input)
-        self.template: ChatTemplate = load_chat_template(tokenizer, template)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ValueError(f"dataset.chat_template_kwargs={chat_template_kwargs!r}: expected a mapping of the template's "
+                             "switches, e.g. {enable_thinking: false}")
+        if hasattr(chat_template_kwargs, "_metadata"):  # from a config: plain values for the template's sandbox
+            from omegaconf import OmegaConf
+
+            chat_template_kwargs = OmegaConf.to_container(chat_template_kwargs, resolve=True)
+        self.template: ChatTemplate = load_chat_template(tokenizer, template, dict(chat_template_kwargs or {}))
         skipped = Skipped()  # every record rendered and tokenized now: one the template cannot render stops the run here
         encode = lambda record, where: self._encode(record)  # noqa: E731
         for where, (tokens, mask) in converted(self.source, encode, skip_bad_records, skipped):

@@ -24,7 +24,8 @@ from waypoint.text.generation_marks import MARKS, digest
 from waypoint.text.tokenizer import load_tokenizer
 
 DATA = ROOT / "assets" / "chat_templates"
-MARKED = ["qwen3", "qwen3_5", "qwen3_5_small", "qwen3_6", "qwen3_next_thinking", "qwen3_next_instruct", "llama3_2"]
+MARKED = ["qwen3", "qwen3_5", "qwen3_5_small", "qwen3_6", "qwen3_next_thinking", "qwen3_next_instruct", "llama3_2",
+          "llama3_1"]
 TEXT = {name: (DATA / f"{name}.jinja").read_text(encoding="utf-8") for name in MARKED}
 
 # What the model writes in the "tool-calls" conversation, per template and switches: its three turns.
@@ -123,6 +124,29 @@ def test_llama_3_2_trains_its_single_tool_call_and_never_the_ipython_result():
         ours.assistant_spans(CONVERSATIONS["tool-calls"], TOOLS)
 
 
+def test_llama_3_1_trains_built_in_and_custom_calls_through_eom_in_ipython_mode():
+    """Llama 3.1 / 3.3: with built-in tools (a template switch), a built-in call is <|python_tag|>NAME.call(...) and
+    every call ends with <|eom_id|>; without them a call ends with <|eot_id|>."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    call = lambda name, arguments: {"type": "function", "function": {"name": name, "arguments": arguments}}  # noqa: E731
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "tool_calls": [call("brave_search", {"query": "Oslo weather"})]},
+                {"role": "ipython", "content": "Rain."},
+                {"role": "assistant", "tool_calls": [call("get_weather", {"city": "Oslo"})]},
+                {"role": "tool", "content": "9"}, {"role": "assistant", "content": "Rain, 9 °C."}]
+    for switches, end in (({"builtin_tools": ["brave_search", "wolfram_alpha"]}, "<|eom_id|>"), ({}, "<|eot_id|>")):
+        ours = ChatTemplate(TEXT["llama3_1"], "llama3_1", {"bos_token": "<|begin_of_text|>"}, ["<|eot_id|>", "<|eom_id|>"],
+                            switches)
+        text, spans = ours.assistant_spans(messages, TOOLS)
+        assert text == render_jinja_template([messages], tools=TOOLS, chat_template=TEXT["llama3_1"],
+                                             bos_token="<|begin_of_text|>", **switches)[0][0]
+        first = ('<|python_tag|>brave_search.call(query="Oslo weather")' if switches else
+                 '{"name": "brave_search", "parameters": {"query": "Oslo weather"}}')
+        assert [text[s:e] for s, e in spans] == [first + end, '{"name": "get_weather", "parameters": {"city": "Oslo"}}' + end,
+                                                 "Rain, 9 °C.<|eot_id|>"], switches
+
+
 def test_masks_take_one_rendering_of_each_template_whatever_the_length(monkeypatch):
     """100 turn pairs with reasoning: the marked copy and the template, once each (the derivation renders three
     times per turn, each time the conversation up to it)."""
@@ -205,6 +229,17 @@ def test_the_chat_dataset_trains_agent_traces_as_transformers_tokenizes_them(tmp
                               "</function>\n</tool_call><|im_end|>\n</think>\n\n9 °C.<|im_end|>")
     everything = ChatDataset(source, load_tokenizer(qwen35_checkpoint), max_seq_len=4096, assistant_only_loss=False)
     assert all(t != -100 for t in everything[0]["labels"])
+    from omegaconf import OmegaConf  # the template's switches, as a config gives them
+
+    switched = ChatDataset(source, load_tokenizer(qwen35_checkpoint), max_seq_len=4096,
+                           chat_template_kwargs=OmegaConf.create({"enable_thinking": False}))
+    messages, tools = as_transformers_takes_it(AGENT_RECORDS[0])
+    assert switched[0]["tokens"] == theirs.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                                               enable_thinking=False)["input_ids"]
+    assert theirs.decode([t for t in switched[0]["labels"] if t != -100], skip_special_tokens=False) == \
+        "".join(_XML_NOT_THINKING)
+    with pytest.raises(ValueError, match=r"^dataset\.chat_template_kwargs=\['enable_thinking'\]: expected a mapping"):
+        ChatDataset(source, load_tokenizer(qwen35_checkpoint), max_seq_len=4096, chat_template_kwargs=["enable_thinking"])
 
 
 @pytest.mark.parametrize("record, message", [
