@@ -125,7 +125,7 @@ def test_llama_3_2_trains_its_single_tool_call_and_never_the_ipython_result():
 
 
 def test_llama_3_1_trains_built_in_and_custom_calls_through_eom_in_ipython_mode():
-    """Llama 3.1 / 3.3: with built-in tools (a template switch), a built-in call is <|python_tag|>NAME.call(...) and
+    """Llama 3.1: with built-in tools (a template switch), a built-in call is <|python_tag|>NAME.call(...) and
     every call ends with <|eom_id|>; without them a call ends with <|eot_id|>."""
     from transformers.utils.chat_template_utils import render_jinja_template
 

@@ -196,7 +196,7 @@ _HARMONY = ((_HARMONY_CALL, _HARMONY_CALL_MARKED), (_HARMONY_LAST, _HARMONY_LAST
             (_HARMONY_EARLIER, _HARMONY_EARLIER_MARKED))
 
 
-# Llama 3.1 (and 3.3) Instruct's adds built-in tools: a call of one is written `<|python_tag|>NAME.call(...)`, and
+# Llama 3.1 Instruct's adds built-in tools: a call of one is written `<|python_tag|>NAME.call(...)`, and
 # with built-in tools the call ends with <|eom_id|> (ipython mode) instead of <|eot_id|>
 _LLAMA31_CALL_END = ("""        {%- if builtin_tools is defined %}
             {#- This means we're in ipython mode #}
@@ -272,7 +272,7 @@ MARKS = {
     "3802169b2a02b81e6adb7ab4f64f91ff02db753c8c3a64a01c35192d3a61d8d7": Marks("Qwen3-Next-Thinking", _QWEN3),
     "64f85b198065d0fba2a81f37e10ed68161ce2c19a754c7100e67e0ca2ee9c326": Marks("Qwen3-Next-Instruct", _PLAIN),
     "5816fce10444e03c2e9ee1ef8a4a1ea61ae7e69e438613f3b17b69d0426223a4": Marks("Llama 3.2 Instruct", _LLAMA32),
-    "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65": Marks("Llama 3.1 / 3.3 Instruct", _LLAMA31),
+    "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65": Marks("Llama 3.1 Instruct", _LLAMA31),
     "ae53464bf3be25802b3a5b37def7fd89667067d7577049b3b2d74c4d8de4c6d4":
         Marks("Gemma 4 (12B, 26B-A4B, 31B)", _gemma4("not enable_thinking")),
     "0a2c8073c878ab1da004bee933a998606537bbb62016310352c7285c3f01c5b5": Marks("Gemma 4 (E2B, E4B)", _gemma4("false")),
