@@ -41,6 +41,10 @@ def describe(e: BaseException) -> str:
     Hydra instantiated as the constructor's own."""
     from hydra.errors import InstantiationException
 
+    if isinstance(e, InstantiationException) and isinstance(e.__cause__, TypeError):
+        unknown = unknown_option(str(e), str(e.__cause__))
+        if unknown:
+            return unknown
     if isinstance(e, InstantiationException) and e.__cause__ is not None:
         e = e.__cause__
     if isinstance(e, SystemExit):
@@ -50,6 +54,29 @@ def describe(e: BaseException) -> str:
         where = e.filename if e.filename is not None else ""
         return f"{where}: {e.strerror}" if where else e.strerror
     return first_line(e)
+
+
+def unknown_option(instantiating: str, error: str) -> str | None:
+    """``Class has no option 'x' (did you mean y?)`` for a config key that the class Hydra instantiated does not take
+    (a typo in ``dataset.*``, ``optimizer.*``...), from Hydra's message and the class's signature; None otherwise."""
+    import difflib
+    import importlib
+    import inspect
+    import re
+
+    key = re.search(r"got an unexpected keyword argument '([^']+)'", error)
+    target = re.search(r"target '([^']+)'", instantiating)
+    if not key or not target:
+        return None
+    module, _, name = target.group(1).rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+        options = [p for p in inspect.signature(found).parameters if p not in ("self", "args", "kwargs")]
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+    near = difflib.get_close_matches(key.group(1), options, n=2, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(near)}?)" if near else f" (it takes {', '.join(options)})"
+    return f"{name} has no option {key.group(1)!r}{hint}"
 
 
 def exiting_function(e: SystemExit) -> str:

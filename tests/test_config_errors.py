@@ -112,3 +112,21 @@ def test_help_names_each_recipes_own_config(capsys):
     assert missing.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the following arguments are required: --config (see "), err
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("+dataset.max_seq_lne=64", "error: InstructDataset has no option 'max_seq_lne' (did you mean max_seq_len?)"),
+    ("+optimizer.lrr=0.1", "error: AdamW has no option 'lrr' (did you mean lr?)"),
+    ("+dataset.zzz=1", "error: InstructDataset has no option 'zzz' (it takes source, "),
+], ids=["dataset", "optimizer", "nothing-near"])
+def test_an_option_the_class_does_not_take_is_named_with_the_nearest(override, expected, tmp_path, capsys):
+    """A key the configured class does not take reached its constructor: Python's TypeError named neither the
+    section nor what was meant."""
+    out = tmp_path / "out"
+    try:
+        code = full_finetune(["--config", str(ROOT / "configs/tiny.yaml"), f"output_dir={out}", override])
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith(expected), err
+    assert not list(out.glob("step_*"))
