@@ -41,13 +41,13 @@ and byte-fallback tokenizers).
 from __future__ import annotations
 
 import bisect
-import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from waypoint.text.generation_marks import marked_copy
 from waypoint.text.instruction_templates import TEMPLATES as INSTRUCTION_TEMPLATES
+from waypoint.text.message_forms import takes_arguments_as_text, with_arguments_as, with_reasoning_aliases
 from waypoint.text.template_sandbox import TemplateLimitError, render_limited, sandboxed_environment
 
 # Templates for checkpoints without their own (base models), by name: chat.template = "chatml" | "llama3" | "alpaca".
@@ -144,7 +144,7 @@ class ChatTemplate:
 
     def _render(self, messages, add_generation_prompt, track=False, tools=None, template=None,
                 **extra) -> tuple[str, list[tuple[int, int]]]:
-        messages = [_with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in messages]
+        messages = [with_reasoning_aliases({k: v for k, v in m.items() if v is not None}) for m in messages]
         variables = {**self.variables, **extra, "messages": messages, "tools": tools, "documents": None,
                      "add_generation_prompt": add_generation_prompt}
         template = self._template if template is None else template
@@ -309,28 +309,10 @@ class ChatTemplate:
         return eot.rstrip()
 
     def with_arguments_it_takes(self, messages: list[dict]) -> list[dict]:
-        """``messages`` with their tool calls' arguments as the template takes them: objects (as transformers asks;
-        Qwen3.5's and Gemma 4's templates refuse a string, Llama 3's would encode it twice), unless the template
-        refuses an object and takes JSON text (DeepSeek-V3's writes the arguments into a string)."""
-        if not any(m.get("tool_calls") for m in messages):
-            return messages
-        if self._arguments_as_text is None:
-            self._arguments_as_text = self._renders_calls_with({"a": 1}) is None and self._renders_calls_with('{"a": 1}')
-        convert = (lambda a: a if isinstance(a, str) else json.dumps(a, ensure_ascii=False)) if self._arguments_as_text \
-            else (lambda a: json.loads(a) if isinstance(a, str) else a)
-        conformed = []
-        for message in messages:
-            if message.get("tool_calls"):
-                message = {**message, "tool_calls": [_with_arguments(call, convert) for call in message["tool_calls"]]}
-            conformed.append(message)
-        return conformed
-
-    def _renders_calls_with(self, arguments) -> str | None:
-        call = {"type": "function", "id": "call_0", "function": {"name": "f", "arguments": arguments}}
-        try:
-            return self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}])
-        except ChatTemplateError:
-            return None
+        """``messages`` with their tool calls' arguments in the form this template takes (``message_forms``)."""
+        if self._arguments_as_text is None and any(m.get("tool_calls") for m in messages):
+            self._arguments_as_text = takes_arguments_as_text(self._render_or_none)
+        return with_arguments_as(messages, as_text=bool(self._arguments_as_text))
 
     def _cannot(self, why: str) -> ChatTemplateError:
         return ChatTemplateError(f"{self.source}: cannot find the assistant turns in the rendered conversation: {why} "
@@ -356,25 +338,6 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append((start, end))
     return merged
-
-
-def _with_arguments(call: dict, convert) -> dict:
-    """A tool call (nested ``{"function": {...}}`` or flat) with ``convert`` applied to its arguments."""
-    function = call.get("function", call)
-    if not isinstance(function, dict) or "arguments" not in function:
-        return call
-    function = {**function, "arguments": convert(function["arguments"])}
-    return {**call, "function": function} if "function" in call else function
-
-
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names for a message's reasoning
-
-
-def _with_reasoning_aliases(message: dict) -> dict:
-    """A message's reasoning under each name templates read it by, as transformers passes it (``reasoning_content``,
-    and ``thinking`` for gpt-oss), whichever name it came under."""
-    reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
-    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _prompt_end(marked: str, low: int, high: int, prompt: str) -> int | None:

@@ -7,10 +7,13 @@ with tool calls) cannot be marked. The templates agent traces are mostly written
 recognized by their text's SHA-256, rendered instead in one pass with transformers' ``{% generation %}`` semantics;
 the copy renders the same text, which is checked on every conversation (the derivation answers where it does not).
 
-What a copy marks is what the derivation finds: from the end of the generation prompt to the end of the turn
-(``<|im_end|>``, not the newline after it), the tool calls inside. Where a turn opens with a ``<think>`` block, the
-part of it the generation prompt already wrote (``<think>\\n``, or the whole block when the prompt closes an empty
-one and the turn's reasoning is empty) is not trained; the prompt's tail is passed in as ``wp_prompt_tail``.
+What a copy marks is what the derivation finds where the derivation can mark a turn (checked on every conversation
+of the template tests), and the same rule where it cannot: what the model writes after the generation prompt, to the
+end of its turn, tool calls included, never the tools' results. The Qwen family's: to ``<|im_end|>`` (not the newline
+after it); where a turn opens with a ``<think>`` block, the part of it the generation prompt already wrote
+(``<think>\\n``, or the whole block when the prompt closes an empty one and the turn's reasoning is empty) is not
+trained, the prompt's tail passed in as ``wp_prompt_tail``. Llama 3.1/3.2's, Gemma 4's and gpt-oss's say theirs
+beside their edits. Each copy is a few exact edits of the published text, each found exactly once.
 """
 
 from __future__ import annotations
