@@ -58,25 +58,15 @@ def describe(e: BaseException) -> str:
 
 def unknown_option(instantiating: str, error: str) -> str | None:
     """``Class has no option 'x' (did you mean y?)`` for a config key that the class Hydra instantiated does not take
-    (a typo in ``dataset.*``, ``optimizer.*``...), from Hydra's message and the class's signature; None otherwise."""
-    import difflib
-    import importlib
-    import inspect
+    (a typo in a section the early checks do not cover), from Hydra's message and the class's signature."""
     import re
+
+    from waypoint.cli.option_checks import constructor_options, unknown_option_line
 
     key = re.search(r"got an unexpected keyword argument '([^']+)'", error)
     target = re.search(r"target '([^']+)'", instantiating)
-    if not key or not target:
-        return None
-    module, _, name = target.group(1).rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), name)
-        options = [p for p in inspect.signature(found).parameters if p not in ("self", "args", "kwargs")]
-    except (ImportError, AttributeError, ValueError, TypeError):
-        return None
-    near = difflib.get_close_matches(key.group(1), options, n=2, cutoff=0.6)
-    hint = f" (did you mean {' or '.join(near)}?)" if near else f" (it takes {', '.join(options)})"
-    return f"{name} has no option {key.group(1)!r}{hint}"
+    options = constructor_options(target.group(1)) if key and target else None
+    return unknown_option_line(target.group(1), key.group(1), options) if options is not None else None
 
 
 def exiting_function(e: SystemExit) -> str:

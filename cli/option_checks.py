@@ -248,6 +248,50 @@ def option_problems(cfg: DictConfig, table: Mapping[str, tuple[bool, Check]] = C
         expected = check(value)
         if expected is not None:
             problems.append(expected if isinstance(expected, Problem) else f"{key}={_show(value)}: expected {expected}")
+    return problems + _section_problems(config)
+
+
+# Sections a recipe builds by their _target_ with the section's keys: a key the class does not take is named here,
+# before anything is read or written (else Python's TypeError about __init__, once the recipe reaches it)
+BUILT_SECTIONS = ("dataset", "tokenizer", "optimizer", "lr_scheduler")
+
+
+def constructor_options(target: str) -> list[str] | None:
+    """The keyword options the class or function ``target`` (a dotted path) takes; None when it takes any
+    (``**kwargs``) or cannot be looked up here (the recipe then says what is wrong)."""
+    import importlib
+    import inspect
+
+    module, _, name = target.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+        parameters = inspect.signature(found).parameters.values()
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+
+
+def unknown_option_line(target: str, key: str, options: list[str]) -> str:
+    """``Class has no option 'key' (did you mean ...?)``."""
+    import difflib
+
+    near = difflib.get_close_matches(key, options, n=2, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(near)}?)" if near else f" (it takes {', '.join(options)})"
+    return f"{target.rpartition('.')[2]} has no option {key!r}{hint}"
+
+
+def _section_problems(config: Mapping) -> list[str]:
+    problems = []
+    for section in BUILT_SECTIONS:
+        node = config.get(section)
+        if not isinstance(node, Mapping) or not isinstance(node.get("_target_"), str):
+            continue
+        options = constructor_options(node["_target_"])
+        for key in node if options is not None else ():
+            if not key.startswith("_") and key not in options:
+                problems.append(f"{section}.{key}: {unknown_option_line(node['_target_'], key, options)}")
     return problems
 
 

@@ -126,10 +126,11 @@ def test_run_a_copied_recipe_by_its_path_on_a_shipped_config_by_name(tmp_path, m
 def test_validate_prints_every_problem_and_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["validate", "tiny_lora", "lora.rank=0", "lr_scheduler.num_warmup_steps=-1",
-                 "dataset.source=missing.jsonl", "output_dir=out"]) == 1
+                 "dataset.source=missing.jsonl", "output_dir=out", "+optimizer.betas2=[0.9,0.95]"]) == 1
     printed = capsys.readouterr().out.splitlines()
     assert printed == ["error: lr_scheduler.num_warmup_steps=-1: expected an integer >= 0",
                        "error: lora.rank=0: expected an integer >= 1",
+                       "error: optimizer.betas2: AdamW has no option 'betas2' (did you mean betas?)",
                        "error: dataset.source=missing.jsonl: no such file or folder"], printed
     assert main(["validate", "tiny_dpo", "output_dir=out"]) == 0
     assert capsys.readouterr().out.strip().endswith("tiny_dpo.yaml: ok for dpo_finetune")
