@@ -35,10 +35,15 @@ class InstructDataset(Dataset):
         max_seq_len: items are cut to this many tokens.
         template: a key of ``TEMPLATES``.
         train_on_input: supervise the prompt tokens too.
+        completion_only_loss: TRL's name for the opposite of ``train_on_input`` (either may be given, not both).
     """
 
     def __init__(self, source: str | Path, tokenizer, max_seq_len: int, template: str = "alpaca",
-                 train_on_input: bool = False) -> None:
+                 train_on_input: bool = False, completion_only_loss: bool | None = None) -> None:
+        if completion_only_loss is not None:
+            if train_on_input and completion_only_loss:
+                raise ValueError("dataset: train_on_input=true and completion_only_loss=true contradict each other; set one")
+            train_on_input = not completion_only_loss
         if template not in TEMPLATES:
             raise ValueError(f"unknown template {template!r}; known: {', '.join(sorted(TEMPLATES))}")
         self.source = Path(source)

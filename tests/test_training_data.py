@@ -161,6 +161,13 @@ def test_labels_mask_exactly_the_prompt(tmp_path, tokenizer):
 def test_train_on_input_supervises_everything(tmp_path, tokenizer):
     dataset = InstructDataset(write_jsonl(tmp_path / "d.jsonl", RECORDS), tokenizer, 512, train_on_input=True)
     assert dataset[0]["labels"] == dataset[0]["tokens"]
+    # TRL's name for the opposite: completion_only_loss
+    source = tmp_path / "d.jsonl"
+    assert InstructDataset(source, tokenizer, 512, completion_only_loss=False)[0] == dataset[0]
+    only = InstructDataset(source, tokenizer, 512, completion_only_loss=True)[0]
+    assert only == InstructDataset(source, tokenizer, 512)[0] and only["labels"] != only["tokens"]
+    with pytest.raises(ValueError, match=r"^dataset: train_on_input=true and completion_only_loss=true contradict"):
+        InstructDataset(source, tokenizer, 512, train_on_input=True, completion_only_loss=True)
 
 
 def test_truncation_and_json_list_source(tmp_path, tokenizer):
