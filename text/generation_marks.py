@@ -199,26 +199,19 @@ _HARMONY = ((_HARMONY_CALL, _HARMONY_CALL_MARKED), (_HARMONY_LAST, _HARMONY_LAST
             (_HARMONY_EARLIER, _HARMONY_EARLIER_MARKED))
 
 
+def _generation_around(text: str, outside: int = 0) -> tuple[str, str]:
+    """An edit that puts ``{% generation %}`` around ``text`` but its first ``outside`` lines, at their indent."""
+    lines = text.splitlines(keepends=True)
+    indent = " " * (len(lines[outside]) - len(lines[outside].lstrip()))
+    return text, ("".join(lines[:outside]) + f"{indent}{{%- generation %}}\n" + "".join(lines[outside:])
+                  + f"{indent}{{%- endgeneration %}}\n")
+
+
 # Llama 3.1 Instruct's adds built-in tools: a call of one is written `<|python_tag|>NAME.call(...)`, and
 # with built-in tools the call ends with <|eom_id|> (ipython mode) instead of <|eot_id|>
-_LLAMA31_CALL_END = ("""        {%- if builtin_tools is defined %}
-            {#- This means we're in ipython mode #}
-            {{- "<|eom_id|>" }}
-        {%- else %}
-            {{- "<|eot_id|>" }}
-        {%- endif %}
-""", """        {%- generation %}
-        {%- if builtin_tools is defined %}
-            {#- This means we're in ipython mode #}
-            {{- "<|eom_id|>" }}
-        {%- else %}
-            {{- "<|eot_id|>" }}
-        {%- endif %}
-        {%- endgeneration %}
-""")
 _LLAMA31 = (
     _LLAMA32[0],
-    ("""            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+    _generation_around("""            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
             {{- "<|python_tag|>" + tool_call.name + ".call(" }}
             {%- for arg_name, arg_val in tool_call.arguments | items %}
                 {{- arg_name + '="' + arg_val + '"' }}
@@ -227,32 +220,20 @@ _LLAMA31 = (
                 {%- endif %}
                 {%- endfor %}
             {{- ")" }}
-""", """            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
-            {%- generation %}
-            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
-            {%- for arg_name, arg_val in tool_call.arguments | items %}
-                {{- arg_name + '="' + arg_val + '"' }}
-                {%- if not loop.last %}
-                    {{- ", " }}
-                {%- endif %}
-                {%- endfor %}
-            {{- ")" }}
-            {%- endgeneration %}
-"""),
-    ("""            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+""", outside=1),
+    _generation_around("""            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
             {{- '{"name": "' + tool_call.name + '", ' }}
             {{- '"parameters": ' }}
             {{- tool_call.arguments | tojson }}
             {{- "}" }}
-""", """            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
-            {%- generation %}
-            {{- '{"name": "' + tool_call.name + '", ' }}
-            {{- '"parameters": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- "}" }}
-            {%- endgeneration %}
+""", outside=1),
+    _generation_around("""        {%- if builtin_tools is defined %}
+            {#- This means we're in ipython mode #}
+            {{- "<|eom_id|>" }}
+        {%- else %}
+            {{- "<|eot_id|>" }}
+        {%- endif %}
 """),
-    _LLAMA31_CALL_END,
 )
 
 
