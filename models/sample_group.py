@@ -35,7 +35,7 @@ import torch
 from waypoint.models.generate import Sampling, sample_rows
 from waypoint.models.kv_cache import KVCache
 
-__all__ = ["generate_group", "generate_groups", "group_seed", "row_generator"]
+__all__ = ["generate_group", "generate_groups", "generate_rows", "group_seed", "row_generator"]
 
 
 def group_seed(generator: torch.Generator | None = None) -> int:
@@ -50,31 +50,33 @@ def row_generator(base: int, row: int, device=None) -> torch.Generator:
 
 
 class _RowsCache(KVCache):
-    """The caches of several prompts' prefills, each copied to ``n`` rows, in buffers preallocated for ``capacity``
+    """The caches of several prompts' prefills, each copied to its number of rows (``counts``), in buffers preallocated for ``capacity``
     tokens: row ``r`` holds its prompt's keys and values at positions ``0 .. lengths[r] - 1``, a shorter prompt's rows
     padded after them (never attended: ``mask``). Each decode step appends one token to every row at its own
     position and attends up to it; ``rope_rows`` gives each row its own positions."""
 
-    def __init__(self, prompts: list[KVCache], n: int, capacity: int) -> None:
+    def __init__(self, prompts: list[KVCache], counts: list[int], capacity: int) -> None:
         first = prompts[0]
         super().__init__(len(first.keys))
         device = next(k for k in first.keys + [s[0] for s in first.states if s is not None] if k is not None).device
-        self.lengths = torch.tensor([c.length for c in prompts for _ in range(n)], device=device)
+        self.lengths = torch.tensor([c.length for c, n in zip(prompts, counts) for _ in range(n)], device=device)
         self.length = int(self.lengths.max())
         for layer, k in enumerate(first.keys):
             if k is not None:
-                self.keys[layer] = self._buffer([c.keys[layer] for c in prompts], n, capacity)
-                self.values[layer] = self._buffer([c.values[layer] for c in prompts], n, capacity)
+                self.keys[layer] = self._buffer([c.keys[layer] for c in prompts], counts, capacity)
+                self.values[layer] = self._buffer([c.values[layer] for c in prompts], counts, capacity)
         self.states = [None if s is None else tuple(
-            torch.cat([c.states[layer][i].repeat(n, *[1] * (t.dim() - 1)) for c in prompts]) for i, t in enumerate(s))
-            for layer, s in enumerate(first.states)]
+            torch.cat([c.states[layer][i].repeat(n, *[1] * (t.dim() - 1)) for c, n in zip(prompts, counts)])
+            for i, t in enumerate(s)) for layer, s in enumerate(first.states)]
 
     @staticmethod
-    def _buffer(caches: list[torch.Tensor], n: int, capacity: int) -> torch.Tensor:
+    def _buffer(caches: list[torch.Tensor], counts: list[int], capacity: int) -> torch.Tensor:
         t = caches[0]
-        buffer = t.new_zeros(len(caches) * n, t.shape[1], capacity, t.shape[3])
-        for i, c in enumerate(caches):
-            buffer[i * n: (i + 1) * n, :, : c.shape[2]] = c
+        buffer = t.new_zeros(sum(counts), t.shape[1], capacity, t.shape[3])
+        row = 0
+        for c, n in zip(caches, counts):
+            buffer[row: row + n, :, : c.shape[2]] = c
+            row += n
         return buffer
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,40 +138,84 @@ def generate_groups(model: torch.nn.Module, prompts: Sequence[list[int]], n: int
     prefilled alone, then every row of every group runs as one batch a token, finished rows leaving it. Each row's
     tokens are those ``generate_group`` gives it alone (its own generator; the same draws)."""
     generators = list(generators) if generators is not None else [None] * len(prompts)
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("generate_group: a prompt has no tokens")
     if len(generators) != len(prompts):
         raise ValueError(f"generate_groups: {len(generators)} generators for {len(prompts)} prompts")
-    if n < 1 or max_new_tokens < 0:
+    if n < 1:
         raise ValueError(f"generate_group: n >= 1 and max_new_tokens >= 0 (got n={n}, max_new_tokens={max_new_tokens})")
-    stop_strings = [s for s in stop_strings or () if s]
-    if stop_strings and decode is None:
-        raise ValueError("generate_group: stop_strings need decode (token ids -> text)")
-    device = next(model.parameters()).device
+    _check(prompts, max_new_tokens, stop_strings, decode)
+    device = _device(model)
     bases = [group_seed(g) for g in generators]  # one draw from each, in prompt order
-    row_generators = [row_generator(base, row, device) for base in bases for row in range(n)]
-    out: list[list[int]] = [[] for _ in range(len(prompts) * n)]
-    grouped = lambda: [out[i * n: (i + 1) * n] for i in range(len(prompts))]  # noqa: E731
+    out = _decode(model, list(prompts), [n] * len(prompts), max_new_tokens, sampling, stop_ids, stop_strings, decode,
+                  [row_generator(base, row, device) for base in bases for row in range(n)], interrupt)
+    return [out[i * n: (i + 1) * n] for i in range(len(prompts))]
+
+
+@torch.no_grad()
+def generate_rows(model: torch.nn.Module, prompts: Sequence[list[int]], max_new_tokens: int,
+                  generators: Sequence[torch.Generator], sampling: Sampling = Sampling(), stop_ids: Iterable[int] = (),
+                  stop_strings: Sequence[str] | None = None, decode: Callable[[list[int]], str] | None = None,
+                  interrupt: Callable[[], None] | None = None) -> list[list[int]]:
+    """One completion of each prompt, row ``i`` drawing from ``generators[i]`` (each a row generator, as
+    ``row_generator`` makes them: no group draw), in one decode loop; runs of equal prompts next to each other are
+    prefilled once (a group's rows: the tokens ``generate_groups`` gives them). A multi-turn rollout's later turns
+    continue each row from its own history this way."""
+    if len(generators) != len(prompts):
+        raise ValueError(f"generate_rows: {len(generators)} generators for {len(prompts)} prompts")
+    _check(prompts, max_new_tokens, stop_strings, decode)
+    distinct, counts = [], []
+    for prompt in prompts:
+        if distinct and distinct[-1] == prompt:
+            counts[-1] += 1
+        else:
+            distinct.append(list(prompt))
+            counts.append(1)
+    return _decode(model, distinct, counts, max_new_tokens, sampling, stop_ids, stop_strings, decode, list(generators),
+                   interrupt)
+
+
+def _check(prompts, max_new_tokens: int, stop_strings, decode) -> None:
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("generate_group: a prompt has no tokens")
+    if max_new_tokens < 0:
+        raise ValueError(f"generate_group: max_new_tokens >= 0 (got {max_new_tokens})")
+    if [s for s in stop_strings or () if s] and decode is None:
+        raise ValueError("generate_group: stop_strings need decode (token ids -> text)")
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _decode(model: torch.nn.Module, prompts: list[list[int]], counts: list[int], max_new_tokens: int,
+            sampling: Sampling, stop_ids: Iterable[int], stop_strings: Sequence[str] | None,
+            decode: Callable[[list[int]], str] | None, row_generators: list[torch.Generator],
+            interrupt: Callable[[], None] | None) -> list[list[int]]:
+    """The decode loop: prompt ``i`` prefilled once, its cache copied to ``counts[i]`` rows (in prompt order), each
+    row sampling from its own generator until a stop token, a stop string or ``max_new_tokens``."""
+    out: list[list[int]] = [[] for _ in range(sum(counts))]
     if max_new_tokens == 0:
-        return grouped()
+        return out
+    stop_strings = [s for s in stop_strings or () if s]
+    device = _device(model)
     stop = set(stop_ids)
     was_training = model.training
     model.eval()
     try:
         prefills, first_logits = [], []
-        for prompt in prompts:
+        for prompt, n in zip(prompts, counts):
             if interrupt is not None:
                 interrupt()
             prefill = KVCache(len(model.layers))
             first_logits.append(model(torch.tensor([prompt], device=device), cache=prefill)[:, -1].float().expand(n, -1))
             prefills.append(prefill)
         longest = max(len(p) for p in prompts)
-        cache = _RowsCache(prefills, n, longest + max_new_tokens)
+        cache = _RowsCache(prefills, counts, longest + max_new_tokens)
         del prefills
         logits = torch.cat(first_logits)
         # each row's tokens so far, for the repetition penalty: its prompt (padded with its own first token, which the
         # penalty counts once however often it appears), then its new tokens
-        seen = torch.tensor([p + [p[0]] * (longest - len(p)) for p in prompts for _ in range(n)], device=device)
+        seen = torch.tensor([p + [p[0]] * (longest - len(p)) for p, n in zip(prompts, counts) for _ in range(n)],
+                            device=device)
         seen = torch.cat([seen, seen.new_zeros(len(seen), max_new_tokens)], dim=1)
         running = list(range(len(out)))  # the rows of the batch, in its order
         for step in range(max_new_tokens):
@@ -192,4 +238,4 @@ def generate_groups(model: torch.nn.Module, prompts: Sequence[list[int]], n: int
             logits = model(tokens[:, None], cache=cache)[:, -1].float()
     finally:
         model.train(was_training)
-    return grouped()
+    return out
