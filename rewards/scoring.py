@@ -88,6 +88,12 @@ def _is_config(entry) -> bool:
 def _lookup(name: str) -> Callable:
     if name in BUILTINS:
         return BUILTINS[name]
+    return import_callable(name, "reward_funcs")
+
+
+def import_callable(name: str, option: str) -> Callable:
+    """What ``module.function`` (or ``module:function``, ``module.Class``) names, imported from the working directory
+    or an installed module; a one-line ``RewardError`` naming ``option`` and ``name`` when it cannot be had."""
     if ":" in name:
         module, _, attrs = name.partition(":")
         splits = [(module, attrs.split("."))]
@@ -95,8 +101,9 @@ def _lookup(name: str) -> Callable:
         parts = name.split(".")
         splits = [(".".join(parts[:i]), parts[i:]) for i in range(len(parts) - 1, 0, -1)]
     else:
-        raise RewardError(f"reward_funcs: {name}: not a built-in reward ({', '.join(BUILTINS)}); "
-                          f"give module.function, e.g. my_rewards.{name} for {name} in my_rewards.py")
+        known = f"not a built-in reward ({', '.join(BUILTINS)}); " if option == "reward_funcs" else ""
+        raise RewardError(f"{option}: {name}: {known}give module.function, e.g. my_module.{name} for {name} in "
+                          "my_module.py")
     cwd = os.getcwd()
     if not sys.path or sys.path[0] not in (cwd, ""):
         sys.path.insert(0, cwd)
@@ -105,31 +112,31 @@ def _lookup(name: str) -> Callable:
         try:
             module = importlib.import_module(module_name)
         except SystemExit as e:  # sys.exit() at import: an error, never the run's exit status
-            raise RewardError(f"reward_funcs: {name}: importing {module_name} called sys.exit({e.code!r}); "
-                              "a reward module must not exit") from e
+            raise RewardError(f"{option}: {name}: importing {module_name} called sys.exit({e.code!r}); "
+                              "a module must not exit") from e
         except ModuleNotFoundError as e:
             if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
                 continue  # this prefix is no module: try a shorter one
-            raise RewardError(f"reward_funcs: {name}: importing {module_name} failed: {first_line(e)}; "
+            raise RewardError(f"{option}: {name}: importing {module_name} failed: {first_line(e)}; "
                               "install what it imports") from e
         except Exception as e:  # noqa: BLE001 (a user's file: anything can go wrong in it)
-            raise RewardError(f"reward_funcs: {name}: importing {module_name} raised "
+            raise RewardError(f"{option}: {name}: importing {module_name} raised "
                               f"{type(e).__name__}: {first_line(e)}") from e
-        return _attribute(name, module, module_name, attrs)
+        return _attribute(name, module, module_name, attrs, option)
     top = splits[-1][0].split(".")[0]
-    raise RewardError(f"reward_funcs: {name}: no module {top} in the working directory ({cwd}) nor installed; "
+    raise RewardError(f"{option}: {name}: no module {top} in the working directory ({cwd}) nor installed; "
                       f"run from the folder holding {top}.py, or give an installed module's path")
 
 
-def _attribute(name: str, module, module_name: str, attrs: list[str]) -> Callable:
+def _attribute(name: str, module, module_name: str, attrs: list[str], option: str) -> Callable:
     obj = module
     for attr in attrs:
         if not hasattr(obj, attr):
             where = getattr(module, "__file__", None) or module_name
-            raise RewardError(f"reward_funcs: {name}: {module_name} ({where}) has no {'.'.join(attrs)}")
+            raise RewardError(f"{option}: {name}: {module_name} ({where}) has no {'.'.join(attrs)}")
         obj = getattr(obj, attr)
     if not callable(obj):
-        raise RewardError(f"reward_funcs: {name}: is a {type(obj).__name__}, not a function")
+        raise RewardError(f"{option}: {name}: is a {type(obj).__name__}, not a function")
     return obj
 
 

@@ -51,9 +51,10 @@ class Tokenizer:
                  encode_with_offsets: Callable[[str], tuple[list[int], list[tuple[int, int]]]] | None = None,
                  special_tokens: dict[str, str] | None = None, added_tokens: Sequence[str] = (),
                  chat_template: str | dict[str, str] | None = None, chat_template_source: str | None = None,
-                 directory: Path | None = None) -> None:
+                 directory: Path | None = None, decode_all: Callable[[list[int]], str] | None = None) -> None:
         self._encode = encode
         self._decode = decode
+        self._decode_all = decode_all or decode
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.pad_id = eos_id if pad_id is None else pad_id
@@ -84,6 +85,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``; special tokens (BOS, EOS, pad, ...) are left out."""
         return self._decode([int(i) for i in ids])
+
+    def decode_with_special_tokens(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` with special and control tokens written out (``<|im_end|>``, ``<tool_call>``), as a
+        chat template writes them: what a model's turn is parsed from (its tool calls)."""
+        return self._decode_all([int(i) for i in ids])
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
@@ -174,6 +180,7 @@ def _from_tokenizer_json(directory: Path) -> Tokenizer:
         special_tokens={name: backend.id_to_token(i) for name, i in names.items() if i is not None},
         encode=lambda text: backend.encode(text, add_special_tokens=False).ids,
         decode=lambda ids: backend.decode(ids, skip_special_tokens=True),
+        decode_all=lambda ids: backend.decode(ids, skip_special_tokens=False),
         bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
         vocab_size=backend.get_vocab_size(with_added_tokens=True),
         encode_with_offsets=encode_with_offsets,
