@@ -46,16 +46,17 @@ BELOW = {
     "text": {"errors"},
     "vision": {"errors"},  # images for vision-language models: files and each family's processor
     "rewards": {"errors"},  # an online-RL run's reward functions (plain Python over completions)
+    "agents": {"errors", "text", "rewards"},  # multi-turn RL: tools, their calls' formats, the turn loop
     "data": {"errors", "models", "text", "vision"},  # what a run trains on: datasets, records, packing, batches
     "run": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers",
             "text"},  # a LoRA step writes the tokenizer files and chat template beside its adapter
     "training": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text",
-                 "rewards", "vision", "data"},  # an online-RL step scores its samples
+                 "rewards", "vision", "data", "agents"},  # an online-RL step scores its samples (and runs tools)
     "cli": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run", "training",
-            "rewards", "vision", "data"},
+            "rewards", "vision", "data", "agents"},
     # lm-evaluation-harness over a loaded checkpoint (recipes/eval.py): the top, above cli (an adapter's base name)
     "evaluation": {"errors", "console", "lazy", "models", "converters", "mxfp4", "fp8", "families", "checkpointers", "text", "run",
-                   "training", "cli", "rewards", "vision", "data"},
+                   "training", "cli", "rewards", "vision", "data", "agents"},
 }
 PACKAGES = [p for p in BELOW if p not in ("errors", "lazy", "mxfp4", "fp8", "console")]
 
