@@ -18,10 +18,22 @@ def scale_rewards(v) -> str | None:
 
 def reward_funcs(v) -> str | None:
     entries = [v] if isinstance(v, (str, Mapping)) else v
-    if isinstance(entries, (list, tuple)) and entries and all(
+    if entries is None or isinstance(entries, (list, tuple)) and all(
             (isinstance(e, str) and e) or (isinstance(e, Mapping) and isinstance(e.get("name"), str)) for e in entries):
         return None
-    return "a list of reward functions: built-in names (answer_match), module.function paths, or {name: ..., <option>: ...}"
+    return ("a list of reward functions: built-in names (answer_match), module.function paths, or {name: ..., <option>: "
+            "...}; [] only with an environment_factory whose environment has get_reward()")
+
+
+def tools(v) -> str | None:
+    entries = [v] if isinstance(v, str) else v
+    if v is None or (isinstance(entries, (list, tuple)) and all(isinstance(e, str) and e for e in entries)):
+        return None
+    return "null or a list of module.function paths (functions with type hints and a Google-style docstring)"
+
+
+def import_path(v) -> str | None:
+    return None if v is None or (isinstance(v, str) and v) else "null or a module.Class path"
 
 
 def reward_weights(v) -> str | None:
@@ -62,7 +74,11 @@ def vllm_section(v) -> str | Problem | None:
 
 
 GRPO: dict[str, tuple[bool, Check]] = {
-    "reward_funcs": (True, reward_funcs),
+    "reward_funcs": (False, reward_funcs),  # optional where an environment_factory's get_reward() scores
+    "tools": (False, tools),  # multi-turn rollouts with tools (TRL's tools), README: Agents
+    "environment_factory": (False, import_path),  # TRL's environment_factory: module.Class
+    "tool_timeout": (False, number(0, inclusive=False)),  # seconds one tool call may take; past it, an error message
+    "generation.max_tool_calling_iterations": (False, optional(integer(0))),
     "reward_weights": (False, reward_weights),
     "reward_timeout": (False, number(0, inclusive=False)),  # seconds one reward call may take
     "generation": (True, generation),

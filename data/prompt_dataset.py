@@ -41,12 +41,20 @@ class PromptDataset(Dataset):
             built-in name (``chatml``, ``llama3``) or a ``.jinja`` file.
         columns: field names of other layouts: ``prompt``, ``role``, ``content``.
         skip_bad_records: leave malformed records out, counted and noted once, instead of stopping.
+        tools: JSON-schema definitions of the tools the model may call (multi-turn RL: the recipe passes those of
+            its ``tools`` and ``environment_factory``), rendered into conversational prompts as
+            ``apply_chat_template(tools=...)`` renders them.
     """
 
     def __init__(self, source: str | Path, tokenizer, max_prompt_length: int | None = None,
                  template: str | None = None, columns: dict[str, str] | None = None,
-                 skip_bad_records: bool = False) -> None:
+                 skip_bad_records: bool = False, tools: list[dict] | None = None) -> None:
         columns = column_names(columns, COLUMN_KEYS)
+        if hasattr(tools, "_metadata"):  # passed through a config: plain values for the template's sandbox
+            from omegaconf import OmegaConf
+
+            tools = OmegaConf.to_container(tools, resolve=True)
+        self.tools = list(tools) if tools else None
         if max_prompt_length is not None and (isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int)
                                               or max_prompt_length < 1):
             raise ValueError(f"max_prompt_length must be a positive integer or null, got {max_prompt_length!r}")
@@ -103,7 +111,8 @@ class PromptDataset(Dataset):
         messages = self._messages(prompt, prompt_key, where)
         template = self._chat_template()
         self._rendered = True
-        return messages, list(self.tokenizer.encode_with_offsets(template.render(messages, add_generation_prompt=True))[0]), rest
+        return messages, list(self.tokenizer.encode_with_offsets(template.render(messages, add_generation_prompt=True,
+                                                                                 tools=self.tools))[0]), rest
 
     def _messages(self, turns: list, field: str, where: str) -> list[dict[str, str]]:
         messages = read_messages(turns, where, self.columns.get("role", "role"), self.columns.get("content", "content"),

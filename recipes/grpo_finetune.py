@@ -43,6 +43,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from waypoint.agents.tool_loop import ToolTurns
+from waypoint.agents.toolbox import ToolSet, reward_of
 from waypoint.checkpointers import CheckpointError, load_into
 from waypoint.cli.entry import run_recipe
 from waypoint.cli.grpo_option_checks import GRPO
@@ -78,6 +80,7 @@ LOSS_OPTIONS = [k for k in GRPOLossOptions.__dataclass_fields__
 # beside waypoint.run.resume.BREAKING_KEYS: another adapter or base, a LoRA run resumed as a full one, another group size
 GRPO_BREAKING = ("lora", "quantize_base", "nf4", "generation.num_generations")
 REWARD_TIMEOUT_S = 120  # reward_timeout's default: one reward call that takes longer stops the run in one line
+TOOL_TIMEOUT_S = 30  # tool_timeout's default: a tool call that takes longer answers the model with an error
 
 
 def train(cfg: DictConfig, dist: Distributed) -> int:
@@ -105,11 +108,20 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                                   gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     except ValueError as e:  # a value out of range the option checks let through
         raise CheckpointError(f"loss.{e}") from None
-    reward_funcs = resolve(cfg.reward_funcs)  # a bad name or import fails here, before the model loads
+    reward_funcs = resolve(cfg.get("reward_funcs") or [])  # a bad name or import fails here, before the model loads
     reward_weights = cfg.get("reward_weights")
     if reward_weights is not None and len(reward_weights) != len(reward_funcs):
         raise CheckpointError(f"reward_weights: {len(reward_weights)} weights for {len(reward_funcs)} reward_funcs; "
                               "give one per function (or null for all 1)")
+    # Tools the model may call, each completion then a multi-turn rollout (TRL's tools and environment_factory);
+    # an environment with get_reward() is one more reward function (weight 1), named after its class.
+    toolset = ToolSet.load(cfg.get("tools"), cfg.get("environment_factory"), cfg.get("tool_timeout", TOOL_TIMEOUT_S))
+    if toolset is not None and toolset.env_reward:
+        reward_funcs.append(reward_of(toolset.factory.__name__))
+        reward_weights = None if reward_weights is None else [*reward_weights, 1.0]
+    if not reward_funcs:
+        raise CheckpointError("reward_funcs: none given; name at least one reward function (or an environment_factory "
+                              "whose environment has get_reward())")
     config = config_as_given(cfg)
     run_dir = RunDir(Path(cfg.output_dir), cfg.get("output_store"))
 
@@ -149,7 +161,7 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
     # processes prompts per step, each num_generations completions.
     tokenizer = instantiate(cfg.tokenizer)
     def make_dataset(**source):
-        return instantiate(cfg.dataset, tokenizer=tokenizer, **source)
+        return instantiate(cfg.dataset, tokenizer=tokenizer, **source, **({"tools": toolset.schemas} if toolset else {}))
     dataset, validation = run_data(make_dataset, tokenizer, checkpointer, cfg.get("validation"), cfg.seed,
                                    packed_to=None, vocab_size=model.args.vocab_size, say=say)
     longest = max(len(dataset[i]["prompt_ids"]) for i in range(len(dataset))) + rollout.max_completion_length
@@ -158,15 +170,18 @@ def train(cfg: DictConfig, dist: Distributed) -> int:
                               f"make {longest} tokens, past the model's max_seq_len={model.args.max_seq_len}; set "
                               "dataset.max_prompt_length or lower generation.max_completion_length")
     template = getattr(_origin(dataset), "prompt_format", None)
+    turns = toolset and ToolTurns(toolset, template, tokenizer, rollout.max_completion_length, model.args.max_seq_len,
+                                  rollout.max_tool_calling_iterations)
     # vLLM in the policy's place where the config asks for it (refused in one line where it cannot serve this run)
     engine = start_engine(cfg, checkpointer, dataset, longest, lora, dist, say, options.loss_type, model,
                           converter if lora else None)
-    step = GRPOStep(rollout, options, reward_funcs, reward_weights, tokenizer, stop_token_ids(tokenizer, template),
+    stops = stop_token_ids(tokenizer, template) + (turns.stop_ids() if turns else [])
+    step = GRPOStep(rollout, options, reward_funcs, reward_weights, tokenizer, stops,
                     conversational=bool(getattr(_origin(dataset), "conversational", False)), device=device, dist=dist,
                     loss_chunk=None if cfg.get("fused_loss", True) else 0,
                     reward_timeout=cfg.get("reward_timeout", REWARD_TIMEOUT_S),
                     engine=engine and engine.engine, correction=engine and engine.options.correction,
-                    sample_batch=cfg.batch_size)
+                    sample_batch=cfg.batch_size, turns=turns)
     accumulate = cfg.gradient_accumulation_steps
     steps_per_epoch = optimizer_steps_per_epoch(len(dataset), cfg.batch_size, accumulate, dist.world_size,
                                                 cfg.max_steps_per_epoch)

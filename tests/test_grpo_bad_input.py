@@ -16,7 +16,7 @@ GOOD = {"prompt": "Write the letter a.", "letter": "a"}
 
 # override -> the error line's start
 CASES = [
-    ("reward_funcs=[]", "error: reward_funcs=[]: expected a list of reward functions"),
+    ("reward_funcs=[]", "error: reward_funcs: none given; name at least one reward function (or an environment_factory"),
     ("reward_funcs_unknown_module", "error: reward_funcs: no_such_rewards.f: no module no_such_rewards"),
     ("reward_funcs_unknown_builtin", "error: reward_funcs: answer_matches: not a built-in reward"),
     ("reward_funcs_bad_option", "error: reward_funcs: answer_match: no option colum (options: column, normalize)"),
@@ -67,6 +67,14 @@ CASES = [
     ("quantize_base=int8", "error: quantize_base=int8: expected null or one of nf4"),
     ("quantize_base_without_lora", "error: quantize_base: a 4-bit base is frozen, so it needs a lora section (QLoRA)"),
     ("dataset.source_missing", "error: "),
+    ("tools_unknown_module", "error: tools: no_such_tools.f: no module no_such_tools in the working directory"),
+    ("tools=3", "error: tools=3: expected null or a list of module.function paths"),
+    ("environment_factory_missing", "error: environment_factory: waypoint.assets.tiny_agent_tools.Abacus: "
+                                    "waypoint.assets.tiny_agent_tools"),
+    ("tool_timeout=0", "error: tool_timeout=0: expected a number > 0"),
+    ("generation.max_tool_calling_iterations=-1", "error: generation.max_tool_calling_iterations=-1: expected null or an "
+                                                  "integer >= 0"),
+    ("tools_with_text_prompts", "error: tools: tool calling needs conversational prompts"),
     ("dataset.record_without_prompt", "error: {data}: record 2 (line 2): missing key 'prompt'"),
     ("dataset.record_with_a_number_for_prompt", "error: {data}: record 1 (line 1): 'prompt' must be a string or a non-empty list"),
     ("dataset.record_ending_with_the_answer", "error: {data}: record 1 (line 1): 'prompt' ends with an assistant message"),
@@ -98,6 +106,12 @@ OVERRIDES = {  # rows whose id is not itself the override
     "loss.unknown_key": ["+loss.epsilon_low=0.1"],
     "quantize_base_without_lora": ["quantize_base=nf4"],
     "dataset.source_missing": ["dataset.source={tmp}/nowhere.jsonl"],
+    "tools_unknown_module": ["+tools=[no_such_tools.f]"],
+    "tools=3": ["+tools=3"],
+    "environment_factory_missing": ["+environment_factory=waypoint.assets.tiny_agent_tools.Abacus"],
+    "tool_timeout=0": ["+tool_timeout=0"],
+    "generation.max_tool_calling_iterations=-1": ["+generation.max_tool_calling_iterations=-1"],
+    "tools_with_text_prompts": ["+tools=[waypoint.assets.tiny_agent_tools.add]"],
     "dataset.record_without_prompt": ["dataset.source={data}"],
     "dataset.record_with_a_number_for_prompt": ["dataset.source={data}"],
     "dataset.record_ending_with_the_answer": ["dataset.source={data}", "dataset.template=chatml"],

@@ -29,7 +29,9 @@ import torch
 
 from waypoint.models.fused_loss import IGNORE_INDEX
 from waypoint.models.generate import Sampling
-from waypoint.models.sample_group import generate_groups, group_seed
+from waypoint.agents.tool_loop import AgentRollout, ToolTurns
+from waypoint.agents.toolbox import ToolError
+from waypoint.models.sample_group import generate_groups, generate_rows, group_seed, row_generator
 from waypoint.rewards.bounded import Interrupted
 from waypoint.rewards.finite import group_problem, prompt_excerpt
 from waypoint.rewards.scoring import RewardError, reward_name, score
@@ -53,6 +55,11 @@ def step_seed(generator: torch.Generator) -> int:
     return int(torch.randint(2 ** 62, (1,), generator=generator))
 
 
+def turn_seed(row_seed: int, turn: int) -> int:
+    """The seed of a multi-turn rollout's turn ``turn`` (1, 2, ...; turn 0 samples from ``row_seed`` itself)."""
+    return (row_seed + turn * _MIX) % 2 ** 63
+
+
 def group_generator(seed: int, index: int) -> torch.Generator:
     """The generator prompt ``index`` (its place in the dataset) samples its group from at the step of ``seed``."""
     return torch.Generator().manual_seed((seed + index * _MIX) % 2 ** 63)
@@ -70,10 +77,25 @@ class RolloutOptions:
     repetition_penalty: float = 1.0
     stop_strings: tuple[str, ...] = ()
     mask_truncated_completions: bool = False
+    max_tool_calling_iterations: int | None = None  # with tools: the most turns that call them (None: no limit)
 
     @property
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+
+
+@dataclass
+class Samples:
+    """A step's sampled rows: each row's ``prompts`` ids and ``completions`` ids, an engine's ``logps`` of them; with
+    tools, each completion's ``model_masks`` (0 at tool output), ``messages`` (as the reward functions get them) and
+    ``agents`` (the rollouts, their tools and environments)."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    logps: list[list[float]] | None = None
+    model_masks: list[list[int]] | None = None
+    messages: list[list[dict]] | None = None
+    agents: list[AgentRollout] | None = None
 
 
 @dataclass
@@ -103,12 +125,14 @@ class GRPOStep:
     ``sample(prompts, seeds, max_tokens, sampling, stop_ids, stop_strings) -> (tokens, log-probs)`` samples a step's
     prompts in one batch, one seed a completion; ``correction``: TRL's importance-sampling correction of the engine's
     samples (None or disabled: none). ``reward_timeout``: the seconds one reward call may take (None: no bound).
-    ``sample_batch``: how many prompts' groups the native sampler decodes in one loop (the recipe's batch_size)."""
+    ``sample_batch``: how many prompts' groups the native sampler decodes in one loop (the recipe's batch_size);
+    ``turns``: tools the model may call, each completion then a multi-turn rollout (``waypoint.agents.tool_loop``)."""
 
     def __init__(self, rollout: RolloutOptions, loss: GRPOLossOptions, reward_funcs: list[Callable],
                  reward_weights, tokenizer, stop_ids: list[int], conversational: bool, device: torch.device, dist,
                  loss_chunk: int | None = None, engine=None, reward_timeout: float | None = None,
-                 correction: SamplingCorrection | None = None, sample_batch: int = 1) -> None:
+                 correction: SamplingCorrection | None = None, sample_batch: int = 1, turns: ToolTurns | None = None
+                 ) -> None:
         self.rollout, self.options, self.funcs, self.weights = rollout, loss, reward_funcs, reward_weights
         self.names = [reward_name(f) for f in reward_funcs]
         self.tokenizer, self.stop_ids, self.conversational = tokenizer, list(stop_ids), conversational
@@ -116,15 +140,19 @@ class GRPOStep:
         self.reward_timeout = reward_timeout
         self.sample_batch = max(1, sample_batch)  # the prompts the native sampler decodes together (a micro-batch's)
         self.correction = correction if engine is not None and correction is not None and correction.enabled else None
+        self.turns = turns  # multi-turn rollouts with tools (waypoint.agents.tool_loop); None: one turn
 
     # Sampling and scoring ------------------------------------------------------------------------------------------
 
-    def _sample(self, model, items: list[dict], seed: int, stop) -> tuple[list[list[int]], list[list[float]] | None]:
+    def _sample(self, model, items: list[dict], seed: int, stop) -> Samples:
         """Every item's ``num_generations`` completions (and, from an engine, its log-probs of their tokens): item
         ``i``'s group from ``group_generator(seed, index)``, row ``r`` from its base seed + ``r`` (the native sampler's
         row generators; an engine's request seeds). The native sampler decodes ``sample_batch`` prompts' groups at a
-        time in one loop; an engine takes them all."""
+        time in one loop; an engine takes them all. With tools, each row is a multi-turn rollout (``_agent``)."""
         r, interrupt = self.rollout, _interrupter(stop)
+        prompts = [item["prompt_ids"] for item in items for _ in range(r.num_generations)]
+        if self.turns is not None:
+            return self._agent(model, items, seed, stop)
         if self.engine is None:
             out = []
             for first in range(0, len(items), self.sample_batch):
@@ -134,42 +162,100 @@ class GRPOStep:
                         r.sampling, self.stop_ids, list(r.stop_strings), self._text if r.stop_strings else None,
                         [group_generator(seed, item["index"]) for item in chunk], interrupt):
                     out.extend(group)
-            return out, None
+            return Samples(prompts, out)
         if interrupt is not None:
             interrupt()
-        seeds = [[base + row for row in range(r.num_generations)]
-                 for base in (group_seed(group_generator(seed, item["index"])) for item in items)]
+        seeds = [[base + row for row in range(r.num_generations)] for base in self._bases(items, seed)]
         completions, logps = self.engine.sample([item["prompt_ids"] for item in items], seeds, r.max_completion_length,
                                                 r.sampling, self.stop_ids, list(r.stop_strings))
         if interrupt is not None:
             interrupt()
-        return completions, logps
+        return Samples(prompts, completions, logps)
+
+    @staticmethod
+    def _bases(items: list[dict], seed: int) -> list[int]:
+        """Each item's group seed at the step of ``seed``: its row ``r`` samples from ``base + r``."""
+        return [group_seed(group_generator(seed, item["index"])) for item in items]
+
+    def _rows(self, model, prompts: list[list[int]], seeds: list[int], max_tokens: int, interrupt
+              ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """One completion of each prompt, row ``i`` from seed ``seeds[i]`` (the native sampler ``sample_batch``
+        groups' rows at a time, or the engine all at once)."""
+        r = self.rollout
+        if self.engine is None:
+            out, width = [], self.sample_batch * r.num_generations
+            for first in range(0, len(prompts), width):
+                out += generate_rows(model, prompts[first: first + width], max_tokens,
+                                     [row_generator(s, 0) for s in seeds[first: first + width]], r.sampling,
+                                     self.stop_ids, list(r.stop_strings), self._text if r.stop_strings else None,
+                                     interrupt)
+            return out, None
+        if interrupt is not None:
+            interrupt()
+        return self.engine.sample(prompts, [[s] for s in seeds], max_tokens, r.sampling, self.stop_ids,
+                                  list(r.stop_strings))
+
+    def _agent(self, model, items: list[dict], seed: int, stop) -> Samples:
+        """Multi-turn rollouts: each row's environment made and reset (its prompt re-rendered where ``reset``
+        returned text), its first turn sampled from ``base + r`` as a single-turn row is, then turn ``t`` from
+        ``turn_seed(base + r, t)`` after the tools answered (``waypoint.agents.tool_loop``)."""
+        n, turns, interrupt = self.rollout.num_generations, self.turns, _interrupter(stop)
+        rollouts, seeds = [], []
+        for item, base in zip(items, self._bases(items, seed)):
+            for row in range(n):
+                toolbox, observation = turns.toolset.toolbox({"prompt": item["prompt"], **item["columns"]}, base + row)
+                prompt = item["prompt_ids"]
+                if observation is not None:
+                    messages = item["prompt"]
+                    prompt = turns.prompt_ids(messages[:-1] + [{**messages[-1],
+                                                                "content": messages[-1]["content"] + observation}])
+                if len(prompt) + self.rollout.max_completion_length > turns.max_positions:
+                    raise ToolError(f"environment_factory: reset() made a prompt of {len(prompt)} tokens, which with "
+                                    f"generation.max_completion_length={self.rollout.max_completion_length} passes the "
+                                    f"model's {turns.max_positions} positions; return less text from reset()")
+                rollouts.append(AgentRollout(prompt, toolbox))
+                seeds.append(base + row)
+        first, logps = self._rows(model, [a.prompt for a in rollouts], seeds, self.rollout.max_completion_length,
+                                  interrupt)
+        turns.run(rollouts, first, logps,
+                  lambda prefixes, which, turn, most: self._rows(
+                      model, prefixes, [turn_seed(seeds[i], turn) for i in which], most, interrupt), stop)
+        return Samples([a.prompt for a in rollouts], [a.completion for a in rollouts],
+                       None if logps is None else [a.logps for a in rollouts],
+                       [a.model_mask for a in rollouts], [a.messages for a in rollouts], rollouts)
 
     def _text(self, ids: list[int]) -> str:
         stops = set(self.stop_ids) | {self.tokenizer.pad_id}
         return self.tokenizer.decode([t for t in ids if t not in stops])
 
-    def _sample_and_score(self, model, items: list[dict], seed: int, stop
-                          ) -> tuple[list[list[int]], torch.Tensor, list[list[float]] | None]:
-        """(every item's ``num_generations`` completions, their rewards per function, an engine's log-probs of
-        them); ``Preempted`` on every rank once ``stop()`` was true on one while it sampled or scored."""
+    def _sample_and_score(self, model, items: list[dict], seed: int, stop) -> tuple[Samples, torch.Tensor]:
+        """(every item's ``num_generations`` completions, their rewards per function); ``Preempted`` on every rank
+        once ``stop()`` was true on one while it sampled, ran a tool or scored. Conversational completions reach the
+        reward functions as TRL passes them: one assistant message, or with tools the rollout's messages (and each
+        rollout's environment as ``environments``)."""
         n, interrupted = self.rollout.num_generations, False
-        completions, per_func, logps = [], torch.zeros(0, len(self.funcs)), None
+        samples, per_func = Samples([], []), torch.zeros(0, len(self.funcs))
         try:
             with gathered(model) if self.dist.enabled and self.engine is None else contextlib.nullcontext():
-                completions, logps = self._sample(model, items, seed, stop)
+                samples = self._sample(model, items, seed, stop)
             if items:
-                texts = [self._text(ids) for ids in completions]
-                shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+                completions = samples.completions
+                if samples.messages is not None:
+                    shown = samples.messages
+                else:
+                    texts = [self._text(ids) for ids in completions]
+                    shown = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
                 columns = {key: [item["columns"].get(key) for item in items for _ in range(n)]
                            for key in {k for item in items for k in item["columns"]}}
+                if samples.agents is not None and self.turns.toolset.factory is not None:
+                    columns["environments"] = [a.toolbox.environment for a in samples.agents]
                 _, per_func = score(self.funcs, self.weights, [item["prompt"] for item in items for _ in range(n)],
                                     shown, completions, columns, timeout=self.reward_timeout, stop=stop)
         except Interrupted:
             interrupted = True
         if self.dist.any(interrupted):
             raise Preempted
-        return completions, per_func, logps
+        return samples, per_func
 
     def rollouts(self, model, micro_batches: list[list[dict]], seed: int,
                  stop: Callable[[], bool] | None = None) -> tuple[list[Rollout], dict[str, float]]:
@@ -177,9 +263,11 @@ class GRPOStep:
         step) for the step whose seed is ``seed``; ``Preempted`` once ``stop()`` is true before the step is scored."""
         r, n = self.rollout, self.rollout.num_generations
         items = [item for batch in micro_batches for item in batch]
-        completions, per_func, engine_logps = self._sample_and_score(model, items, seed, stop)
+        samples, per_func = self._sample_and_score(model, items, seed, stop)
+        completions = samples.completions
         terminated = torch.tensor([bool(ids) and (ids[-1] in self.stop_ids or self._stopped(ids)) for ids in completions])
-        lengths = torch.tensor([len(ids) for ids in completions])
+        lengths = torch.tensor([len(ids) for ids in completions] if samples.model_masks is None
+                               else [sum(mask) for mask in samples.model_masks])  # TRL: the model's tokens only
 
         # every rank's rewards, in rank order (TRL's gather), for the advantages and the metrics
         local = torch.cat([per_func, lengths[:, None].float(), terminated[:, None].float()], dim=1)
@@ -196,26 +284,38 @@ class GRPOStep:
         advantages, zero_std = group_advantages(rewards, n, self.options.scale_rewards)
         metrics = rollout_metrics(all_per_func, self.names, everyone[:, -2], everyone[:, -1].bool(), weights)
         metrics.update(zero_std)
+        if samples.agents is not None:
+            metrics.update(self._tool_metrics(samples.agents, len(everyone)))
         start = self.dist.rank * len(completions)  # every rank samples as many
         mine = advantages[start: start + len(completions)]
 
         out, offset = [], 0
         for batch in micro_batches:
             rows = len(batch) * n
-            prompt_ids = [item["prompt_ids"] for item in batch for _ in range(n)]
+            prompt_ids = samples.prompts[offset: offset + rows]
             keep = [not (r.mask_truncated_completions and not bool(terminated[offset + i])) for i in range(rows)]
-            rollout = self._pack(prompt_ids, completions[offset: offset + rows], keep, mine[offset: offset + rows])
-            if engine_logps is not None:
-                rollout.sampling_logps = _aligned(prompt_ids, engine_logps[offset: offset + rows], rollout.tokens.shape[1])
+            masks = None if samples.model_masks is None else samples.model_masks[offset: offset + rows]
+            rollout = self._pack(prompt_ids, completions[offset: offset + rows], keep, mine[offset: offset + rows],
+                                 masks)
+            if samples.logps is not None:
+                rollout.sampling_logps = _aligned(prompt_ids, samples.logps[offset: offset + rows],
+                                                  rollout.tokens.shape[1])
             out.append(rollout)
             offset += rows
         return out, metrics
+
+    def _tool_metrics(self, agents: list[AgentRollout], everyone: int) -> dict[str, float]:
+        """TRL's ``tools/call_frequency`` (calls a rollout, over every rank's) and ``tools/failure_frequency`` (the
+        share of calls that failed)."""
+        calls, failures = (self.dist.sum(float(sum(getattr(a.toolbox, k) for a in agents))) for k in ("calls", "failures"))
+        return {"tools/call_frequency": calls / everyone, "tools/failure_frequency": failures / calls if calls else 0.0}
 
     def _stopped(self, ids: list[int]) -> bool:
         return bool(self.rollout.stop_strings) and any(s in self._text(ids) for s in self.rollout.stop_strings)
 
     def _pack(self, prompts: list[list[int]], completions: list[list[int]], keep: list[bool],
-              advantages: torch.Tensor) -> Rollout:
+              advantages: torch.Tensor, model_masks: list[list[int]] | None = None) -> Rollout:
+        """The rows as tensors; a completion's labels are its tokens, but where ``model_masks`` marks a tool's."""
         width = max(len(p) + len(c) for p, c in zip(prompts, completions))
         tokens = torch.full((len(prompts), width), self.tokenizer.pad_id, dtype=torch.long)
         labels = torch.full((len(prompts), width), IGNORE_INDEX, dtype=torch.long)
@@ -223,6 +323,9 @@ class GRPOStep:
             tokens[row, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
             if kept and c:
                 labels[row, len(p): len(p) + len(c)] = torch.tensor(c, dtype=torch.long)
+                if model_masks is not None:
+                    tools = torch.tensor(model_masks[row], dtype=torch.bool).logical_not()
+                    labels[row, len(p): len(p) + len(c)][tools] = IGNORE_INDEX
         return Rollout(tokens, labels, advantages.clone())
 
     def evaluate(self, model, prompts, seed: int, stop: Callable[[], bool] | None = None) -> dict[str, float]:
@@ -231,8 +334,9 @@ class GRPOStep:
         the run (each evaluation sees the same draws), each rank its share of the prompts; ``Preempted`` as
         :meth:`rollouts`."""
         items = [prompts[i] for i in range(self.dist.rank, len(prompts), self.dist.world_size)]
-        completions, per_func, _ = self._sample_and_score(model, items, seed, stop)
-        lengths = torch.tensor([float(len(ids)) for ids in completions])
+        samples, per_func = self._sample_and_score(model, items, seed, stop)
+        lengths = torch.tensor([float(len(ids)) for ids in samples.completions] if samples.model_masks is None
+                               else [float(sum(mask)) for mask in samples.model_masks])
         per_func = torch.cat(self.dist.all_gather(per_func))
         lengths = torch.cat(self.dist.all_gather(lengths))
         weights = None if self.weights is None else torch.tensor(list(self.weights), dtype=torch.float32)
