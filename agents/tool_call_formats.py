@@ -93,10 +93,11 @@ class Field:
 
 
 class ToolCallFormat:
-    """One family's turn format: ``anchor`` (where the assistant's message starts in a prompt) and its fields."""
+    """One family's turn format: ``anchor`` (where the assistant's message starts in a prompt) and its fields;
+    ``turn_ends``: the tokens that end a model's turn besides the template's end of turn (where sampling stops)."""
 
-    def __init__(self, name: str, anchor: str, fields: list[Field]):
-        self.name, self.fields = name, fields
+    def __init__(self, name: str, anchor: str, fields: list[Field], turn_ends: tuple[str, ...] = ()):
+        self.name, self.fields, self.turn_ends = name, fields, turn_ends
         self.anchor = re.compile(anchor)
         self._open = [(re.compile(f.open), f) for f in fields if f.open is not None]
         self._close = {f: re.compile(f.close) for f in fields if f.close is not None}
@@ -265,12 +266,14 @@ FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in [
         Field("tool_calls", r"to=functions\.(?P<name>\S+?)<\|channel\|>commentary\s+json<\|message\|>",
               r"<\|call\|>\s*", _json_arguments),
         Field("", r"to=functions\.(?P<name>[\w.-]*)", r"<\|call\|>\s*",
-              _unreadable("not 'to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>'"))]),
+              _unreadable("not 'to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>'"))],
+        turn_ends=("<|call|>",)),  # a call ends the turn
     ToolCallFormat("gemma4", r"(?:<\|turn>model\n|<tool_response\|>)", [  # Gemma 4
         Field("reasoning_content", r"<\|channel>thought\n", r"<channel\|>\s*"),
         Field("tool_calls", r"<\|tool_call>call:(?P<name>\w+)", r"<tool_call\|>\s*", _gemma_arguments),
         Field("", r"<\|tool_call>", r"<tool_call\|>\s*", _unreadable("no call:NAME after <|tool_call>")),
-        Field("content", None, r"(?:<turn\|>|<\|tool_response>|<eos>)\s*")]),  # TRL's `|$` only matters streaming
+        Field("content", None, r"(?:<turn\|>|<\|tool_response>|<eos>)\s*")],  # TRL's `|$` only matters streaming
+        turn_ends=("<|tool_response>",)),  # the model hands over to the tool
 ]}
 
 

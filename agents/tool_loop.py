@@ -44,11 +44,6 @@ class AgentRollout:
     messages: list[dict] = field(default_factory=list)
 
 
-# the tokens that end a model turn in each format besides the template's end of turn: gpt-oss ends a call with
-# <|call|>, Gemma 4 hands over to the tool with <|tool_response>
-TURN_ENDS = {"harmony": ("<|call|>",), "gemma4": ("<|tool_response>",)}
-
-
 class ToolTurns:
     """A run's multi-turn machinery: its tools (``ToolSet``), the chat template and tokenizer that render and
     parse turns, and the limits."""
@@ -77,7 +72,7 @@ class ToolTurns:
     def stop_ids(self) -> list[int]:
         """The ids that end a model turn in this format, beyond the template's end of turn."""
         out = []
-        for text in TURN_ENDS.get(self.format.name, ()):
+        for text in self.format.turn_ends:
             ids = self.tokenizer.encode_with_offsets(text)[0]
             if len(ids) == 1:
                 out.append(ids[0])

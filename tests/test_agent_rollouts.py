@@ -177,3 +177,49 @@ def test_tool_output_is_in_the_sequence_but_never_the_models(qwen3):
     model_part = tokenizer.decode_with_special_tokens([t for t, m in zip(rollout.completion, rollout.model_mask) if m])
     assert tool_part == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert model_part == SCRIPTS["reasoning, one call, then the answer"][1] + "It is 5." + END
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """Tiny checkpoints of the families whose templates write tool calls in another format than Qwen3's."""
+    root = tmp_path_factory.mktemp("families")
+    return {name: make_tiny.make(name, root / name) for name in ("qwen3_5", "llama", "gpt_oss", "gemma4")}
+
+
+@pytest.mark.parametrize("name, format_name", [("qwen3_5", "qwen3_5"), ("llama", "llama3"), ("gpt_oss", "harmony"),
+                                               ("gemma4", "gemma4")])
+def test_each_familys_rollout_is_its_templates_rendering_of_the_conversation(families, name, format_name):
+    """The model's turns written as the template writes them (a call to add, then the answer): the rollout's text is
+    the template's rendering of the whole conversation, the call is read back, the result's tokens are out of the
+    model's mask, and the turn is where each format ends it (gpt-oss at <|call|>, Gemma 4 at <|tool_response>)."""
+    tokenizer = load_tokenizer(families[name])
+    template = load_chat_template(tokenizer)
+    toolset = ToolSet([add], None, [tool_schema(add)], False, None)
+    turns = ToolTurns(toolset, template, tokenizer, 400, 4096, 4)
+    assert turns.format.name == format_name
+    user = [{"role": "user", "content": "What is 2 plus 3?"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+    result = {"role": "tool", "name": "add", "content": "5"}
+    render = lambda messages, prompt: template.render(template.with_arguments_it_takes(messages), prompt,  # noqa: E731
+                                                     toolset.schemas)
+    stops = [t for t in (turns.end_of_turn, *turns.format.turn_ends) if t]
+
+    def model_turn(before: str, after: str) -> str:  # what the model writes: the rendering's new text to its stop
+        text = after[len(before):]
+        return text[: min(text.index(s) + len(s) for s in stops if s in text)]
+
+    first = model_turn(render(user, True), render(user + [call], False))
+    last = model_turn(render(user + [call, result], True), render(user + [call, result, {"role": "assistant",
+                                                                                         "content": "It is 5."}], False))
+    encode = lambda text: list(tokenizer.encode_with_offsets(text)[0])  # noqa: E731
+    rollout = AgentRollout(turns.prompt_ids(user), toolset.toolbox({}, 0)[0])
+    turns.run([rollout], [encode(first)], None, lambda prefixes, which, turn, most: ([encode(last)], None))
+    whole = render(user + [call, result, {"role": "assistant", "content": "It is 5."}], False)
+    decode = tokenizer.decode_with_special_tokens
+    assert decode(rollout.prompt + rollout.completion) == whole[: whole.rindex(last) + len(last)]
+    assert rollout.messages[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+    assert rollout.messages[1] == result and rollout.messages[2]["content"] == "It is 5."
+    tool_text = decode([t for t, m in zip(rollout.completion, rollout.model_mask) if not m])
+    assert "5" in tool_text and "It is 5." not in tool_text
+    assert decode([t for t, m in zip(rollout.completion, rollout.model_mask) if m]) == first + last
