@@ -136,3 +136,63 @@ def test_tool_output_is_out_of_the_loss(agent, tmp_path, monkeypatch):
             assert labels == [t if m else IGNORE_INDEX for t, m in zip(completion, mask)]
             tools += mask.count(0)
     assert tools > 0  # some rollout has tool output
+
+
+def test_an_engine_samples_every_turn_with_its_rows_seeds_and_tool_tokens_score_nothing(tmp_path):
+    """With an engine in the policy's place (vLLM): each rollout's first turn is one request seeded as a single-turn
+    row is (base + r), each later turn one request from the rollout's own history seeded turn_seed(base + r, t), and
+    the engine's log-probs line up with the completion, 0 at the tools' tokens."""
+    from waypoint.agents.tool_loop import ToolTurns
+    from waypoint.agents.tool_schema import tool_schema
+    from waypoint.agents.toolbox import ToolSet
+    from waypoint.models.fused_loss import IGNORE_INDEX
+    from waypoint.models.sample_group import group_seed
+    from waypoint.text.chat_template import load_chat_template
+    from waypoint.text.tokenizer import load_tokenizer
+    from waypoint.training.distributed import Distributed
+    from waypoint.training.grpo_loss import GRPOLossOptions
+    from waypoint.training.grpo_step import GRPOStep, RolloutOptions, group_generator, turn_seed
+
+    def add(a: int, b: int) -> int:
+        """Add.
+
+        Args:
+            a: A number.
+            b: Another.
+        """
+        return a + b
+
+    directory = make_tiny.make("qwen3", tmp_path / "qwen3")
+    tokenizer = load_tokenizer(directory)
+    turns = ToolTurns(ToolSet([add], None, [tool_schema(add)], False, None), load_chat_template(tokenizer), tokenizer,
+                      200, 2048, 3)
+    encode = lambda text: list(tokenizer.encode_with_offsets(text)[0])  # noqa: E731
+    call = encode('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>')
+    answer = encode("It is 5.<|im_end|>")
+    requests = []
+
+    class Engine:
+        def sample(self, prompts, seeds, max_tokens, sampling, stop_ids, stop_strings):
+            requests.append(seeds)
+            out = [call if tokenizer.decode_with_special_tokens(p).endswith("assistant\n") and "<tool_response>" not in
+                   tokenizer.decode_with_special_tokens(p) else answer for p in prompts]
+            return out, [[-0.5] * len(ids) for ids in out]
+
+    user = [{"role": "user", "content": "What is 2 plus 3?"}]
+    items = [{"prompt_ids": turns.prompt_ids(user), "prompt": user, "columns": {}, "index": i} for i in range(2)]
+    step = GRPOStep(RolloutOptions(num_generations=2, max_completion_length=200), GRPOLossOptions(),
+                    [lambda completions, **kw: [float(len(c)) for c in completions]], None, tokenizer,
+                    [tokenizer.eos_id], conversational=True, device=torch.device("cpu"), dist=Distributed(),
+                    engine=Engine(), turns=turns)
+    rollouts, metrics = step.rollouts(None, [items], seed=7)
+    bases = [group_seed(group_generator(7, i)) for i in range(2)]
+    rows = [b + r for b in bases for r in range(2)]
+    assert requests == [[[s] for s in rows], [[turn_seed(s, 1)] for s in rows]]
+    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
+    rollout, prompt = rollouts[0], len(items[0]["prompt_ids"])
+    for row in range(4):
+        labels = rollout.labels[row, prompt:]
+        scored = rollout.sampling_logps[row, prompt - 1:]
+        trained = labels != IGNORE_INDEX
+        assert trained.sum() == len(call) + len(answer)
+        assert torch.equal(scored[: len(labels)] != 0, trained[: len(scored)])  # the engine's log-probs, model tokens only
