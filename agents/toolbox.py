@@ -91,9 +91,9 @@ class ToolSet:
             raise ToolError(str(e)) from e
         return cls(functions, factory, schemas, env_reward, timeout)
 
-    def toolbox(self, row: dict, seed: int) -> tuple[Toolbox, str | None]:
-        """A rollout's tools (a new environment, reset with the dataset ``row`` and ``seed``) and the text ``reset``
-        returned for the prompt (None: nothing)."""
+    def toolbox(self, row: dict, seed: int, stop: Callable[[], bool] | None = None) -> tuple[Toolbox, str | None]:
+        """A rollout's tools (a new environment, reset with the dataset ``row`` and ``seed``, bounded by the tool
+        timeout and ``stop`` as a call is) and the text ``reset`` returned for the prompt (None: nothing)."""
         environment, observation = None, None
         if self.factory is not None:
             environment = self.factory()
@@ -101,8 +101,13 @@ class ToolSet:
             if "seed" in inspect.signature(environment.reset).parameters and "seed" not in kwargs:
                 kwargs["seed"] = seed
             try:
-                observation = environment.reset(**kwargs)
-            except Exception as e:  # noqa: BLE001 (a user's environment: its bug stops the run in one line)
+                observation = bounded_call(lambda: environment.reset(**kwargs), self.timeout, stop)
+            except Interrupted:
+                raise
+            except TimedOut as e:  # a reset that never returns would hang the run
+                raise ToolError(f"environment_factory: {type(environment).__name__}.reset took longer than "
+                                f"tool_timeout={self.timeout:g} s; make it return sooner, or raise tool_timeout") from e
+            except (Exception, SystemExit) as e:  # noqa: BLE001 (a user's environment: its bug stops the run in one line)
                 raise ToolError(f"environment_factory: {type(environment).__name__}.reset raised {type(e).__name__}: "
                                 f"{first_line(e)}") from e
             if observation is not None and not isinstance(observation, str):

@@ -89,6 +89,18 @@ class Counter:
     def expensive(self):
         raise AssertionError("a property is never evaluated")
 
+class Stuck:
+    def reset(self, **row):
+        time.sleep(30)
+
+    def act(self, x: int) -> int:
+        """Act.
+
+        Args:
+            x: A number.
+        """
+        return x
+
 class NoReset:
     def act(self, x: int) -> int:
         """Act.
@@ -183,3 +195,11 @@ def test_a_tool_module_that_raises_on_import_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(RewardError, match=r"^tools: broken_tools_mod\.add: importing broken_tools_mod failed: "
                                           r"No module named 'definitely_not_installed_pkg'; install what it imports$"):
         ToolSet.load(["broken_tools_mod.add"], None, 1.0)
+
+
+def test_an_environment_whose_reset_never_returns_stops_the_run_in_one_line(tools_module):
+    toolset = ToolSet.load([], f"{tools_module}.Stuck", 0.3)
+    started = time.monotonic()
+    with pytest.raises(ToolError, match=r"^environment_factory: Stuck.reset took longer than tool_timeout=0.3 s"):
+        toolset.toolbox({"prompt": []}, seed=0)
+    assert time.monotonic() - started < 5

@@ -203,7 +203,8 @@ class GRPOStep:
         rollouts, seeds = [], []
         for item, base in zip(items, self._bases(items, seed)):
             for row in range(n):
-                toolbox, observation = turns.toolset.toolbox({"prompt": item["prompt"], **item["columns"]}, base + row)
+                toolbox, observation = turns.toolset.toolbox({"prompt": item["prompt"], **item["columns"]}, base + row,
+                                                             stop)
                 prompt = item["prompt_ids"]
                 if observation is not None:
                     messages = item["prompt"]
