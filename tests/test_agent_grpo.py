@@ -196,3 +196,54 @@ def test_an_engine_samples_every_turn_with_its_rows_seeds_and_tool_tokens_score_
         trained = labels != IGNORE_INDEX
         assert trained.sum() == len(call) + len(answer)
         assert torch.equal(scored[: len(labels)] != 0, trained[: len(scored)])  # the engine's log-probs, model tokens only
+
+
+class Hinting:
+    """An environment whose reset returns text for the prompt (TRL: appended to the last user message)."""
+
+    def reset(self, answer: str = "", **row) -> str:
+        return f" Hint: {answer}."
+
+    def add(self, a: int, b: int) -> int:
+        """Add.
+
+        Args:
+            a: A number.
+            b: Another.
+        """
+        return a + b
+
+
+@pytest.mark.parametrize("kind, content", [("qwen3", "What is 2 plus 3?"),
+                                           ("qwen3_5", [{"type": "text", "text": "What is 2 plus 3?"}])],
+                         ids=["text", "parts"])  # Qwen3's template writes no list content; Qwen3.5's does
+def test_what_reset_returns_is_appended_to_the_prompt(tmp_path, kind, content):
+    from waypoint.agents.tool_loop import ToolTurns
+    from waypoint.agents.tool_schema import tool_schema
+    from waypoint.agents.toolbox import ToolSet
+    from waypoint.text.chat_template import load_chat_template
+    from waypoint.text.tokenizer import load_tokenizer
+    from waypoint.training.distributed import Distributed
+    from waypoint.training.grpo_loss import GRPOLossOptions
+    from waypoint.training.grpo_step import GRPOStep, RolloutOptions
+
+    tokenizer = load_tokenizer(make_tiny.make(kind, tmp_path / kind))
+    template = load_chat_template(tokenizer)
+    turns = ToolTurns(ToolSet([], Hinting, [tool_schema(Hinting().add)], False, None), template, tokenizer, 50, 2048, 1)
+    prompts = []
+
+    class Engine:
+        def sample(self, rows, seeds, max_tokens, sampling, stop_ids, stop_strings):
+            prompts.extend(rows)
+            return [[tokenizer.eos_id]] * len(rows), [[0.0]] * len(rows)
+
+    user = [{"role": "user", "content": content}]
+    items = [{"prompt_ids": turns.prompt_ids(user), "prompt": user, "columns": {"answer": "5"}, "index": 0}]
+    step = GRPOStep(RolloutOptions(num_generations=2, max_completion_length=50), GRPOLossOptions(),
+                    [lambda completions, **kw: [0.0, 1.0]], None, tokenizer, [tokenizer.eos_id], conversational=True,
+                    device=torch.device("cpu"), dist=Distributed(), engine=Engine(), turns=turns)
+    step.rollouts(None, [items], seed=0)
+    expected = content + " Hint: 5." if isinstance(content, str) else content + [{"type": "text", "text": " Hint: 5."}]
+    hinted = template.render([{"role": "user", "content": expected}], True, turns.toolset.schemas)
+    assert [tokenizer.decode_with_special_tokens(p) for p in prompts] == [hinted, hinted]
+    assert "What is 2 plus 3? Hint: 5." in hinted

@@ -149,10 +149,10 @@ class GRPOStep:
         ``i``'s group from ``group_generator(seed, index)``, row ``r`` from its base seed + ``r`` (the native sampler's
         row generators; an engine's request seeds). The native sampler decodes ``sample_batch`` prompts' groups at a
         time in one loop; an engine takes them all. With tools, each row is a multi-turn rollout (``_agent``)."""
-        r, interrupt = self.rollout, _interrupter(stop)
-        prompts = [item["prompt_ids"] for item in items for _ in range(r.num_generations)]
         if self.turns is not None:
             return self._agent(model, items, seed, stop)
+        r, interrupt = self.rollout, _interrupter(stop)
+        prompts = [item["prompt_ids"] for item in items for _ in range(r.num_generations)]
         if self.engine is None:
             out = []
             for first in range(0, len(items), self.sample_batch):
@@ -206,10 +206,11 @@ class GRPOStep:
                 toolbox, observation = turns.toolset.toolbox({"prompt": item["prompt"], **item["columns"]}, base + row,
                                                              stop)
                 prompt = item["prompt_ids"]
-                if observation is not None:
-                    messages = item["prompt"]
-                    prompt = turns.prompt_ids(messages[:-1] + [{**messages[-1],
-                                                                "content": messages[-1]["content"] + observation}])
+                if observation is not None:  # appended to the last message, as TRL appends it
+                    messages, content = item["prompt"], item["prompt"][-1]["content"]
+                    content = content + [{"type": "text", "text": observation}] if isinstance(content, list) \
+                        else content + observation
+                    prompt = turns.prompt_ids(messages[:-1] + [{**messages[-1], "content": content}])
                 if len(prompt) + self.rollout.max_completion_length > turns.max_positions:
                     raise ToolError(f"environment_factory: reset() made a prompt of {len(prompt)} tokens, which with "
                                     f"generation.max_completion_length={self.rollout.max_completion_length} passes the "
