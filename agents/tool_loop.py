@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from waypoint.agents.tool_call_formats import ParsedTurn, ToolCallFormat, detect_format
 from waypoint.agents.toolbox import Toolbox, ToolError, ToolSet
-from waypoint.text.chat_template import ChatTemplate, ChatTemplateError
+from waypoint.text.chat_template import ChatTemplate
 from waypoint.text.stop_tokens import end_of_turn
 
 PREFIX_TOKENS = 32  # the prompt's last tokens a turn is parsed after (a generation prompt that opens a block)
@@ -54,7 +54,7 @@ class ToolTurns:
             raise ToolError("tools: tool calling needs conversational prompts (a list of messages, rendered with the "
                             "chat template); these prompts are plain text")
         self.toolset, self.template, self.tokenizer = toolset, template, tokenizer
-        self.format: ToolCallFormat | None = detect_format(self._render_or_none)
+        self.format: ToolCallFormat | None = detect_format(template.render_or_none)
         if self.format is None:
             raise ToolError(f"tools: {template.source}: the chat template writes no tool call in a format Waypoint "
                             "can read back (Qwen, Qwen3.5, Llama 3, gpt-oss, Gemma 4); use a model whose template "
@@ -62,12 +62,6 @@ class ToolTurns:
         self.end_of_turn = end_of_turn(template, tokenizer)  # the token the model ends a turn with (<|im_end|>)
         self.max_completion_length, self.max_positions = max_completion_length, max_positions
         self.max_iterations = max_iterations if max_iterations is not None else float("inf")
-
-    def _render_or_none(self, messages: list[dict], tools: list[dict] | None) -> str | None:
-        try:
-            return self.template.render(self.template.with_arguments_it_takes(messages), tools=tools)
-        except ChatTemplateError:
-            return None
 
     def stop_ids(self) -> list[int]:
         """The ids that end a model turn in this format, beyond the template's end of turn."""

@@ -243,7 +243,7 @@ class ChatTemplate:
                     raise self._cannot(f"the start of assistant message {number} (message {i + 1}) is not found")
                 start = open_ + 1 if start is None else start
             # The turn as the model writes it: the conversation up to it, rendered with it last (see the module doc).
-            as_last = marked if i == len(marked_messages) - 1 else self._render_or_none(marked_messages[: i + 1], tools)
+            as_last = marked if i == len(marked_messages) - 1 else self.render_or_none(marked_messages[: i + 1], tools)
             header = marked[start:open_].rstrip() if from_prompt and open_ >= 0 else ""
             if header and as_last is not None and as_last.startswith(prompt) and opens[i] in as_last \
                     and as_last[len(prompt): as_last.index(opens[i])].rstrip() != header:
@@ -262,7 +262,7 @@ class ChatTemplate:
         as they render alone but writes the turn's header unlike the generation prompt (Qwen3.5's earlier turns:
         ``<|im_start|>assistant\\n`` without the prompt's ``<think>\\n``): after the part of the generation prompt it
         writes, cut at whitespace when they part mid-way; None when that is not so."""
-        base = self._render_or_none(before, tools)
+        base = self.render_or_none(before, tools)
         if prompt is None or base is None or not prompt.startswith(base) or not marked.startswith(base) \
                 or not low <= len(base) <= high:
             return None
@@ -274,7 +274,8 @@ class ChatTemplate:
             common = max((p + 1 for p in range(common) if header[p].isspace()), default=0)
         return len(base) + common if common else None
 
-    def _render_or_none(self, messages: list[dict], tools: list[dict] | None = None) -> str | None:
+    def render_or_none(self, messages: list[dict], tools: list[dict] | None = None) -> str | None:
+        """``render`` (no generation prompt), or None where the template refuses the conversation."""
         try:
             return self.render(messages, tools=tools)
         except ChatTemplateError:
@@ -311,7 +312,7 @@ class ChatTemplate:
     def with_arguments_it_takes(self, messages: list[dict]) -> list[dict]:
         """``messages`` with their tool calls' arguments in the form this template takes (``message_forms``)."""
         if self._arguments_as_text is None and any(m.get("tool_calls") for m in messages):
-            self._arguments_as_text = takes_arguments_as_text(self._render_or_none)
+            self._arguments_as_text = takes_arguments_as_text(self.render_or_none)
         return with_arguments_as(messages, as_text=bool(self._arguments_as_text))
 
     def _cannot(self, why: str) -> ChatTemplateError:
