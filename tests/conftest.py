@@ -28,8 +28,23 @@ collect_ignore = [] if __import__("importlib.util").util.find_spec("vllm") else 
 FIRST = ("test_vllm_environment.py",)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name not in FIRST)  # stable: every other test keeps its place
+    for item in items:
+        share_the_modules_fixtures(item)
+
+
+def share_the_modules_fixtures(item) -> None:
+    """A test that uses a module- or class-scoped fixture of its own module (a run the module's tests read) joins the
+    module's xdist group: the fixture is made once, on one worker, not once on each worker that runs one of those
+    tests (`--dist loadgroup` spreads every other test one by one). A test already in a group keeps it."""
+    if item.get_closest_marker("xdist_group") is not None or not hasattr(item, "_fixtureinfo"):
+        return
+    module = item.nodeid.split("::")[0]
+    definitions = item._fixtureinfo.name2fixturedefs
+    if any(d.scope in ("module", "class") and d.baseid == module for name in item.fixturenames for d in definitions.get(name, ())):
+        item.add_marker(pytest.mark.xdist_group(module.rpartition("/")[2].removesuffix(".py")))
 
 # TRL's trainers take 12-25 s to import: the tests that use them as oracles share one xdist worker (`--dist
 # loadgroup`, pyproject's addopts), so the suite pays that import once.
