@@ -30,7 +30,9 @@ FAST = ["epochs=1", "max_steps_per_epoch=3", "batch_size=2", "gradient_accumulat
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory) -> tuple[Path, Path]:
-    """(a tiny Qwen3 that calls the calculator on the first 8 questions, those questions as GRPO prompts)."""
+    """(a tiny Qwen3 that calls the calculator on the first 8 questions, those questions as GRPO prompts). 120 steps
+    at a constant lr after the warmup: its 3 GRPO steps below then call a tool in 7 or 8 rollouts of 8 and get the
+    answer in 6-8 (measured); 150 steps of the shipped cosine decay, 25% more compute, called in 4-7 and got 1."""
     root = tmp_path_factory.mktemp("agent")
     traces, prompts = root / "traces.jsonl", root / "prompts.jsonl"
     lines = (ROOT / "assets/tiny_agent.jsonl").read_text().splitlines()[:QUESTIONS]
@@ -40,9 +42,9 @@ def agent(tmp_path_factory) -> tuple[Path, Path]:
     base = make_tiny.make("qwen3", root / "base")
     assert full_finetune(["--config", str(ROOT / "configs/tiny_chat.yaml"), f"checkpointer.checkpoint_dir={base}",
                           f"output_dir={root / 'sft'}", "dataset.template=null", f"dataset.source={traces}",
-                          "dataset.max_seq_len=1280", "epochs=150", "optimizer.lr=5e-3", "save_every_epoch=false",
-                          "progress=off", "validation=null"]) == 0
-    return root / "sft" / "step_150", prompts
+                          "dataset.max_seq_len=1280", "epochs=120", "optimizer.lr=5e-3", "+lr_scheduler.min_lr_ratio=1.0",
+                          "save_every_epoch=false", "progress=off", "validation=null"]) == 0
+    return root / "sft" / "step_120", prompts
 
 
 def run(agent, out: Path, *more: str, stop_at: int | None = None) -> int:
