@@ -15,7 +15,8 @@ def run(*args, timeout=300):
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def test_the_cases_cover_every_recipe_and_the_families_that_crashed():
+def load_gpu_smoke():
+    """The script as a module, this process's sys.path as it was (the script drops its own folder from it)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gpu_smoke", SCRIPT)
@@ -27,31 +28,38 @@ def test_the_cases_cover_every_recipe_and_the_families_that_crashed():
     finally:
         sys.path[:] = saved
         del sys.modules["gpu_smoke"]
+    return gpu_smoke
+
+
+def test_the_cases_cover_every_recipe_and_the_families_that_crashed():
+    gpu_smoke = load_gpu_smoke()
     used = {a for case in gpu_smoke.CASES for a in case.argv if a.startswith("recipes/")}
     assert used == {f"recipes/{p.name}" for p in (ROOT / "recipes").glob("*.py")}
     names = {case.name for case in gpu_smoke.CASES}
     assert {"lora", "qlora-nf4", "dpo-lora", "gpt-oss-mxfp4-lora-experts", "torchrun-full", "torchrun-lora",
             "qwen3-moe-full", "deepseek-v3-full-bf16", "qwen3-fp8-lora"} <= names
     assert all("device={device}" in case.argv for case in gpu_smoke.CASES)
-    listed = run("--list")
+    listed = run("--list")  # as a script: what a user types
     assert listed.returncode == 0 and listed.stdout.split() == [case.name for case in gpu_smoke.CASES]
 
 
-def test_cuda_without_a_gpu_and_an_unknown_case_are_one_line(tmp_path):
+def test_cuda_without_a_gpu_and_an_unknown_case_are_one_line(tmp_path, capsys):
+    """In this process (the script's main): a fresh Python for each would import torch again."""
     import torch
 
+    gpu_smoke = load_gpu_smoke()
     if not torch.cuda.is_available():
-        done = run("--device", "cuda", "--workdir", str(tmp_path / "w"))
-        assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
-        assert "sees no CUDA device; --device cpu runs the cases on the CPU" in done.stderr
-    done = run("--only", "lora,nope")
-    assert done.returncode == 2 and done.stderr.strip() == "error: --only nope: no such case; --list shows them"
+        assert gpu_smoke.main(["--device", "cuda", "--workdir", str(tmp_path / "w")]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().count("\n") == 0 and "sees no CUDA device; --device cpu runs the cases on the CPU" in err
+    assert gpu_smoke.main(["--only", "lora,nope"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --only nope: no such case; --list shows them"
 
 
-def test_a_case_runs_to_its_final_save_and_says_so_in_one_line(tmp_path):
-    done = run("--device", "cpu", "--only", "lora", "--workdir", str(tmp_path / "w"))
-    lines = done.stdout.splitlines()
-    assert done.returncode == 0, done.stdout + done.stderr
+def test_a_case_runs_to_its_final_save_and_says_so_in_one_line(tmp_path, capsys):
+    """The script's main in this process; the case itself runs as the user's command, in a process of its own."""
+    assert load_gpu_smoke().main(["--device", "cpu", "--only", "lora", "--workdir", str(tmp_path / "w")]) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in lines[1:-1]] == [["PASS", "lora"]]
     assert lines[-1].startswith("1 passed, 0 failed, 0 skipped")
     assert (tmp_path / "w/lora/step_3/merged/config.json").is_file()
