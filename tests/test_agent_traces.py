@@ -12,6 +12,7 @@ written out by hand per template and switch; and, on every conversation the rend
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -302,6 +303,56 @@ def test_arguments_reach_each_template_in_the_form_it_takes():
     with pytest.raises(Exception, match="Can only get item pairs from a mapping"):  # the negative control
         render_jinja_template([call(as_text)], chat_template=TEXT["qwen3_5"])
 
+
+
+# DeepSeek-V3 (TRL's copy of the original template): its turns found by the rendering-based derivation. One round of
+# calls (one or several in a message) and its results; a tool-calling message needs "content" ("" when it has none):
+# without it the template fails, as it does under TRL, which drops None values too.
+_DSV3 = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
+_DSV3_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{{\"city\": \"{}\"}}\n```"
+              "<｜tool▁call▁end｜>")
+
+
+def _weather(*cities, content=""):
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}} for city in cities]}
+
+
+def _dsv3_spans(text: str, messages: list[dict]) -> list[str]:
+    ours = ChatTemplate(text, "deepseek_v3", _DSV3, ())
+    rendered, spans = ours.assistant_spans(ours.with_arguments_it_takes(messages))
+    return [rendered[a:b] for a, b in spans]
+
+
+@pytest.mark.parametrize("calls, content", [(["Paris"], ""), (["Paris", "Oslo"], "Checking.")], ids=["one-call", "two-calls"])
+def test_deepseek_v3_trains_its_calls_and_answer_as_trls_training_copy_less_the_template_s_own_tokens(calls, content):
+    """The model's calls through <｜end▁of▁sentence｜>, then its answer; never the results. TRL 1.16's training copy
+    (deepseekv3_training.jinja, with {% generation %}) trains the same plus the text the template writes before each:
+    the <｜Assistant｜> header and <｜tool▁outputs▁end｜> (the generation prompt writes both: the model does not)."""
+    import trl
+
+    messages = [{"role": "user", "content": "Weather?"}, _weather(*calls, content=content),
+                *({"role": "tool", "name": "get_weather", "content": str(20 + i)} for i in range(len(calls))),
+                {"role": "assistant", "content": "Mild."}]
+    eos = _DSV3["eos_token"]
+    trained = [content + "<｜tool▁calls▁begin｜>" + "\n".join(_DSV3_CALL.format(c) for c in calls) + "<｜tool▁calls▁end｜>" + eos,
+               "Mild." + eos]
+    assert _dsv3_spans((DATA / "deepseek_v3.jinja").read_text(encoding="utf-8"), messages) == trained
+    trl_copy = (Path(trl.__file__).parent / "chat_templates/deepseekv3_training.jinja").read_text(encoding="utf-8")
+    theirs = ChatTemplate(trl_copy, "deepseekv3_training", _DSV3, ())
+    rendered, spans = theirs.assistant_spans(theirs.with_arguments_it_takes(messages))
+    assert [rendered[a:b] for a, b in spans] == ["<｜Assistant｜>" + trained[0], "<｜tool▁outputs▁end｜>" + trained[1]]
+
+
+def test_deepseek_v3_refuses_a_second_round_of_calls_its_template_writes_without_a_header():
+    """The original template renders every call after the conversation's first without <｜Assistant｜>, its message's
+    content or <｜tool▁calls▁begin｜> (its namespace flag is never reset): not text the model writes, so not trained."""
+    messages = [{"role": "user", "content": "Weather?"}, _weather("Paris"), {"role": "tool", "name": "get_weather", "content": "21"},
+                {"role": "assistant", "content": "Mild."}, {"role": "user", "content": "And Oslo?"},
+                _weather("Oslo", content="Checking."), {"role": "tool", "name": "get_weather", "content": "9"}]
+    with pytest.raises(ChatTemplateError, match=r"^deepseek_v3: cannot find the assistant turns in the rendered "
+                                                r"conversation: assistant message 3 \(message 6\) is not rendered exactly once"):
+        _dsv3_spans((DATA / "deepseek_v3.jinja").read_text(encoding="utf-8"), messages)
 
 
 # Gemma 4: a model turn holds the model's calls, the <|tool_response> it stops at, the results (not trained), then its
