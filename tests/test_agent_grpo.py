@@ -20,9 +20,6 @@ from tests.conftest import ROOT, sigterm_at_step
 from waypoint.checkpointers.commit import verify
 
 QUESTIONS = 8
-# The tests that read the taught model below share one xdist worker (`--dist loadgroup`): it is taught once (a module
-# fixture is made once per worker that runs one of its tests: 50 s of 2 cores twice, as it was).
-TAUGHT = pytest.mark.xdist_group("agent_sft")
 FAST = ["epochs=1", "max_steps_per_epoch=3", "batch_size=2", "gradient_accumulation_steps=1", "progress=off",
         "generation.num_generations=4", "save_every_epoch=false", "save_every_n_steps=1", "keep_last_n_checkpoints=null",
         "validation=null"]
@@ -73,7 +70,6 @@ def whole(agent, tmp_path_factory) -> Path:
     return out
 
 
-@TAUGHT
 def test_a_multi_turn_run_logs_trls_tool_metrics_and_the_environments_reward(whole):
     train = [r for r in records(whole) if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
@@ -83,7 +79,6 @@ def test_a_multi_turn_run_logs_trls_tool_metrics_and_the_environments_reward(who
     assert verify(whole / "step_3").ok
 
 
-@TAUGHT
 def test_stopped_and_rerun_is_bitwise_the_uninterrupted_run(agent, whole, tmp_path, capsys):
     out = tmp_path / "out"
     assert run(agent, out, stop_at=2) == 75
@@ -93,7 +88,6 @@ def test_stopped_and_rerun_is_bitwise_the_uninterrupted_run(agent, whole, tmp_pa
     assert without_timing(records(out)) == without_timing(records(whole))  # the same rollouts, tools and rewards
 
 
-@TAUGHT
 def test_reward_functions_get_the_rollouts_messages_and_environments(agent, tmp_path, monkeypatch):
     """TRL's reward call with tools: completions are the rollout's messages (assistant turns parsed, tool results),
     environments each rollout's own instance, reset with its record."""
@@ -121,7 +115,6 @@ def test_reward_functions_get_the_rollouts_messages_and_environments(agent, tmp_
     assert any(not m[1]["content"].startswith("{'error'") for m in called), "no call succeeded"
 
 
-@TAUGHT
 def test_tool_output_is_out_of_the_loss(agent, tmp_path, monkeypatch):
     """Every rollout the step trains on: its labels are its completion's tokens but -100 exactly at the tools'."""
     from waypoint.models.fused_loss import IGNORE_INDEX

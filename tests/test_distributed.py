@@ -70,11 +70,6 @@ def weight_files(step_dir: Path) -> dict[str, bytes]:
             if p.name.endswith((".safetensors", ".pth")) or p.name.endswith(".index.json")}
 
 
-# The tests that read the two module-scoped runs below share one xdist worker (`--dist loadgroup`), which makes
-# them once, not once a worker.
-SHARED_RUNS = pytest.mark.xdist_group("distributed_runs")
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
@@ -91,7 +86,6 @@ def two_processes(tmp_path_factory):
     return out
 
 
-@SHARED_RUNS
 @pytest.mark.slow
 def test_two_processes_match_one_with_the_same_global_batch(one_process, two_processes):
     one, two = losses(one_process), losses(two_processes)
@@ -116,7 +110,6 @@ def test_two_processes_match_one_with_the_same_global_batch(one_process, two_pro
     assert state["world_size"] == 2 and len(state["rng_per_rank"]) == 2 and state["optimizer"] is None
 
 
-@SHARED_RUNS
 @pytest.mark.slow
 def test_killed_run_resumes_on_two_processes_and_on_one(tmp_path, one_process, two_processes):
     """Rank 0 SIGKILLed after step 5 (async saves: step_4 may still be in flight) and torchrun stopping
@@ -153,7 +146,6 @@ def back_to_step(run_dir: Path, copy: Path, step: int) -> Path:
     return out
 
 
-@SHARED_RUNS
 @pytest.mark.slow
 @pytest.mark.parametrize("before,after,step", [(1, 2, 4), (2, 4, 6)], ids=["1-to-2", "2-to-4"])
 def test_checkpoint_resumes_on_more_processes(tmp_path, one_process, two_processes, before, after, step):
@@ -170,7 +162,6 @@ def test_checkpoint_resumes_on_more_processes(tmp_path, one_process, two_process
     assert max_diff(weights(out / FINAL), weights(reference / FINAL)) < WEIGHT_TOLERANCE
 
 
-@SHARED_RUNS
 @pytest.mark.slow
 def test_sharded_step_converts_to_the_input_format(tmp_path, one_process, two_processes):
     """scripts/convert.py reads a sharded intermediate checkpoint into the run's input format and files."""
@@ -184,7 +175,6 @@ def test_sharded_step_converts_to_the_input_format(tmp_path, one_process, two_pr
     assert max_diff(weights(out), weights(one_process / "step_6")) < WEIGHT_TOLERANCE
 
 
-@SHARED_RUNS
 def test_inspect_shows_a_sharded_step(two_processes, capsys):
     """scripts/inspect.py reads a torchrun intermediate step like any checkpoint: its model keys from DCP's
     metadata, its files, the run's input, the manifest."""
@@ -197,7 +187,6 @@ def test_inspect_shows_a_sharded_step(two_processes, capsys):
     assert "manifest: verified" in out
 
 
-@SHARED_RUNS
 def test_generate_reads_a_sharded_step(two_processes, tmp_path):
     """recipes/generate.py talks to a torchrun intermediate step as to any checkpoint: the model it builds from the
     shards is bitwise the one from that step converted to the input's format, and it replies."""
@@ -217,7 +206,6 @@ def test_generate_reads_a_sharded_step(two_processes, tmp_path):
                           "prompt=Hi", "max_new_tokens=4"]) == 0
 
 
-@SHARED_RUNS
 @pytest.mark.slow
 def test_mixed_precision_computes_in_bf16_over_fp32_shards(tmp_path, two_processes):
     out = tmp_path / "bf16"
