@@ -318,10 +318,14 @@ def _weather(*cities, content=""):
         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}} for city in cities]}
 
 
-def _dsv3_spans(text: str, messages: list[dict]) -> list[str]:
-    ours = ChatTemplate(text, "deepseek_v3", _DSV3, ())
-    rendered, spans = ours.assistant_spans(ours.with_arguments_it_takes(messages))
+def _trained_text(text: str, name: str, messages: list[dict]) -> list[str]:
+    """The text of each span ``text`` (a DeepSeek-V3 template) trains in ``messages``."""
+    template = ChatTemplate(text, name, _DSV3, ())
+    rendered, spans = template.assistant_spans(template.with_arguments_it_takes(messages))
     return [rendered[a:b] for a, b in spans]
+
+
+_DSV3_TEXT = (DATA / "deepseek_v3.jinja").read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("calls, content", [(["Paris"], ""), (["Paris", "Oslo"], "Checking.")], ids=["one-call", "two-calls"])
@@ -337,11 +341,10 @@ def test_deepseek_v3_trains_its_calls_and_answer_as_trls_training_copy_less_the_
     eos = _DSV3["eos_token"]
     trained = [content + "<｜tool▁calls▁begin｜>" + "\n".join(_DSV3_CALL.format(c) for c in calls) + "<｜tool▁calls▁end｜>" + eos,
                "Mild." + eos]
-    assert _dsv3_spans((DATA / "deepseek_v3.jinja").read_text(encoding="utf-8"), messages) == trained
+    assert _trained_text(_DSV3_TEXT, "deepseek_v3", messages) == trained
     trl_copy = (Path(trl.__file__).parent / "chat_templates/deepseekv3_training.jinja").read_text(encoding="utf-8")
-    theirs = ChatTemplate(trl_copy, "deepseekv3_training", _DSV3, ())
-    rendered, spans = theirs.assistant_spans(theirs.with_arguments_it_takes(messages))
-    assert [rendered[a:b] for a, b in spans] == ["<｜Assistant｜>" + trained[0], "<｜tool▁outputs▁end｜>" + trained[1]]
+    assert _trained_text(trl_copy, "deepseekv3_training", messages) == ["<｜Assistant｜>" + trained[0],
+                                                                       "<｜tool▁outputs▁end｜>" + trained[1]]
 
 
 def test_deepseek_v3_refuses_a_second_round_of_calls_its_template_writes_without_a_header():
@@ -352,7 +355,7 @@ def test_deepseek_v3_refuses_a_second_round_of_calls_its_template_writes_without
                 _weather("Oslo", content="Checking."), {"role": "tool", "name": "get_weather", "content": "9"}]
     with pytest.raises(ChatTemplateError, match=r"^deepseek_v3: cannot find the assistant turns in the rendered "
                                                 r"conversation: assistant message 3 \(message 6\) is not rendered exactly once"):
-        _dsv3_spans((DATA / "deepseek_v3.jinja").read_text(encoding="utf-8"), messages)
+        _trained_text(_DSV3_TEXT, "deepseek_v3", messages)
 
 
 # Gemma 4: a model turn holds the model's calls, the <|tool_response> it stops at, the results (not trained), then its
