@@ -248,11 +248,16 @@ def child(path: Path) -> dict:
             "derived_buffers_gb": sum(buffers.values()) / GB, "derived_buffers": sorted(buffers)}
 
 
-def run_child(path: Path) -> dict:
-    result = subprocess.run([sys.executable, __file__, "--child", str(path)], capture_output=True, text=True)
+def fresh_process(argv: list[str]) -> str:
+    """This script with ``argv`` in a fresh Python process: its stdout (the tests fork it with the imports done)."""
+    result = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"the load failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return result.stdout
+
+
+def run_child(path: Path) -> dict:
+    return json.loads(fresh_process(["--child", str(path)]).strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,12 +147,18 @@ def child(step: str, ckpt: Path, device: str, steps: int, seq_len: int) -> dict:
     return out
 
 
-def run_child(step: str, ckpt: Path, args) -> dict:
-    result = subprocess.run([sys.executable, __file__, "--child", step, str(ckpt), "--device", args.device,
-                             "--steps", str(args.steps), "--seq-len", str(args.seq_len)], capture_output=True, text=True)
+def fresh_process(argv: list[str]) -> str:
+    """This script with ``argv`` in a fresh Python process: its stdout (the tests fork it with the imports done)."""
+    result = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True)
     if result.returncode:
-        raise RuntimeError(f"{step} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def run_child(step: str, ckpt: Path, args) -> dict:
+    out = fresh_process(["--child", step, str(ckpt), "--device", args.device, "--steps", str(args.steps),
+                         "--seq-len", str(args.seq_len)])
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -204,17 +204,18 @@ def test_qlora_recipe_resumes_bit_exactly_and_merges_from_the_full_precision_bas
 
 
 @pytest.mark.slow
-def test_an_nf4_load_peaks_below_a_bf16_load_of_the_same_checkpoint():
-    """benchmarks/bench_qlora.py at a test's size: each load in a fresh process, every weight read; the NF4 load's
-    peak stays within the 4-bit model + the largest tensor + the quantizer's fixed workspace."""
-    import subprocess
-    import sys
+def test_an_nf4_load_peaks_below_a_bf16_load_of_the_same_checkpoint(monkeypatch, capsys):
+    """benchmarks/bench_qlora.py at a test's size: each load in a process of its own, every weight read; the NF4
+    load's peak stays within the 4-bit model + the largest tensor + the quantizer's fixed workspace."""
+    from benchmarks import bench_qlora
+    from tests.launch import forked_fresh_process
 
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_qlora.py"), "--size-gb", "0.1", "--no-steps"],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    print("\n" + "\n".join(result.stdout.splitlines()[:-1]))
-    got = json.loads(result.stdout.splitlines()[-1])
+    monkeypatch.setattr(bench_qlora, "fresh_process", forked_fresh_process(ROOT / "benchmarks/bench_qlora.py"))
+    bench_qlora.main(["--size-gb", "0.1", "--no-steps"])
+    printed = capsys.readouterr().out
+    with capsys.disabled():
+        print("\n" + "\n".join(printed.splitlines()[:-1]))
+    got = json.loads(printed.splitlines()[-1])
     bf16 = got["bf16_peak_rss_gb"] - got["bf16_runtime_gb"]
     nf4 = got["nf4_peak_rss_gb"] - got["nf4_runtime_gb"]
     bound = got["nf4_held_gb"] + got["nf4_largest_gb"] + got["nf4_workspace_gb"]

@@ -157,21 +157,23 @@ def test_a_grpo_run_sampled_by_vllm_learns_and_logs_trls_metrics(learned):
 
 
 def test_stopped_then_rerun_with_vllm_is_bit_identical(learned, tmp_path):
-    """Preempted after step 7 and rerun, a run sampled by vLLM retraces the run never stopped: the rerun's engine
-    starts again from the input and is given the resumed policy before its first step, and step 10 (and a validation
-    on the way) is byte for byte and record for record the uninterrupted run's. Both runs in this process: a process
-    of its own to SIGKILL would import vLLM again (15 s of the suite); what a kill loses (the steps after the newest
-    checkpoint, a commit cut short) the native sampler's tests check (tests/test_grpo_finetune.py), and the engine
-    takes no part in a commit."""
+    """Preempted after step 7 with step_5 its newest checkpoint, then rerun: a run sampled by vLLM retraces the run
+    never stopped. The rerun's engine starts again from the input and is given the resumed policy before its first
+    step, and step 10 (and a validation on the way) is byte for byte and record for record the uninterrupted run's.
+    The stopped run is the uninterrupted one's directory as it stood then (its later steps and records dropped): a
+    run of its own would start a second engine for steps the first already took; what a kill or a stop leaves (a
+    commit cut short, records past the checkpoint) the native sampler's tests check (tests/test_grpo_finetune.py),
+    and the engine takes no part in a commit."""
     from tests.test_grpo_finetune import without_timing
 
-    stopped = tmp_path / "stopped"
-    argv = [*CONFIG, f"output_dir={stopped}", *GRPO]
-    with sigterm_at_step(7):
-        assert grpo_finetune(argv) == 75
-    assert sorted(p.name for p in stopped.glob("step_*")) == ["step_5", "step_7"]
+    stopped = shutil.copytree(learned, tmp_path / "stopped")
+    for later in stopped.glob("step_*"):
+        if int(later.name.removeprefix("step_")) > 5:
+            shutil.rmtree(later)
+    (stopped / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(learned) if r["step"] <= 7))
     with sigterm_at_step(10):
-        assert grpo_finetune(argv) == 75
+        assert grpo_finetune([*CONFIG, f"output_dir={stopped}", *GRPO]) == 75
+    assert sorted(p.name for p in stopped.glob("step_*")) == ["step_10", "step_5"]
     for name in sorted(p.name for p in (learned / "step_10").glob("*.safetensors")):
         a, b = read_tensors(learned / "step_10" / name), read_tensors(stopped / "step_10" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
