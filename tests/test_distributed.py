@@ -208,13 +208,15 @@ def test_generate_reads_a_sharded_step(two_processes, tmp_path):
 
 @pytest.mark.slow
 def test_mixed_precision_computes_in_bf16_over_fp32_shards(tmp_path, two_processes):
+    """The fp32 run's first 3 steps in bf16 compute, then the export: fp32 weights, as the input's."""
     out = tmp_path / "bf16"
-    result = run(out, "mixed_precision={param_dtype: bf16, reduce_dtype: fp32}", processes=2)
+    result = run(out, "mixed_precision={param_dtype: bf16, reduce_dtype: fp32}", "epochs=1", "max_steps_per_epoch=3",
+                 "save_every_n_steps=null", processes=2)
     assert result.returncode == 0, result.stderr[-3000:]
     gaps = [abs(a - b) for a, b in zip(losses(out), losses(two_processes))]
-    assert 1e-5 < max(gaps) < 2e-2, gaps  # bf16 compute (measured: up to 2.1e-3), not the fp32 run
-    assert {t.dtype for t in weights(out / FINAL).values()} == {torch.float32}
-    assert json.loads((out / FINAL / "config.json").read_text())["dtype"] == "float32"
+    assert len(gaps) == 3 and 1e-5 < max(gaps) < 2e-2, gaps  # bf16 compute (measured: 1.0e-4 to 5.4e-4), not the fp32 run
+    assert {t.dtype for t in weights(out / "step_3").values()} == {torch.float32}
+    assert json.loads((out / "step_3" / "config.json").read_text())["dtype"] == "float32"
 
 
 def tied_qwen2(path: Path) -> Path:
@@ -232,16 +234,18 @@ def tied_qwen2(path: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["hf", "meta", "qwen2-tied"])
 def test_export_from_two_ranks_is_bitwise_the_single_process_one(tmp_path, fmt):
-    """With lr 0 the weights stay the input's: both exports must be its files, byte for byte."""
+    """With lr 0 the weights stay the input's: the 2-process export must be its files, byte for byte (as one
+    process's save is: tests/test_hf_checkpointer.py), and for Meta's pickles, whose framing differs from the test's
+    own, key for key and the single-process export's bytes."""
     source = tied_qwen2(tmp_path / "qwen2") if fmt == "qwen2-tied" else tiny_in_format(fmt, tmp_path)
     fmt = "hf" if fmt == "qwen2-tied" else fmt
     still = ["optimizer.lr=0", "epochs=1", "max_steps_per_epoch=1", f"checkpointer={fmt}"]
     one, two = tmp_path / "one", tmp_path / "two"
-    for out, processes in ((one, 1), (two, 2)):
+    for out, processes in ((one, 1), (two, 2)) if fmt == "meta" else ((two, 2),):
         result = run(out, *still, processes=processes, source=source)
         assert result.returncode == 0, result.stderr[-3000:]
     exported = weight_files(two / "step_1")
-    assert exported and exported == weight_files(one / "step_1")
+    assert exported and (fmt != "meta" or exported == weight_files(one / "step_1"))
     assert exported.keys() == weight_files(source).keys()
     for name in exported:  # the input's files, key for key (HF: byte for byte; the test's Meta pickles differ in framing)
         if name.endswith(".json"):
@@ -279,9 +283,11 @@ def test_rank_zero_export_memory_is_about_one_file(tmp_path):
 
 @pytest.mark.slow
 def test_lora_on_two_processes_matches_one_and_resumes_on_one(tmp_path):
-    """LoRA on a sharded base: the same losses, adapters and merged model as one process; killed on 2 and
-    resumed on 1, the adapter and merged files equal the 2-process run's within the same tolerance."""
-    one, two, killed = tmp_path / "one", tmp_path / "two", tmp_path / "killed"
+    """LoRA on a sharded base: the same losses, adapters and merged model as one process; stopped on 2 after step 3
+    (its newest checkpoint step_2's shards) and resumed on 1, the adapter and merged files equal the 2-process run's
+    within the same tolerance. The stopped run is the 2-process run's directory as it stood then: a kill's part (the
+    other rank stopped, nothing past step_2 committed) is test_killed_run_resumes_on_two_processes_and_on_one's."""
+    one, two = tmp_path / "one", tmp_path / "two"
     assert run(one, recipe="lora").returncode == 0
     result = run(two, processes=2, recipe="lora")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -293,8 +299,7 @@ def test_lora_on_two_processes_matches_one_and_resumes_on_one(tmp_path):
     assert verify(merged).ok and sorted(p.name for p in merged.glob("*.safetensors")) == sorted(
         p.name for p in (ROOT / "assets/tiny_llama").glob("*.safetensors"))
 
-    result = run(killed, processes=2, recipe="lora", fault=["kill-group-at-step", "3", "-"])  # rank 0 killed
-    assert result.returncode != 0 and not (killed / "step_4").exists(), result.stderr[-3000:]
+    killed = back_to_step(two, tmp_path / "killed", 2)
     resumed = run(killed, recipe="lora")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step_2" in resumed.stdout and "note: 2 -> 1 processes" in resumed.stdout
@@ -306,16 +311,17 @@ def test_lora_on_two_processes_matches_one_and_resumes_on_one(tmp_path):
 def test_qlora_on_two_processes_matches_one(tmp_path):
     """NF4 base weights shard with FSDP2 (torchao's NF4Tensor all-gathers its 4-bit data and scales over Gloo too):
     each rank holds its rows of the whole tensor's quantization, so 2 processes compute what 1 does."""
-    qlora = ("+quantize_base=nf4", "+nf4.scaler_block_size=8", "save_merged=final")
+    qlora = ("+quantize_base=nf4", "+nf4.scaler_block_size=8", "save_merged=final", "epochs=1")  # 4 steps
     one, two = tmp_path / "one", tmp_path / "two"
     assert run(one, *qlora, recipe="lora").returncode == 0
     result = run(two, *qlora, processes=2, recipe="lora")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "quantized to NF4 as loaded: 28 tensors" in result.stdout  # sharded: each rank holds NF4 rows
     assert max(abs(a - b) for a, b in zip(losses(one), losses(two))) < LOSS_TOLERANCE
-    adapter = lambda out: read_tensors(out / FINAL / "adapter_model.safetensors")  # noqa: E731
+    final = f"step_{STEPS_PER_EPOCH}"
+    adapter = lambda out: read_tensors(out / final / "adapter_model.safetensors")  # noqa: E731
     assert max_diff(adapter(one), adapter(two)) < WEIGHT_TOLERANCE
-    assert max_diff(weights(one / FINAL / "merged"), weights(two / FINAL / "merged")) < WEIGHT_TOLERANCE
+    assert max_diff(weights(one / final / "merged"), weights(two / final / "merged")) < WEIGHT_TOLERANCE
 
 
 @pytest.mark.slow
