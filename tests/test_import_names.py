@@ -17,21 +17,28 @@ def test_the_distribution_installs_one_import_name():
 
 
 def test_imports_and_a_recipe_work_beside_llama_models_outside_the_repository(tmp_path):
-    probe = ("import models, waypoint.checkpointers, waypoint.cli.config\n"
+    """In one fresh Python outside the checkout: recipes/full_finetune.py run as ``python recipes/full_finetune.py``
+    runs it (its folder first on sys.path), then the top-level ``models`` is still llama-models' and our packages load
+    a checkpoint beside it."""
+    recipe = ROOT / "recipes/full_finetune.py"
+    argv = [str(recipe), "--config", str(ROOT / "configs/tiny.yaml"), f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}",
+            f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}", f"output_dir={tmp_path / 'out'}", "epochs=1", "max_steps_per_epoch=2"]
+    probe = ("import runpy, sys\n"
+             f"sys.argv, sys.path[0] = {argv!r}, {str(recipe.parent)!r}\n"
+             "try:\n"
+             f"    runpy.run_path({str(recipe)!r}, run_name='__main__')\n"
+             "except SystemExit as e:\n"
+             "    assert e.code in (0, None), f'the recipe exited {e.code}'\n"
+             "sys.path[0] = ''\n"
+             "import models, waypoint.checkpointers, waypoint.cli.config\n"
              "from waypoint.checkpointers import load_model\n"
              f"model = load_model({str(ROOT / 'assets/tiny_llama')!r})\n"
              "print(models.__file__)\n")
-    found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    found = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert found.returncode == 0, found.stderr[-2000:]
-    assert "llama_models" in metadata.packages_distributions().get("models", []), "pip install -e '.[test]' installs llama-models"
-    assert found.stdout.strip() != str(ROOT / "models/__init__.py"), "the top-level `models` is llama-models', not ours"
-
-    run = subprocess.run([sys.executable, str(ROOT / "recipes/full_finetune.py"), "--config", str(ROOT / "configs/tiny.yaml"),
-                          f"checkpointer.checkpoint_dir={ROOT / 'assets/tiny_llama'}", f"dataset.source={ROOT / 'assets/tiny_alpaca.jsonl'}",
-                          f"output_dir={tmp_path / 'out'}", "epochs=1", "max_steps_per_epoch=2"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "out" / "step_2" / "MANIFEST.json").is_file()
+    assert "llama_models" in metadata.packages_distributions().get("models", []), "pip install -e '.[test]' installs llama-models"
+    assert found.stdout.strip().splitlines()[-1] != str(ROOT / "models/__init__.py"), "the top-level `models` is llama-models', not ours"
 
 
 # Each package imports only from the packages below it (and itself): no arrow runs back up. `run` (a run's life in its
