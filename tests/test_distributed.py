@@ -283,10 +283,10 @@ def test_rank_zero_export_memory_is_about_one_file(tmp_path):
 
 @pytest.mark.slow
 def test_lora_on_two_processes_matches_one_and_resumes_on_one(tmp_path):
-    """LoRA on a sharded base: the same losses, adapters and merged model as one process; stopped on 2 after step 3
-    (its newest checkpoint step_2's shards) and resumed on 1, the adapter and merged files equal the 2-process run's
-    within the same tolerance. The stopped run is the 2-process run's directory as it stood then: a kill's part (the
-    other rank stopped, nothing past step_2 committed) is test_killed_run_resumes_on_two_processes_and_on_one's."""
+    """LoRA on a sharded base: the same losses, adapters and merged model as one process; the 2-process run's
+    directory as it stood after step_2 (that step's shards) resumed on 1, the adapter and merged files equal the
+    2-process run's within the same tolerance. A kill's part (the other rank stopped, nothing later committed) is
+    test_killed_run_resumes_on_two_processes_and_on_one's."""
     one, two = tmp_path / "one", tmp_path / "two"
     assert run(one, recipe="lora").returncode == 0
     result = run(two, processes=2, recipe="lora")
@@ -299,12 +299,12 @@ def test_lora_on_two_processes_matches_one_and_resumes_on_one(tmp_path):
     assert verify(merged).ok and sorted(p.name for p in merged.glob("*.safetensors")) == sorted(
         p.name for p in (ROOT / "assets/tiny_llama").glob("*.safetensors"))
 
-    killed = back_to_step(two, tmp_path / "killed", 2)
-    resumed = run(killed, recipe="lora")
+    stopped = back_to_step(two, tmp_path / "stopped", 2)
+    resumed = run(stopped, recipe="lora")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step_2" in resumed.stdout and "note: 2 -> 1 processes" in resumed.stdout
-    assert max(abs(a - b) for a, b in zip(losses(killed), losses(two))) < LOSS_TOLERANCE
-    assert max_diff(adapter(killed), adapter(two)) < WEIGHT_TOLERANCE
+    assert max(abs(a - b) for a, b in zip(losses(stopped), losses(two))) < LOSS_TOLERANCE
+    assert max_diff(adapter(stopped), adapter(two)) < WEIGHT_TOLERANCE
 
 
 @pytest.mark.slow

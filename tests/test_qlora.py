@@ -213,8 +213,7 @@ def test_an_nf4_load_peaks_below_a_bf16_load_of_the_same_checkpoint(monkeypatch,
     monkeypatch.setattr(bench_qlora, "fresh_process", forked_fresh_process(ROOT / "benchmarks/bench_qlora.py"))
     bench_qlora.main(["--size-gb", "0.1", "--no-steps"])
     printed = capsys.readouterr().out
-    with capsys.disabled():
-        print("\n" + "\n".join(printed.splitlines()[:-1]))
+    print("\n" + "\n".join(printed.splitlines()[:-1]))  # shown with a failure, as the captured output is
     got = json.loads(printed.splitlines()[-1])
     bf16 = got["bf16_peak_rss_gb"] - got["bf16_runtime_gb"]
     nf4 = got["nf4_peak_rss_gb"] - got["nf4_runtime_gb"]
