@@ -5,8 +5,6 @@ against what transformers itself writes and reads."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
